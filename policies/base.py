@@ -1,0 +1,147 @@
+"""The eviction-policy interface shared by every tier.
+
+A policy only orders keys; it never owns bytes. The tier that owns it decides *when* to evict
+(no free slot left) and asks the policy *which* keys to give up.
+
+Invariants every policy keeps (and the tests check on random operation sequences):
+
+* ``len(policy)`` is the number of resident keys; ghost entries (ARC's B1/B2, S3-FIFO's ghost
+  queue) are metadata only and never count, never appear in ``__contains__`` or iteration.
+* A pinned key (``pin`` called more often than ``unpin``) is never returned by ``evict``.
+* ``evict(n, protected)`` is all-or-nothing: it returns exactly ``n`` distinct resident keys,
+  none pinned and none in ``protected``, and removes them; or it returns ``None`` and leaves the
+  resident set unchanged.
+* Every operation is O(1) amortized in the number of resident keys (``evict`` is O(n) in the
+  number of victims plus the pinned/protected entries it has to step over).
+
+Threading: policies are not thread-safe. The owning tier calls them from one thread (the
+scheduler thread, under the manager lock); I/O threads never touch a policy.
+
+Batches and the suffix-before-prefix rule: ``insert_many`` and ``access_many`` take the keys
+of one request in prefix order and apply them from the *last* key to the first. The prefix
+chunks therefore end up more recently used than their suffixes, so when ranks would otherwise
+tie, a request's tail is evicted before its head (a missing prefix chunk makes every chunk
+after it useless, while a missing suffix chunk costs only itself).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Hashable, Iterable, Iterator
+from typing import ClassVar
+
+Key = Hashable
+
+
+class EvictionPolicy(ABC):
+    """Orders the resident keys of one tier and chooses eviction victims.
+
+    ``capacity`` is the number of keys the tier can hold; policies use it to size internal
+    queues and ghost lists. The policy never evicts on its own: ``insert`` may push the
+    resident count above ``capacity`` if the tier asks it to, and the tier is expected to call
+    ``evict`` first when it is full.
+    """
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, capacity: int) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"policy capacity must be a positive integer, got {capacity!r}")
+        self.capacity = capacity
+        self._pins: dict[Key, int] = {}
+
+    # -- membership -----------------------------------------------------------------------
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Key]:
+        """Resident keys, next victim first (pinned keys included, in place)."""
+
+    # -- mutation -------------------------------------------------------------------------
+    @abstractmethod
+    def insert(self, key: Key) -> None:
+        """Add a key that is not resident. Raises ``KeyError`` if it already is."""
+
+    @abstractmethod
+    def access(self, key: Key) -> None:
+        """Record a hit on a resident key. Unknown keys are ignored."""
+
+    @abstractmethod
+    def _discard(self, key: Key) -> bool:
+        """Drop a resident key from the ordering (no ghost entry). True if it was there."""
+
+    @abstractmethod
+    def _pick_victims(self, n: int, protected: Collection[Key]) -> list[Key]:
+        """Remove and return ``n`` evictable keys. Called only when ``n`` of them exist."""
+
+    def remove(self, key: Key) -> bool:
+        """Forget a resident key (deleted by the tier, not evicted). True if it was resident."""
+        self._pins.pop(key, None)
+        return self._discard(key)
+
+    def evict(self, n: int, protected: Collection[Key] = ()) -> list[Key] | None:
+        """Choose, remove and return ``n`` victims, or ``None`` (and change nothing)."""
+        if n <= 0:
+            return []
+        if self._evictable_count(protected) < n:
+            return None
+        victims = self._pick_victims(n, protected)
+        for key in victims:
+            self._pins.pop(key, None)
+        return victims
+
+    def clear(self) -> None:
+        for key in list(self):
+            self._discard(key)
+        self._pins.clear()
+
+    # -- pinning --------------------------------------------------------------------------
+    def pin(self, key: Key) -> None:
+        """Protect a resident key from eviction (counted; each pin needs one unpin)."""
+        if key not in self:
+            raise KeyError(f"cannot pin {key!r}: not resident")
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: Key) -> None:
+        count = self._pins.get(key, 0)
+        if count <= 1:
+            self._pins.pop(key, None)
+        else:
+            self._pins[key] = count - 1
+
+    def is_pinned(self, key: Key) -> bool:
+        return key in self._pins
+
+    def _blocked(self, key: Key, protected: Collection[Key]) -> bool:
+        return key in self._pins or key in protected
+
+    def _evictable_count(self, protected: Collection[Key]) -> int:
+        blocked = sum(1 for k in self._pins if k in self)
+        blocked += sum(1 for k in set(protected) if k in self and k not in self._pins)
+        return len(self) - blocked
+
+    # -- batches (suffix-before-prefix) ----------------------------------------------------
+    def insert_many(self, keys: Iterable[Key]) -> None:
+        """Insert one request's keys, given in prefix order (applied last to first)."""
+        for key in reversed(list(keys)):
+            self.insert(key)
+
+    def access_many(self, keys: Iterable[Key]) -> None:
+        """Record hits on one request's keys, given in prefix order (applied last to first)."""
+        for key in reversed(list(keys)):
+            self.access(key)
+
+    # -- hooks ----------------------------------------------------------------------------
+    def on_miss(self, key: Key) -> None:
+        """A lookup missed ``key`` (lets ghost-based policies adapt before the re-insert)."""
+
+    def on_request_finished(self, request_id: Hashable) -> None:
+        """A request ended; policies that track per-request state drop it here."""
+
+    def stats(self) -> dict[str, float]:
+        """Policy-internal numbers for inspection (queue sizes, adaptation target)."""
+        return {"resident": len(self), "pinned": len(self._pins)}

@@ -1,0 +1,50 @@
+"""Least recently used: evict the key whose last insert or hit is oldest."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterator
+
+from tiering.policies.base import EvictionPolicy, Key
+
+
+class LruPolicy(EvictionPolicy):
+    """One ordered dict, oldest first. Pinned keys keep their place and are stepped over."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(list(self._order))
+
+    def insert(self, key: Key) -> None:
+        if key in self._order:
+            raise KeyError(f"{key!r} is already resident")
+        self._order[key] = None
+
+    def access(self, key: Key) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def _discard(self, key: Key) -> bool:
+        return self._order.pop(key, 0) is None
+
+    def _pick_victims(self, n: int, protected: Collection[Key]) -> list[Key]:
+        victims = []
+        for key in self._order:
+            if not self._blocked(key, protected):
+                victims.append(key)
+                if len(victims) == n:
+                    break
+        for key in victims:
+            del self._order[key]
+        return victims
