@@ -1,9 +1,92 @@
-"""``tiering`` commands that work on a cache folder (inspect, verify, bench, ...)."""
+"""``tiering`` commands that work on a cache folder: inspect, verify, bench.
+
+All of them except ``bench`` are read-only: they open the index as an LMDB reader and never
+take the writer lock, so they are safe on a cache a live server is using.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+
+from tiering.backends.sizes import format_size
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from tiering.backends.reader import NamespaceReader, find_namespaces
+
+    out = []
+    for folder in find_namespaces(args.path):
+        with NamespaceReader(folder) as r:
+            out.append(r.summary())
+    if args.json:
+        print(json.dumps({"path": str(args.path), "namespaces": out}, indent=2))
+        return 0
+    for s in out:
+        print(f"namespace {s['namespace']}  ({s['path']})")
+        print(f"  model {s['model']}  dtype {s['dtype']}  layout {s['layout']}  "
+              f"chunk_tokens {s['chunk_tokens']}  parallel {s['parallel']}")
+        print(f"  row {format_size(s['row_bytes'])}  capacity {format_size(s['capacity_bytes'])}"
+              f" ({s['slots']} slots)  used {format_size(s['used_bytes'])} "
+              f"({s['usage_percent']}%)  entries {s['entries']}")
+        print(f"  stored {format_size(s['stored_bytes'])}  compressed entries "
+              f"{s['compressed_entries']}  reserved slots {s['reserved_slots']}  "
+              f"io engine {s['io_engine']}")
+        print("  hits:  " + "  ".join(f"{k}: {v}" for k, v in s["hit_histogram"].items()))
+        print("  ages:  " + "  ".join(f"{k}: {v}" for k, v in s["age_histogram"].items()))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from tiering.backends.reader import NamespaceReader, find_namespaces
+
+    show = sys.stderr.isatty() and not args.json
+
+    def progress(done: int, total: int) -> None:
+        if show and (done == total or done % 256 == 0):
+            width = 30
+            filled = width * done // max(1, total)
+            print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end="",
+                  file=sys.stderr, flush=True)
+
+    report, corrupt_total = [], 0
+    for folder in find_namespaces(args.path):
+        with NamespaceReader(folder) as r:
+            n = r.index.count()
+            bad = r.verify(progress)
+            if show:
+                print(file=sys.stderr)
+        corrupt_total += len(bad)
+        report.append({"namespace": folder.name, "checked": n,
+                       "corrupt": [{"key": b.key.hex(), "slot": b.slot, "reason": b.reason}
+                                   for b in bad]})
+    if args.json:
+        print(json.dumps({"path": str(args.path), "ok": corrupt_total == 0,
+                          "namespaces": report}, indent=2))
+    else:
+        for ns in report:
+            status = "ok" if not ns["corrupt"] else f"{len(ns['corrupt'])} CORRUPT"
+            print(f"namespace {ns['namespace']}: {ns['checked']} slots checked, {status}")
+            for b in ns["corrupt"]:
+                print(f"  corrupt key {b['key']} slot {b['slot']}: {b['reason']}")
+    return 1 if corrupt_total else 0
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Register the cache commands (filled in by the file-tier work)."""
+    p = sub.add_parser("inspect", help="namespaces, capacity, usage, entries, histograms",
+                       description="Summarise every namespace under PATH (read-only).")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("verify", help="checksum every slot; exit 1 on corruption",
+                       description="Read every published slot and check its crc32 "
+                       "(read-only). Exit 0: all good; 1: corrupt slots found (listed).")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_verify)
+
+    from tiering.bench import add_bench_command
+
+    add_bench_command(sub)

@@ -1,0 +1,97 @@
+"""File-tier settings and their validation.
+
+Every check runs before anything is created on disk, and each failure is one ``ValueError``
+naming the setting and what was expected, so a bad config never leaves half a cache behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from tiering.backends.codec import check_codec
+from tiering.backends.io_engines import ALIGN, ENGINES
+from tiering.backends.sizes import parse_size
+from tiering.policies import resolve
+
+
+@dataclass
+class FileTierConfig:
+    path: str
+    capacity: int | str
+    policy: str = "arc"
+    store_threshold: int = 0
+    tracker_size: int = 64_000
+    io: str = "auto"
+    io_threads: int = 8
+    compression: str = "none"
+    compression_level: int = 1
+    element_bytes: int = 2
+    verify: bool = True
+    slab_file_bytes: int | str = "4GiB"
+    preallocate: bool = True
+    direct: bool = True
+    max_batch: int = 64
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "file tier") -> FileTierConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                             f"known keys: {', '.join(sorted(known))}")
+        for required in ("path", "capacity"):
+            if required not in d:
+                raise ValueError(f"{where}: {required!r} is required")
+        return cls(**d)
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path
+    while not p.exists():
+        if p.parent == p:
+            break
+        p = p.parent
+    return p
+
+
+def validate(cfg: FileTierConfig, row_bytes: int, existing_bytes: int = 0) -> dict[str, int]:
+    """Check every setting; returns the parsed numbers. Creates nothing."""
+    if not isinstance(row_bytes, int) or row_bytes <= 0 or row_bytes % ALIGN:
+        raise ValueError(f"row_bytes: must be a positive multiple of {ALIGN} (slots are "
+                         f"O_DIRECT-aligned), got {row_bytes!r}")
+    capacity = parse_size(cfg.capacity, "capacity")
+    slab_file_bytes = parse_size(cfg.slab_file_bytes, "slab_file_bytes")
+    if capacity < row_bytes:
+        raise ValueError(f"capacity: {capacity} bytes holds no row of {row_bytes} bytes; "
+                         "give at least one row")
+    if slab_file_bytes < row_bytes:
+        raise ValueError(f"slab_file_bytes: {slab_file_bytes} is smaller than one row "
+                         f"({row_bytes} bytes)")
+    if cfg.io not in ENGINES:
+        raise ValueError(f"io: unknown I/O engine {cfg.io!r}; expected one of {', '.join(ENGINES)}")
+    check_codec(cfg.compression)
+    resolve(cfg.policy)
+    for name in ("store_threshold", "tracker_size", "io_threads", "max_batch", "element_bytes"):
+        v = getattr(cfg, name)
+        low = 0 if name == "store_threshold" else 1
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"{name}: expected an integer >= {low}, got {v!r}")
+    if not isinstance(cfg.path, str | os.PathLike) or not str(cfg.path):
+        raise ValueError(f"path: expected a folder path, got {cfg.path!r}")
+    root = Path(cfg.path)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"path: {root} exists and is not a folder")
+    anchor = _nearest_existing(root.resolve())
+    if not os.access(anchor, os.W_OK | os.X_OK):
+        raise ValueError(f"path: {root} is not writable (checked {anchor})")
+    free = shutil.disk_usage(anchor).free
+    n_slots = capacity // row_bytes
+    needed = n_slots * row_bytes - existing_bytes
+    if cfg.preallocate and needed > free:
+        raise ValueError(f"capacity: {capacity} bytes requested but {anchor} has only {free} "
+                         f"bytes free (plus {existing_bytes} already allocated by this cache)")
+    return {"capacity": capacity, "n_slots": n_slots, "slab_file_bytes": slab_file_bytes}

@@ -1,0 +1,214 @@
+"""The file tier's background side: the committer thread and the per-slot I/O tasks.
+
+Write protocol (one batch = all jobs queued since the last one, up to ``max_batch`` rows):
+
+1. **reserve** — one LMDB txn deletes the keys this batch evicts or drops and marks the batch's
+   slots reserved (owner pid). If a slot is being reused, that txn is synced to disk first: the
+   old key must be gone from the index before its slot holds other bytes.
+2. **write** — each row is encoded (optional zstd), checksummed (crc32) and written to its slot
+   on the engine's worker threads, in parallel.
+3. **sync** — one ``fdatasync`` per slab file the batch touched.
+4. **publish** — one LMDB txn adds the records of the rows that were written, clears the
+   reservations and adds the batch's counters.
+
+A crash anywhere leaves each slot either published with a checksum that matches its bytes, or
+unindexed (free on the next open). Reads verify the checksum, so even a slot whose bytes were
+lost after publish (power loss with a lying disk cache) is a miss, never wrong KV.
+
+Nothing here touches the tier's in-memory state: results go back through ``out`` (a queue the
+scheduler thread drains in ``FileTier.poll``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from tiering.backends.codec import ZstdCodec
+from tiering.backends.index import Index, pack_record
+from tiering.backends.io_engines import ALIGN, IoEngine, aligned_buffer
+from tiering.backends.slab import SlabSet
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WriteItem:
+    key: bytes
+    slot: int
+    row: memoryview
+    created: float
+
+
+@dataclass
+class Job:
+    """Work for the committer. Any field may be empty (a stats-only flush is a Job too)."""
+
+    writes: list[WriteItem] = field(default_factory=list)
+    drop_keys: list[bytes] = field(default_factory=list)  # delete from the index first
+    reused_slots: bool = False  # a slot in ``writes`` belonged to a key in drop_keys
+    freed_slots: list[int] = field(default_factory=list)  # hand back once drop_keys are gone
+    records: list[tuple[bytes, bytes]] = field(default_factory=list)  # refreshed access stats
+    stats: dict[str, int] = field(default_factory=dict)
+    done: threading.Event | None = None
+
+
+@dataclass
+class WriteResult:
+    key: bytes
+    slot: int
+    ok: bool
+    length: int = 0
+    codec: int = 0
+    checksum: int = 0
+    reason: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class SlotsFreed:
+    slots: list[int]
+
+
+class Committer(threading.Thread):
+    """Single thread that owns every write transaction of one namespace."""
+
+    def __init__(self, index: Index, slabs: SlabSet, engine: IoEngine, out: queue.SimpleQueue,
+                 codec: ZstdCodec | None, max_batch: int) -> None:
+        super().__init__(name="tier-committer", daemon=True)
+        self.index, self.slabs, self.engine, self.out = index, slabs, engine, out
+        self.codec = codec
+        self.max_batch = max_batch
+        self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.pid = os.getpid()
+        self.busy = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            batch = [job]
+            rows = len(job.writes)
+            while rows < self.max_batch:
+                try:
+                    nxt = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self.jobs.put(None)  # finish this batch, then stop
+                    break
+                batch.append(nxt)
+                rows += len(nxt.writes)
+            try:
+                self._commit(batch)
+            except Exception:  # never let the thread die: fail the batch's writes instead
+                log.exception("file tier: batch commit failed")
+                for j in batch:
+                    for w in j.writes:
+                        self.out.put(WriteResult(w.key, w.slot, False, reason="error"))
+            finally:
+                for j in batch:
+                    if j.done is not None:
+                        j.done.set()
+
+    def _commit(self, batch: list[Job]) -> None:
+        writes = [w for j in batch for w in j.writes]
+        drop = [k for j in batch for k in j.drop_keys]
+        slots = [w.slot for w in writes]
+        # Deleting a key whose slot will hold other bytes must reach the disk first.
+        durable = any(j.reused_slots or j.freed_slots for j in batch)
+        stats: dict[str, int] = {}
+        for j in batch:
+            for name, v in j.stats.items():
+                stats[name] = stats.get(name, 0) + v
+        if writes or drop:
+            self.index.reserve(slots, drop, self.pid, durable)
+        futures: list[Future] = [self.engine.submit(self._write_one, w) for w in writes]
+        results: list[WriteResult] = [f.result() for f in futures]
+        touched = {self.slabs.locate(r.slot)[2] for r in results if r.ok}
+        for f in touched:
+            try:
+                self.engine.sync(self.slabs.handle(f))
+            except OSError as exc:  # data may not be durable: publish none of this file
+                log.error("file tier: fdatasync of slab %d failed: %s", f, exc)
+                for r in results:
+                    if r.ok and self.slabs.locate(r.slot)[2] == f:
+                        r.ok, r.reason = False, "error"
+        # A key dropped in this batch must not come back through an older access-stats record.
+        dropped = set(drop)
+        records = [rec for j in batch for rec in j.records if rec[0] not in dropped]
+        for r, w in zip(results, writes, strict=True):
+            if r.ok:
+                records.append((r.key, pack_record(r.slot, r.length, r.codec, r.checksum,
+                                                   w.created, w.created, 0)))
+                stats["writes"] = stats.get("writes", 0) + 1
+                stats["write_bytes"] = stats.get("write_bytes", 0) + r.length
+            else:
+                stats["rejected_error"] = stats.get("rejected_error", 0) + 1
+                stats["io_errors"] = stats.get("io_errors", 0) + 1
+        self.index.publish(records, slots, stat_delta=stats)
+        for r in results:
+            self.out.put(r)
+        freed = [s for j in batch for s in j.freed_slots]
+        if freed:
+            self.out.put(SlotsFreed(freed))
+
+    def _write_one(self, w: WriteItem) -> WriteResult:
+        t0 = time.perf_counter()
+        row = w.row
+        codec, payload = 0, row
+        try:
+            if self.codec is not None:
+                packed = self.codec.encode(row)
+                if len(packed) < len(row) - ALIGN:  # worth it only if it saves a page
+                    codec, payload = 1, memoryview(packed)
+            checksum = zlib.crc32(payload)
+            handle, offset, _ = self.slabs.locate(w.slot)
+            self.engine.write_from(handle, payload, offset)
+        except OSError as exc:
+            log.warning("file tier: write of slot %d failed: %s", w.slot, exc)
+            return WriteResult(w.key, w.slot, False, reason="error")
+        return WriteResult(w.key, w.slot, True, len(payload), codec, checksum,
+                           seconds=time.perf_counter() - t0)
+
+
+def read_slot(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec | None, slot: int,
+              length: int, codec_id: int, checksum: int, out: memoryview, verify: bool
+              ) -> str:
+    """Read one slot into ``out``; returns '' on success or the miss reason."""
+    handle, offset, _ = slabs.locate(slot)
+    try:
+        if codec_id == 0:
+            if length != len(out):
+                return "corrupt"
+            n = engine.read_into(handle, out, offset)
+            if n < length:
+                return "short_read"
+            if verify and zlib.crc32(out) != checksum:
+                return "checksum"
+            return ""
+        padded = -(-length // ALIGN) * ALIGN
+        buf = aligned_buffer(padded)
+        n = engine.read_into(handle, buf, offset)
+        if n < length:
+            return "short_read"
+        payload = buf[:length]
+        if verify and zlib.crc32(payload) != checksum:
+            return "checksum"
+        if codec is None:
+            codec = ZstdCodec()
+        codec.decode(payload, out)
+        return ""
+    except OSError as exc:
+        log.warning("file tier: read of slot %d failed: %s", slot, exc)
+        return "error"
+    except Exception as exc:  # a corrupt compressed payload
+        log.warning("file tier: decoding slot %d failed: %s", slot, exc)
+        return "corrupt"

@@ -1,0 +1,442 @@
+"""FileTier: a bounded, crash-safe, restart-persistent store of fixed-size rows on a filesystem.
+
+On disk (one namespace; see ``namespace.py``, ``slab.py``, ``index.py``, ``file_io.py``)::
+
+    <path>/<namespace>/meta.json      facts that make bytes compatible, format version
+    <path>/<namespace>/writer.lock    flock held by the one writer (its pid inside)
+    <path>/<namespace>/index.lmdb/    key -> slot record, reservations, counters
+    <path>/<namespace>/slab-NNNN.dat  preallocated slots
+
+Threading contract: every public method is called from one thread (the owner: vLLM's scheduler
+thread) and none of them blocks on I/O. Writes and reads run on the I/O engine's threads and the
+committer thread; their results come back through a queue that ``poll()`` drains, and only then
+does the in-memory state change. ``wait_idle`` and ``close`` are the only blocking calls.
+
+State of a key: absent → *writing* (``put`` accepted it; pinned, not readable) → *ready*
+(``poll`` saw its publish) → absent again (evicted, dropped, failed checksum). A key is
+readable (``contains``) only when ready.
+
+Failure rules: a failed or short write leaves no index entry (counted ``rejected_error``); a read
+that fails, comes back short or fails its checksum is a miss — the key is dropped from the index
+before its slot is reused, and counted. Nothing raises into the owner's thread on I/O faults.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiering.backends.codec import ZstdCodec
+from tiering.backends.file_config import FileTierConfig, validate
+from tiering.backends.file_io import Committer, Job, SlotsFreed, WriteItem, WriteResult, read_slot
+from tiering.backends.index import MAX_KEY_BYTES, STAT_NAMES, Index, pack_record
+from tiering.backends.io_engines import make_engine
+from tiering.backends.namespace import NamespaceFacts, read_meta, write_json, write_meta
+from tiering.backends.slab import SlabSet
+from tiering.policies import StoreThreshold, create
+
+log = logging.getLogger(__name__)
+
+
+class NamespaceLocked(RuntimeError):
+    """Another process is the writer of this namespace."""
+
+
+class _Entry:
+    __slots__ = ("slot", "length", "codec", "checksum", "created", "last_access", "hits", "ready")
+
+    def __init__(self, slot, length, codec, checksum, created, last_access, hits, ready):
+        self.slot, self.length, self.codec, self.checksum = slot, length, codec, checksum
+        self.created, self.last_access, self.hits, self.ready = created, last_access, hits, ready
+
+
+@dataclass
+class ReadResult:
+    key: bytes
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+    token: Any = None
+
+
+@dataclass
+class WriteDone:
+    key: bytes
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+def acquire_writer_lock(folder: Path) -> int:
+    fd = os.open(folder / "writer.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise NamespaceLocked(f"{folder}: namespace is already open for writing by pid {holder}; "
+                              "one writer per namespace (read-only tools may run alongside)"
+                              ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+class FileTier:
+    def __init__(self, cfg: FileTierConfig | dict, facts: NamespaceFacts,
+                 info: dict[str, Any] | None = None) -> None:
+        cfg = FileTierConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
+        self.cfg, self.facts = cfg, facts
+        self.row_bytes = facts.row_bytes
+        self.folder = Path(cfg.path) / facts.namespace_id
+        existing = sum(p.stat().st_blocks * 512 for p in self.folder.glob("slab-*.dat"))
+        nums = validate(cfg, self.row_bytes, existing)  # raises before anything is created
+        self.capacity, self.n_slots = nums["capacity"], nums["n_slots"]
+
+        Path(cfg.path).mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, exist_ok=True)
+        self._lock_fd = acquire_writer_lock(self.folder)
+        try:
+            self._open(cfg, facts, info or {}, nums)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    def _open(self, cfg, facts, info, nums) -> None:
+        if (self.folder / "meta.json").exists():
+            self.meta = read_meta(self.folder)
+        else:
+            write_meta(self.folder, facts, {"element_bytes": cfg.element_bytes, **info})
+            self.meta = read_meta(self.folder)
+        self.index = Index(self.folder, map_size=(64 << 20) + self.n_slots * 2048)
+        reclaimed = self.index.reclaim_reservations()
+        if reclaimed:
+            log.warning("%s: reclaimed %d slots reserved by a writer that died mid-write",
+                        self.folder, len(reclaimed))
+        self.slabs = SlabSet(self.folder, self.row_bytes, self.n_slots, nums["slab_file_bytes"])
+        self.slabs.create_or_resize(cfg.preallocate)
+        self.engine = make_engine(cfg.io, cfg.io_threads, direct=cfg.direct)
+        self.slabs.open(self.engine)
+        self.codec = ZstdCodec(cfg.compression_level, int(self.meta.get("element_bytes", 2)))
+        self.policy = create(cfg.policy, self.n_slots)
+        self.admission = StoreThreshold(cfg.store_threshold, cfg.tracker_size)
+        self.entries: dict[bytes, _Entry] = {}
+        self._free: list[int] = []
+        self._rebuild()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self.committer = Committer(self.index, self.slabs, self.engine, self._results,
+                                   self.codec if cfg.compression == "zstd" else None,
+                                   cfg.max_batch)
+        self.committer.start()
+        self._inflight_reads = 0
+        self._inflight_writes = 0
+        self._dirty: set[bytes] = set()
+        self._stats = dict.fromkeys(STAT_NAMES, 0)  # this process's counters
+        self._unflushed: dict[str, int] = {}
+        self._last_flush = time.monotonic()
+        self.closed = False
+        write_json(self.folder / "writer.json", {
+            "pid": os.getpid(), "opened": time.time(), "engine": self.engine.describe(),
+            "capacity_bytes": self.capacity, "slots": self.n_slots, "policy": cfg.policy,
+            "store_threshold": cfg.store_threshold, "compression": cfg.compression,
+            "verify": cfg.verify, "sparse_slabs": self.slabs.sparse})
+        log.info("file tier %s: %d slots of %d bytes, %d resident, engine %s, policy %s, "
+                 "store_threshold %d", self.folder, self.n_slots, self.row_bytes,
+                 len(self.entries), self.engine.describe(), cfg.policy, cfg.store_threshold)
+
+    def _rebuild(self) -> None:
+        """Load the index: entries, policy order (oldest access first), free slots."""
+        t0 = time.perf_counter()
+        keys, recs = self.index.load_all()
+        slots = recs["slot"] if len(recs) else np.empty(0, np.uint64)
+        bad = slots >= self.n_slots  # capacity shrank
+        uniq, counts = np.unique(slots, return_counts=True)
+        dup = np.isin(slots, uniq[counts > 1])  # never trust a slot claimed twice
+        drop = [keys[i] for i in np.nonzero(bad | dup)[0]]
+        if drop:
+            log.warning("%s: dropping %d index entries (beyond capacity or sharing a slot)",
+                        self.folder, len(drop))
+            self.index.publish([], [], drop_keys=drop)
+        keep = np.nonzero(~(bad | dup))[0]
+        order = keep[np.argsort(recs["last_access"][keep], kind="stable")]
+        insert, access, entries = self.policy.insert, self.policy.access, self.entries
+        for i in order.tolist():
+            r = recs[i]
+            key = keys[i]
+            entries[key] = _Entry(int(r["slot"]), int(r["length"]), int(r["codec"]),
+                                  int(r["checksum"]), float(r["created"]),
+                                  float(r["last_access"]), int(r["hits"]), True)
+            insert(key)
+            if r["hits"]:
+                access(key)
+        used = np.zeros(self.n_slots, dtype=bool)
+        if len(keep):
+            used[slots[keep].astype(np.int64)] = True
+        self._free = np.nonzero(~used)[0][::-1].tolist()  # pop() hands out low slots first
+        self.reopen_seconds = time.perf_counter() - t0
+
+    # -- queries (owner thread) ---------------------------------------------------------------
+    def contains(self, key: bytes) -> bool:
+        e = self.entries.get(key)
+        return e is not None and e.ready
+
+    def lookup(self, key: bytes) -> bool:
+        """``contains`` that also counts a lookup and lets the policy see misses."""
+        self._count("lookups")
+        if self.contains(key):
+            self._count("hits")
+            return True
+        self._count("misses")
+        self.policy.on_miss(key)
+        return False
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self.entries) * self.row_bytes
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._inflight_reads or self._inflight_writes)
+
+    # -- writes (owner thread) ------------------------------------------------------------------
+    def put(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> list[bytes]:
+        """Offer rows for storing; returns the keys accepted (written in the background).
+
+        ``keys`` are one request's chunks in prefix order. The caller keeps each accepted row's
+        memory unchanged until ``poll`` reports that key's ``WriteDone``.
+        """
+        if len(keys) != len(rows):
+            raise ValueError(f"put: {len(keys)} keys but {len(rows)} rows")
+        accepted, items, drop, reused = [], [], [], False
+        now = time.time()
+        for key, row in zip(keys, rows, strict=True):
+            self._check_key(key)
+            if len(row) != self.row_bytes:
+                raise ValueError(f"put: row for key {key.hex()} has {len(row)} bytes, "
+                                 f"expected row_bytes={self.row_bytes}")
+            if key in self.entries:
+                continue
+            if not self.admission.offer(key):
+                self._count("rejected_threshold")
+                continue
+            if not self._free:
+                victims = self.policy.evict(1, protected=keys)
+                if victims is None:
+                    self._count("rejected_full")
+                    continue
+                victim = victims[0]
+                self._free.append(self.entries.pop(victim).slot)
+                self._dirty.discard(victim)
+                drop.append(victim)
+                reused = True
+                self._count("evictions")
+            slot = self._free.pop()
+            self.entries[key] = _Entry(slot, 0, 0, 0, now, now, 0, False)
+            items.append(WriteItem(key, slot, memoryview(row), now))
+            accepted.append(key)
+        if accepted:
+            self.policy.insert_many(accepted)
+            for key in accepted:
+                self.policy.pin(key)
+            self._inflight_writes += len(accepted)
+        if items or drop:
+            self._submit(Job(writes=items, drop_keys=drop, reused_slots=reused))
+        return accepted
+
+    def _check_key(self, key: bytes) -> None:
+        if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
+            raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {key!r:.80}")
+
+    def _submit(self, job: Job) -> None:
+        job.stats, self._unflushed = self._unflushed, {}
+        if self._dirty:
+            job.records = [(k, self._record(k)) for k in self._dirty if k in self.entries]
+            self._dirty.clear()
+        self._last_flush = time.monotonic()
+        self.committer.jobs.put(job)
+
+    def _record(self, key: bytes) -> bytes:
+        e = self.entries[key]
+        return pack_record(e.slot, e.length, e.codec, e.checksum, e.created, e.last_access, e.hits)
+
+    # -- reads (owner thread) -------------------------------------------------------------------
+    def get(self, key: bytes, out: memoryview, token: Any = None) -> bool:
+        """Start reading a ready key into ``out``; False (a miss) if it is not ready.
+
+        The key is pinned until ``poll`` reports the ``ReadResult`` (which carries ``token``).
+        """
+        e = self.entries.get(key)
+        if e is None or not e.ready:
+            return False
+        if len(out) != self.row_bytes:
+            raise ValueError(f"get: buffer for key {key.hex()} has {len(out)} bytes, "
+                             f"expected row_bytes={self.row_bytes}")
+        self.policy.pin(key)
+        self._inflight_reads += 1
+        t0 = time.perf_counter()
+        fut = self.engine.submit(read_slot, self.engine, self.slabs, self.codec, e.slot,
+                                 e.length, e.codec, e.checksum, out, self.cfg.verify)
+        fut.add_done_callback(lambda f: self._results.put(
+            ReadResult(key, not f.result(), f.result(), e.length, time.perf_counter() - t0,
+                       token)))
+        return True
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Record a hit on ready keys (prefix order): policy recency and persisted hit counts."""
+        now = time.time()
+        for key in keys:
+            e = self.entries.get(key)
+            if e is not None and e.ready:
+                e.hits += 1
+                e.last_access = now
+                self._dirty.add(key)
+        self.policy.access_many([k for k in keys if k in self.entries])
+
+    # -- completions (owner thread) -------------------------------------------------------------
+    def poll(self) -> list[ReadResult | WriteDone]:
+        """Apply finished I/O to the in-memory state; returns what finished."""
+        done: list[ReadResult | WriteDone] = []
+        while True:
+            try:
+                r = self._results.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(r, WriteResult):
+                done.append(self._finish_write(r))
+            elif isinstance(r, ReadResult):
+                done.append(self._finish_read(r))
+            elif isinstance(r, SlotsFreed):
+                self._free.extend(r.slots)
+        if (self._unflushed or self._dirty) and time.monotonic() - self._last_flush > 1.0:
+            self._submit(Job())
+        return done
+
+    def _finish_write(self, r: WriteResult) -> WriteDone:
+        self._inflight_writes -= 1
+        e = self.entries.get(r.key)
+        if e is not None and e.slot == r.slot and not e.ready:
+            self.policy.unpin(r.key)
+            if r.ok:
+                e.length, e.codec, e.checksum, e.ready = r.length, r.codec, r.checksum, True
+                self._stats["writes"] += 1
+                self._stats["write_bytes"] += r.length
+            else:
+                del self.entries[r.key]
+                self.policy.remove(r.key)
+                self._free.append(r.slot)  # never published: free at once
+                self._stats["rejected_error"] += 1
+                self._stats["io_errors"] += 1
+        return WriteDone(r.key, r.ok, r.reason, r.length, r.seconds)
+
+    def _finish_read(self, r: ReadResult) -> ReadResult:
+        self._inflight_reads -= 1
+        if r.key in self.entries:
+            self.policy.unpin(r.key)
+        if r.ok:
+            self._count("reads")
+            self._count("read_bytes", r.nbytes)
+        else:
+            self._count("checksum_failures" if r.reason == "checksum" else "io_errors")
+            log.warning("file tier: key %s is a miss (%s); dropping it", r.key.hex(), r.reason)
+            self.drop([r.key])
+        return r
+
+    def drop(self, keys: Sequence[bytes]) -> int:
+        """Remove ready keys; their slots return to the free list once the index forgets them."""
+        gone, slots = [], []
+        for key in keys:
+            e = self.entries.get(key)
+            if e is None or not e.ready or self.policy.is_pinned(key):
+                continue
+            del self.entries[key]
+            self.policy.remove(key)
+            self._dirty.discard(key)
+            gone.append(key)
+            slots.append(e.slot)
+        if gone:
+            self._submit(Job(drop_keys=gone, freed_slots=slots))
+        return len(gone)
+
+    def evict(self, n: int) -> list[bytes]:
+        """Evict up to ``n`` keys by policy (e.g. to make room on request)."""
+        victims = []
+        while len(victims) < n:
+            v = self.policy.evict(1)
+            if v is None:
+                break
+            self.policy.insert(v[0])  # drop() removes it from the policy again
+            victims.append(v[0])
+        self.drop(victims)
+        self._count("evictions", len(victims))
+        return victims
+
+    def clear(self) -> None:
+        """Drop every ready key (in-flight ones finish, then can be dropped later)."""
+        self.drop([k for k, e in self.entries.items() if e.ready])
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._stats[name] += n
+        self._unflushed[name] = self._unflushed.get(name, 0) + n
+
+    def stats(self) -> dict[str, Any]:
+        return {**self._stats, "entries": len(self.entries), "capacity_bytes": self.capacity,
+                "used_bytes": self.used_bytes, "slots": self.n_slots,
+                "free_slots": len(self._free), "engine": self.engine.describe()}
+
+    # -- blocking helpers -------------------------------------------------------------------------
+    def wait_idle(self, timeout: float = 30.0) -> list[ReadResult | WriteDone]:
+        """Block until every accepted write and started read has completed (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        done = self.poll()
+        while self.has_pending_work():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"file tier: I/O still in flight after {timeout}s")
+            time.sleep(0.001)
+            done += self.poll()
+        return done
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Persist counters and access stats now (blocks until the committer has them)."""
+        job = Job(done=threading.Event())
+        self._submit(job)
+        job.done.wait(timeout)
+        self.poll()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.wait_idle()
+            self.flush()
+        finally:
+            self.committer.jobs.put(None)
+            self.committer.join(timeout=30)
+            self.engine.shutdown()
+            self.slabs.close(self.engine)
+            self.index.close()
+            os.close(self._lock_fd)
+
+    def __enter__(self) -> FileTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,233 @@
+"""I/O engines: how slot bytes move between memory and slab files.
+
+Every engine offers the same blocking primitives (``read_into``, ``write_from``, ``sync``) that
+the file tier calls from its worker threads, plus ``submit`` to run a task on its own pool and get
+a future back, so the tier's public API never blocks its caller.
+
+* ``posix``  — ``os.preadv``/``os.pwritev`` on file descriptors opened with ``O_DIRECT`` when the
+  filesystem accepts it (page cache bypassed: no double buffering of tens of GiB, no writeback
+  storms), else buffered. Unaligned buffers go through a per-thread aligned bounce buffer.
+* ``kvikio`` — ``kvikio.CuFile`` ``pread``/``pwrite`` (its own C++ thread pool splits large
+  requests; compat mode when GPUDirect Storage is absent). Needs a CUDA driver even for host
+  buffers: ``auto`` only picks it when one is present.
+* ``auto``   — ``kvikio`` if it imports and a CUDA driver answers, else ``posix``; the choice is
+  logged.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import logging
+import mmap
+import os
+import threading
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+ALIGN = 4096
+ENGINES = ("auto", "posix", "kvikio", "gds")
+
+
+def is_aligned(buf: memoryview) -> bool:
+    if len(buf) % ALIGN:
+        return False
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    return arr.ctypes.data % ALIGN == 0
+
+
+def aligned_buffer(nbytes: int) -> memoryview:
+    """Page-aligned anonymous memory (mmap), suitable for O_DIRECT."""
+    size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+    return memoryview(mmap.mmap(-1, size))[:nbytes]
+
+
+class IoEngine(ABC):
+    """Moves bytes between buffers and open slab files.
+
+    Threading: ``read_into``/``write_from``/``sync`` block and are called only from worker
+    threads (``submit``); they may run concurrently on different offsets of the same file.
+    Failure: they raise ``OSError``; the tier turns that into a miss or a rejected write.
+    """
+
+    name = "base"
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"tier-{self.name}")
+
+    def submit(self, fn, *args: Any) -> Future:
+        return self._pool.submit(fn, *args)
+
+    @abstractmethod
+    def open(self, path: str) -> Any: ...
+
+    @abstractmethod
+    def close(self, handle: Any) -> None: ...
+
+    @abstractmethod
+    def read_into(self, handle: Any, buf: memoryview, offset: int) -> int: ...
+
+    @abstractmethod
+    def write_from(self, handle: Any, buf: memoryview, offset: int) -> int: ...
+
+    @abstractmethod
+    def sync(self, handle: Any) -> None: ...
+
+    def describe(self) -> str:
+        return self.name
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class PosixEngine(IoEngine):
+    name = "posix"
+
+    def __init__(self, threads: int, direct: bool = True) -> None:
+        super().__init__(threads)
+        self.want_direct = direct
+        self.direct_files = 0
+        self.buffered_files = 0
+        self._local = threading.local()
+
+    def open(self, path: str) -> tuple[int, bool]:
+        if self.want_direct and hasattr(os, "O_DIRECT"):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+                self.direct_files += 1
+                return fd, True
+            except OSError as exc:
+                log.info("%s: O_DIRECT refused (%s); using buffered I/O", path, exc)
+        self.buffered_files += 1
+        return os.open(path, os.O_RDWR), False
+
+    def close(self, handle: tuple[int, bool]) -> None:
+        os.close(handle[0])
+
+    def _bounce(self, nbytes: int) -> memoryview:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = aligned_buffer(nbytes)
+            self._local.buf = buf
+        return buf[:nbytes]
+
+    def read_into(self, handle: tuple[int, bool], buf: memoryview, offset: int) -> int:
+        fd, direct = handle
+        if direct and not is_aligned(buf):
+            tmp = self._bounce(-(-len(buf) // ALIGN) * ALIGN)
+            n = _full_read(fd, tmp, offset)
+            n = min(n, len(buf))
+            buf[:n] = tmp[:n]
+            return n
+        return _full_read(fd, buf, offset)
+
+    def write_from(self, handle: tuple[int, bool], buf: memoryview, offset: int) -> int:
+        fd, direct = handle
+        if direct and not is_aligned(buf):
+            tmp = self._bounce(-(-len(buf) // ALIGN) * ALIGN)
+            tmp[: len(buf)] = buf
+            tmp[len(buf):] = bytes(len(tmp) - len(buf))
+            return min(_full_write(fd, tmp, offset), len(buf))
+        return _full_write(fd, buf, offset)
+
+    def sync(self, handle: tuple[int, bool]) -> None:
+        os.fdatasync(handle[0])
+
+    def describe(self) -> str:
+        mode = "O_DIRECT" if self.direct_files and not self.buffered_files else (
+            "buffered" if not self.direct_files else "mixed")
+        return f"posix ({mode}, {self.threads} threads)"
+
+
+def _full_read(fd: int, buf: memoryview, offset: int) -> int:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            break  # end of file: a short read, the caller checks the length
+        done += n
+    return done
+
+
+def _full_write(fd: int, buf: memoryview, offset: int) -> int:
+    done = 0
+    while done < len(buf):
+        n = os.pwritev(fd, [buf[done:]], offset + done)
+        if n == 0:
+            raise OSError(f"pwritev wrote 0 bytes at offset {offset + done}")
+        done += n
+    return done
+
+
+class KvikioEngine(IoEngine):
+    """kvikio CuFile I/O (compat mode without GDS). Imports kvikio lazily."""
+
+    name = "kvikio"
+
+    def __init__(self, threads: int) -> None:
+        import kvikio  # noqa: F401 - fail early with ImportError if absent
+
+        self._kvikio = kvikio
+        kvikio.defaults.set("num_threads", max(1, threads))
+        super().__init__(threads)
+
+    def open(self, path: str) -> Any:
+        return self._kvikio.CuFile(path, "r+")
+
+    def close(self, handle: Any) -> None:
+        handle.close()
+
+    def read_into(self, handle: Any, buf: memoryview, offset: int) -> int:
+        return handle.pread(np.frombuffer(buf, dtype=np.uint8), len(buf), offset).get()
+
+    def write_from(self, handle: Any, buf: memoryview, offset: int) -> int:
+        return handle.pwrite(np.frombuffer(buf, dtype=np.uint8), len(buf), offset).get()
+
+    def sync(self, handle: Any) -> None:
+        os.fdatasync(handle.fd())
+
+    def describe(self) -> str:
+        compat = self._kvikio.defaults.get("compat_mode")
+        return f"kvikio (compat_mode={compat}, {self.threads} threads)"
+
+
+def cuda_driver_present() -> bool:
+    """True if libcuda can be loaded and reports at least one device."""
+    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        return False
+    try:
+        if lib.cuInit(0) != 0:
+            return False
+        count = ctypes.c_int(0)
+        return lib.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
+    except AttributeError:
+        return False
+
+
+def make_engine(name: str, threads: int, direct: bool = True) -> IoEngine:
+    """Build an engine by name (see module doc); ValueError for unknown names."""
+    if name not in ENGINES:
+        raise ValueError(f"io: unknown I/O engine {name!r}; expected one of {', '.join(ENGINES)}")
+    if name in ("kvikio", "gds"):
+        if not cuda_driver_present():
+            raise ValueError(f"io: {name!r} needs a CUDA driver (libcuda) and none was found; "
+                             "use io='posix' or io='auto'")
+        return KvikioEngine(threads)
+    if name == "auto":
+        if cuda_driver_present():
+            try:
+                engine = KvikioEngine(threads)
+                log.info("io=auto chose kvikio (CUDA driver present)")
+                return engine
+            except ImportError:
+                log.info("io=auto: CUDA driver present but kvikio not installed; using posix")
+        else:
+            log.info("io=auto chose posix (no CUDA driver)")
+    return PosixEngine(threads, direct=direct)

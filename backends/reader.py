@@ -1,0 +1,147 @@
+"""Read-only access to a cache folder, for the CLI and for a second engine's tools.
+
+A reader opens the LMDB index read-only (an MVCC snapshot per transaction: it never blocks the
+writer and the writer never blocks it) and reads slab files with plain ``pread``. It never takes
+the writer lock, never writes, and never trusts a slot whose record changed under it: a checksum
+mismatch is re-checked against a fresh snapshot before it is reported as corruption.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiering.backends.index import Index
+from tiering.backends.namespace import META_FILE, list_namespaces, read_meta
+from tiering.backends.slab import slab_name
+
+HIT_BUCKETS = (0, 1, 2, 5, 10, 100)
+AGE_BUCKETS = (60, 3600, 86400, 7 * 86400)  # seconds
+
+
+@dataclass
+class Corrupt:
+    key: bytes
+    slot: int
+    reason: str
+
+
+class NamespaceReader:
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.meta = read_meta(self.folder)
+        self.row_bytes = int(self.meta["row_bytes"])
+        self.index = Index(self.folder, map_size=0, readonly=True)
+        files = self.slab_files
+        self._per_file = max(1, files[0].stat().st_size // self.row_bytes) if files else 1
+        writer = self.folder / "writer.json"
+        self.writer = json.loads(writer.read_text()) if writer.exists() else {}
+
+    def close(self) -> None:
+        self.index.close()
+
+    def __enter__(self) -> NamespaceReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def slab_files(self) -> list[Path]:
+        return sorted(self.folder.glob("slab-*.dat"))
+
+    def capacity_slots(self) -> int:
+        return sum(p.stat().st_size for p in self.slab_files) // self.row_bytes
+
+    def summary(self, now: float | None = None) -> dict[str, Any]:
+        now = time.time() if now is None else now
+        _, recs = self.index.load_all()
+        n = len(recs)
+        slots = self.capacity_slots()
+        hits = recs["hits"] if n else np.empty(0)
+        ages = now - recs["last_access"] if n else np.empty(0)
+        stored = int(recs["length"].sum()) if n else 0
+        return {
+            "namespace": self.folder.name,
+            "path": str(self.folder),
+            "model": self.meta.get("model"), "dtype": self.meta.get("dtype"),
+            "layout": self.meta.get("layout"), "row_bytes": self.row_bytes,
+            "chunk_tokens": self.meta.get("chunk_tokens"), "parallel": self.meta.get("parallel"),
+            "format_version": self.meta.get("format_version"),
+            "restart_safe": self.meta.get("restart_safe"),
+            "capacity_bytes": slots * self.row_bytes, "slots": slots,
+            "entries": n, "used_bytes": n * self.row_bytes, "stored_bytes": stored,
+            "usage_percent": round(100.0 * n / slots, 2) if slots else 0.0,
+            "compressed_entries": int((recs["codec"] != 0).sum()) if n else 0,
+            "reserved_slots": len(self.index.reservations()),
+            "hit_histogram": _histogram(hits, HIT_BUCKETS, lambda b: f">={b}"),
+            "age_histogram": _histogram(ages, AGE_BUCKETS, lambda b: f">={b}s", first="<60s"),
+            "io_engine": self.writer.get("engine"),
+            "writer": self.writer,
+            "stats": self.index.read_stats(),
+        }
+
+    def _read(self, fds: dict[int, int], slot: int, length: int) -> bytes:
+        f, s = divmod(slot, self._per_file)
+        if f not in fds:
+            fds[f] = os.open(self.folder / slab_name(f), os.O_RDONLY)
+        return os.pread(fds[f], length, s * self.row_bytes)
+
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> list[Corrupt]:
+        """Checksum every published slot; returns the corrupt ones (re-checked, see above)."""
+        keys, recs = self.index.load_all()
+        bad: list[Corrupt] = []
+        fds: dict[int, int] = {}
+        try:
+            for i, key in enumerate(keys):
+                r = recs[i]
+                slot, length, checksum = int(r["slot"]), int(r["length"]), int(r["checksum"])
+                data = self._read(fds, slot, length)
+                reason = ("short_read" if len(data) < length else
+                          "checksum" if zlib.crc32(data) != checksum else "")
+                if reason and self._still_same(key, r):
+                    bad.append(Corrupt(key, slot, reason))
+                if progress:
+                    progress(i + 1, len(keys))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return bad
+
+    def _still_same(self, key: bytes, r: np.void) -> bool:
+        """True if the record is unchanged in a fresh snapshot (so the mismatch is real)."""
+        now = self.index.get(key)
+        return now is not None and now[0] == int(r["slot"]) and now[4] == int(r["checksum"])
+
+    def iter_records(self) -> Iterator[tuple[bytes, tuple]]:
+        return self.index.iter_records()
+
+
+def _histogram(values: np.ndarray, bounds: tuple, label, first: str | None = None) -> dict:
+    edges = list(bounds) + [np.inf]
+    out = {}
+    if first is not None:
+        out[first] = int((values < bounds[0]).sum())
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        out[label(lo)] = int(((values >= lo) & (values < hi)).sum())
+    return out
+
+
+def find_namespaces(path: Path) -> list[Path]:
+    """``path`` may be a cache root (several namespaces) or one namespace folder."""
+    path = Path(path)
+    if (path / META_FILE).exists():
+        return [path]
+    found = list_namespaces(path)
+    if not found:
+        raise FileNotFoundError(f"{path}: no vllm-tiering namespace found "
+                                "(expected <path>/<namespace>/meta.json)")
+    return found

@@ -1,0 +1,56 @@
+"""Helpers shared by the file-tier tests."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from tiering.backends.file_tier import FileTier
+from tiering.backends.io_engines import aligned_buffer
+from tiering.backends.namespace import NamespaceFacts
+
+ROW = 8192
+
+
+def facts(row_bytes: int = ROW, model: str = "tiny") -> NamespaceFacts:
+    return NamespaceFacts(model=model, dtype="bfloat16", layout="LBHNC", row_bytes=row_bytes,
+                          chunk_tokens=16, parallel={"tp": 1, "pp": 1})
+
+
+def key(i: int | str) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest() + (0).to_bytes(4, "big")
+
+
+def row_for(k: bytes, row_bytes: int = ROW) -> memoryview:
+    """Deterministic, incompressible-ish content derived from the key (page-aligned buffer)."""
+    seed = int.from_bytes(hashlib.sha256(k).digest()[:8], "little")
+    buf = aligned_buffer(row_bytes)
+    np.frombuffer(buf, np.uint8)[:] = np.random.default_rng(seed).integers(
+        0, 256, row_bytes, dtype=np.uint8)
+    return buf
+
+
+def open_tier(path, slots: int = 16, row_bytes: int = ROW, **cfg) -> FileTier:
+    conf = {"path": str(path), "capacity": slots * row_bytes, "policy": "lru", "io": "posix",
+            "io_threads": 4, "slab_file_bytes": 4 * row_bytes, **cfg}
+    model = conf.pop("model", "tiny")
+    return FileTier(conf, facts(row_bytes, model))
+
+
+def store(tier: FileTier, keys: list[bytes]) -> list[bytes]:
+    rows = [row_for(k, tier.row_bytes) for k in keys]
+    accepted = tier.put(keys, rows)
+    done = tier.wait_idle()
+    assert all(d.ok for d in done), done
+    return accepted
+
+
+def read(tier: FileTier, k: bytes):
+    """Read a key synchronously; returns (bytes or None, ReadResult list)."""
+    out = aligned_buffer(tier.row_bytes)
+    if not tier.get(k, out):
+        return None, []
+    done = tier.wait_idle()
+    ok = all(d.ok for d in done)
+    return (bytes(out) if ok else None), done
