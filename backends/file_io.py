@@ -5,7 +5,7 @@ Write protocol (one batch = all jobs queued since the last one, up to ``max_batc
 1. **reserve** — one LMDB txn deletes the keys this batch evicts or drops and marks the batch's
    slots reserved (owner pid). If a slot is being reused, that txn is synced to disk first: the
    old key must be gone from the index before its slot holds other bytes.
-2. **write** — each row is encoded (optional zstd), checksummed (crc32) and written to its slot
+2. **write** — each row is encoded (optional zstd), checksummed (xxh3-64) and written to its slot
    on the engine's worker threads, in parallel.
 3. **sync** — one ``fdatasync`` per slab file the batch touched.
 4. **publish** — one LMDB txn adds the records of the rows that were written, clears the
@@ -26,10 +26,10 @@ import os
 import queue
 import threading
 import time
-import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from tiering.backends.checksum import checksum_of
 from tiering.backends.codec import ZstdCodec
 from tiering.backends.index import Index, pack_record
 from tiering.backends.io_engines import ALIGN, IoEngine, aligned_buffer
@@ -169,7 +169,7 @@ class Committer(threading.Thread):
                 packed = self.codec.encode(row)
                 if len(packed) < len(row) - ALIGN:  # worth it only if it saves a page
                     codec, payload = 1, memoryview(packed)
-            checksum = zlib.crc32(payload)
+            checksum = checksum_of(payload)
             handle, offset, _ = self.slabs.locate(w.slot)
             self.engine.write_from(handle, payload, offset)
         except OSError as exc:
@@ -191,7 +191,7 @@ def read_slot(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec | None, slot: i
             n = engine.read_into(handle, out, offset)
             if n < length:
                 return "short_read"
-            if verify and zlib.crc32(out) != checksum:
+            if verify and checksum_of(out) != checksum:
                 return "checksum"
             return ""
         padded = -(-length // ALIGN) * ALIGN
@@ -200,7 +200,7 @@ def read_slot(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec | None, slot: i
         if n < length:
             return "short_read"
         payload = buf[:length]
-        if verify and zlib.crc32(payload) != checksum:
+        if verify and checksum_of(payload) != checksum:
             return "checksum"
         if codec is None:
             codec = ZstdCodec()

@@ -311,14 +311,20 @@ class FileTier:
         self.policy.access_many([k for k in keys if k in self.entries])
 
     # -- completions (owner thread) -------------------------------------------------------------
-    def poll(self) -> list[ReadResult | WriteDone]:
-        """Apply finished I/O to the in-memory state; returns what finished."""
+    def poll(self, wait: float = 0.0) -> list[ReadResult | WriteDone]:
+        """Apply finished I/O to the in-memory state; returns what finished.
+
+        ``wait`` > 0 blocks up to that many seconds for the first completion (benchmarks and
+        tools; vLLM's scheduler always polls with 0).
+        """
         done: list[ReadResult | WriteDone] = []
+        block = wait > 0 and self.has_pending_work()
         while True:
             try:
-                r = self._results.get_nowait()
+                r = self._results.get(timeout=wait) if block else self._results.get_nowait()
             except queue.Empty:
                 break
+            block = False
             if isinstance(r, WriteResult):
                 done.append(self._finish_write(r))
             elif isinstance(r, ReadResult):
@@ -409,8 +415,7 @@ class FileTier:
         while self.has_pending_work():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"file tier: I/O still in flight after {timeout}s")
-            time.sleep(0.001)
-            done += self.poll()
+            done += self.poll(wait=0.05)
         return done
 
     def flush(self, timeout: float = 30.0) -> None:

@@ -3,7 +3,7 @@
 Databases inside ``index.lmdb/``:
 
 * ``records``  — chunk key (bytes) -> :data:`RECORD` (44 bytes, little-endian, fixed layout):
-  slot, stored length, codec, flags, checksum (crc32 of the stored bytes), created, last access,
+  slot, stored length, codec, flags, checksum (xxh3-64 of the stored bytes), created, last access,
   hit count. Never pickle: a record is plain numbers, so a hostile cache folder cannot make us
   run code.
 * ``reserved`` — slot (u64 big-endian) -> owner pid (u32): slots being written and not yet
@@ -27,11 +27,10 @@ import numpy as np
 
 RECORD = np.dtype([
     ("slot", "<u8"), ("length", "<u4"), ("codec", "u1"), ("flags", "u1"), ("_pad", "<u2"),
-    ("checksum", "<u4"), ("created", "<f8"), ("last_access", "<f8"), ("hits", "<u4"),
-    ("_pad2", "<u4"),
+    ("checksum", "<u8"), ("created", "<f8"), ("last_access", "<f8"), ("hits", "<u4"),
 ])
 RECORD_SIZE = RECORD.itemsize  # 44
-_RECORD = struct.Struct("<QIBBHIddII")
+_RECORD = struct.Struct("<QIBBHQddI")
 assert _RECORD.size == RECORD_SIZE
 MAX_KEY_BYTES = 511  # LMDB's default key limit
 
@@ -43,12 +42,12 @@ STAT_NAMES = (
 
 def pack_record(slot: int, length: int, codec: int, checksum: int, created: float,
                 last_access: float, hits: int, flags: int = 0) -> bytes:
-    return _RECORD.pack(slot, length, codec, flags, 0, checksum, created, last_access, hits, 0)
+    return _RECORD.pack(slot, length, codec, flags, 0, checksum, created, last_access, hits)
 
 
 def unpack_record(value: bytes) -> tuple:
     """(slot, length, codec, flags, checksum, created, last_access, hits)."""
-    slot, length, codec, flags, _, checksum, created, last_access, hits, _ = _RECORD.unpack(value)
+    slot, length, codec, flags, _, checksum, created, last_access, hits = _RECORD.unpack(value)
     return slot, length, codec, flags, checksum, created, last_access, hits
 
 

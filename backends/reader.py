@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from tiering.backends.checksum import checksum_of
 from tiering.backends.index import Index
 from tiering.backends.namespace import META_FILE, list_namespaces, read_meta
 from tiering.backends.slab import slab_name
@@ -106,7 +106,7 @@ class NamespaceReader:
                 slot, length, checksum = int(r["slot"]), int(r["length"]), int(r["checksum"])
                 data = self._read(fds, slot, length)
                 reason = ("short_read" if len(data) < length else
-                          "checksum" if zlib.crc32(data) != checksum else "")
+                          "checksum" if checksum_of(data) != checksum else "")
                 if reason and self._still_same(key, r):
                     bad.append(Corrupt(key, slot, reason))
                 if progress:

@@ -81,7 +81,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("verify", help="checksum every slot; exit 1 on corruption",
-                       description="Read every published slot and check its crc32 "
+                       description="Read every published slot and check its xxh3 checksum "
                        "(read-only). Exit 0: all good; 1: corrupt slots found (listed).")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print one JSON object")
