@@ -34,7 +34,7 @@ class FileTierConfig:
     slab_file_bytes: int | str = "4GiB"
     preallocate: bool = True
     direct: bool = True
-    max_batch: int = 64
+    max_batch: int = 0  # rows per group commit; 0 = about 64 MiB worth
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "file tier") -> FileTierConfig:
@@ -77,7 +77,7 @@ def validate(cfg: FileTierConfig, row_bytes: int, existing_bytes: int = 0) -> di
     resolve(cfg.policy)
     for name in ("store_threshold", "tracker_size", "io_threads", "max_batch", "element_bytes"):
         v = getattr(cfg, name)
-        low = 0 if name == "store_threshold" else 1
+        low = 0 if name in ("store_threshold", "max_batch") else 1
         if not isinstance(v, int) or isinstance(v, bool) or v < low:
             raise ValueError(f"{name}: expected an integer >= {low}, got {v!r}")
     if not isinstance(cfg.path, str | os.PathLike) or not str(cfg.path):

@@ -130,8 +130,13 @@ class Committer(threading.Thread):
                 stats[name] = stats.get(name, 0) + v
         if writes or drop:
             self.index.reserve(slots, drop, self.pid, durable)
-        futures: list[Future] = [self.engine.submit(self._write_one, w) for w in writes]
-        results: list[WriteResult] = [f.result() for f in futures]
+        # Adjacent slots are written with one vectored call; runs are sized so that every
+        # engine thread gets work (the device sees as many I/Os in flight as there are threads).
+        per_run = max(1, -(-len(writes) // self.engine.threads))
+        runs = adjacent_runs(writes, self.slabs, per_run, lambda w: w.slot)
+        futures: list[Future] = [self.engine.submit(self._write_run, run) for run in runs]
+        by_key = {r.key: r for f in futures for r in f.result()}
+        results: list[WriteResult] = [by_key[w.key] for w in writes]
         touched = {self.slabs.locate(r.slot)[2] for r in results if r.ok}
         for f in touched:
             try:
@@ -160,23 +165,56 @@ class Committer(threading.Thread):
         if freed:
             self.out.put(SlotsFreed(freed))
 
-    def _write_one(self, w: WriteItem) -> WriteResult:
+    def _write_run(self, run: list[WriteItem]) -> list[WriteResult]:
+        """Encode and checksum each row, then write the run (vectored where rows are raw)."""
         t0 = time.perf_counter()
-        row = w.row
-        codec, payload = 0, row
-        try:
+        staged = []
+        for w in run:
+            codec, payload = 0, w.row
             if self.codec is not None:
-                packed = self.codec.encode(row)
-                if len(packed) < len(row) - ALIGN:  # worth it only if it saves a page
+                packed = self.codec.encode(w.row)
+                if len(packed) < len(w.row) - ALIGN:  # worth it only if it saves a page
                     codec, payload = 1, memoryview(packed)
-            checksum = checksum_of(payload)
-            handle, offset, _ = self.slabs.locate(w.slot)
-            self.engine.write_from(handle, payload, offset)
-        except OSError as exc:
-            log.warning("file tier: write of slot %d failed: %s", w.slot, exc)
-            return WriteResult(w.key, w.slot, False, reason="error")
-        return WriteResult(w.key, w.slot, True, len(payload), codec, checksum,
-                           seconds=time.perf_counter() - t0)
+            staged.append((w, codec, payload, checksum_of(payload)))
+        results = []
+        i = 0
+        while i < len(staged):
+            j = i + 1
+            if staged[i][1] == 0:  # extend over following raw rows (slots are consecutive)
+                while j < len(staged) and staged[j][1] == 0:
+                    j += 1
+            group = staged[i:j]
+            handle, offset, _ = self.slabs.locate(group[0][0].slot)
+            try:
+                self.engine.writev(handle, [g[2] for g in group], offset)
+                ok, reason = True, ""
+            except OSError as exc:
+                log.warning("file tier: write of slots %d..%d failed: %s", group[0][0].slot,
+                            group[-1][0].slot, exc)
+                ok, reason = False, "error"
+            secs = time.perf_counter() - t0
+            for w, codec, payload, checksum in group:
+                results.append(WriteResult(w.key, w.slot, ok, len(payload), codec, checksum,
+                                           reason, secs) if ok else
+                               WriteResult(w.key, w.slot, False, reason=reason))
+            i = j
+        return results
+
+
+def adjacent_runs(items: list, slabs: SlabSet, max_rows: int, slot_of) -> list[list]:
+    """Split items into runs of consecutive slots in one slab file, at most max_rows each."""
+    runs: list[list] = []
+    for item in sorted(items, key=slot_of):
+        slot = slot_of(item)
+        if runs:
+            last = runs[-1]
+            prev = slot_of(last[-1])
+            if (slot == prev + 1 and len(last) < max_rows
+                    and slot // slabs.slots_per_file == prev // slabs.slots_per_file):
+                last.append(item)
+                continue
+        runs.append([item])
+    return runs
 
 
 def read_slot(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec | None, slot: int,
@@ -212,3 +250,38 @@ def read_slot(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec | None, slot: i
     except Exception as exc:  # a corrupt compressed payload
         log.warning("file tier: decoding slot %d failed: %s", slot, exc)
         return "corrupt"
+
+
+@dataclass
+class ReadItem:
+    key: bytes
+    slot: int
+    length: int
+    codec: int
+    checksum: int
+    out: memoryview
+    token: object
+
+
+def read_run(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, run: list[ReadItem],
+             verify: bool) -> list[tuple[ReadItem, str]]:
+    """Read a run of consecutive slots (one vectored call when all are raw rows)."""
+    if len(run) == 1 or any(it.codec or it.length != len(it.out) for it in run):
+        return [(it, read_slot(engine, slabs, codec, it.slot, it.length, it.codec, it.checksum,
+                               it.out, verify)) for it in run]
+    handle, offset, _ = slabs.locate(run[0].slot)
+    try:
+        n = engine.readv(handle, [it.out for it in run], offset)
+    except OSError as exc:
+        log.warning("file tier: read of slots %d..%d failed: %s", run[0].slot, run[-1].slot, exc)
+        return [(it, "error") for it in run]
+    out = []
+    for it in run:
+        if n < it.length:
+            out.append((it, "short_read"))
+        elif verify and checksum_of(it.out) != it.checksum:
+            out.append((it, "checksum"))
+        else:
+            out.append((it, ""))
+        n -= it.length
+    return out

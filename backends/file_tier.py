@@ -38,7 +38,16 @@ import numpy as np
 
 from tiering.backends.codec import ZstdCodec
 from tiering.backends.file_config import FileTierConfig, validate
-from tiering.backends.file_io import Committer, Job, SlotsFreed, WriteItem, WriteResult, read_slot
+from tiering.backends.file_io import (
+    Committer,
+    Job,
+    ReadItem,
+    SlotsFreed,
+    WriteItem,
+    WriteResult,
+    adjacent_runs,
+    read_run,
+)
 from tiering.backends.index import MAX_KEY_BYTES, STAT_NAMES, Index, pack_record
 from tiering.backends.io_engines import make_engine
 from tiering.backends.namespace import NamespaceFacts, read_meta, write_json, write_meta
@@ -138,7 +147,7 @@ class FileTier:
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self.committer = Committer(self.index, self.slabs, self.engine, self._results,
                                    self.codec if cfg.compression == "zstd" else None,
-                                   cfg.max_batch)
+                                   cfg.max_batch or max(8, min(1024, (64 << 20) // self.row_bytes)))
         self.committer.start()
         self._inflight_reads = 0
         self._inflight_writes = 0
@@ -279,25 +288,45 @@ class FileTier:
 
     # -- reads (owner thread) -------------------------------------------------------------------
     def get(self, key: bytes, out: memoryview, token: Any = None) -> bool:
-        """Start reading a ready key into ``out``; False (a miss) if it is not ready.
+        """Start reading a ready key into ``out``; False (a miss) if it is not ready."""
+        return self.get_many([(key, out, token)])[0]
 
-        The key is pinned until ``poll`` reports the ``ReadResult`` (which carries ``token``).
+    def get_many(self, items: Sequence[tuple[bytes, memoryview, Any]]) -> list[bool]:
+        """Start reading ready keys into their buffers; one bool per item (False = miss).
+
+        Each started key is pinned until ``poll`` reports its ``ReadResult`` (carrying the
+        item's token). Reads of consecutive slots are merged into vectored calls.
         """
-        e = self.entries.get(key)
-        if e is None or not e.ready:
-            return False
-        if len(out) != self.row_bytes:
-            raise ValueError(f"get: buffer for key {key.hex()} has {len(out)} bytes, "
-                             f"expected row_bytes={self.row_bytes}")
-        self.policy.pin(key)
-        self._inflight_reads += 1
+        started: list[ReadItem] = []
+        answers = []
+        for key, out, token in items:
+            e = self.entries.get(key)
+            if e is None or not e.ready:
+                answers.append(False)
+                continue
+            if len(out) != self.row_bytes:
+                raise ValueError(f"get: buffer for key {key.hex()} has {len(out)} bytes, "
+                                 f"expected row_bytes={self.row_bytes}")
+            self.policy.pin(key)
+            started.append(ReadItem(key, e.slot, e.length, e.codec, e.checksum, out, token))
+            answers.append(True)
+        if not started:
+            return answers
+        self._inflight_reads += len(started)
         t0 = time.perf_counter()
-        fut = self.engine.submit(read_slot, self.engine, self.slabs, self.codec, e.slot,
-                                 e.length, e.codec, e.checksum, out, self.cfg.verify)
-        fut.add_done_callback(lambda f: self._results.put(
-            ReadResult(key, not f.result(), f.result(), e.length, time.perf_counter() - t0,
-                       token)))
-        return True
+        per_run = max(1, -(-len(started) // self.engine.threads))
+        results = self._results
+
+        def report(fut) -> None:
+            secs = time.perf_counter() - t0
+            for it, reason in fut.result():
+                results.put(ReadResult(it.key, not reason, reason, it.length, secs, it.token))
+
+        for run in adjacent_runs(started, self.slabs, per_run, lambda it: it.slot):
+            fut = self.engine.submit(read_run, self.engine, self.slabs, self.codec, run,
+                                     self.cfg.verify)
+            fut.add_done_callback(report)
+        return answers
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Record a hit on ready keys (prefix order): policy recency and persisted hit counts."""

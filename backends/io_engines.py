@@ -69,10 +69,18 @@ class IoEngine(ABC):
     def close(self, handle: Any) -> None: ...
 
     @abstractmethod
-    def read_into(self, handle: Any, buf: memoryview, offset: int) -> int: ...
+    def readv(self, handle: Any, bufs: list[memoryview], offset: int) -> int:
+        """Fill ``bufs`` (in order) from consecutive bytes at ``offset``; bytes read."""
 
     @abstractmethod
-    def write_from(self, handle: Any, buf: memoryview, offset: int) -> int: ...
+    def writev(self, handle: Any, bufs: list[memoryview], offset: int) -> int:
+        """Write ``bufs`` (in order) to consecutive bytes at ``offset``; bytes written."""
+
+    def read_into(self, handle: Any, buf: memoryview, offset: int) -> int:
+        return self.readv(handle, [buf], offset)
+
+    def write_from(self, handle: Any, buf: memoryview, offset: int) -> int:
+        return self.writev(handle, [buf], offset)
 
     @abstractmethod
     def sync(self, handle: Any) -> None: ...
@@ -115,24 +123,31 @@ class PosixEngine(IoEngine):
             self._local.buf = buf
         return buf[:nbytes]
 
-    def read_into(self, handle: tuple[int, bool], buf: memoryview, offset: int) -> int:
+    def readv(self, handle: tuple[int, bool], bufs: list[memoryview], offset: int) -> int:
         fd, direct = handle
-        if direct and not is_aligned(buf):
-            tmp = self._bounce(-(-len(buf) // ALIGN) * ALIGN)
-            n = _full_read(fd, tmp, offset)
-            n = min(n, len(buf))
-            buf[:n] = tmp[:n]
-            return n
-        return _full_read(fd, buf, offset)
+        if direct and not all(is_aligned(b) for b in bufs):
+            done = 0
+            for b in bufs:  # O_DIRECT needs aligned memory: one bounce per buffer
+                tmp = self._bounce(-(-len(b) // ALIGN) * ALIGN)
+                n = min(_full_io(os.preadv, fd, [tmp], offset + done), len(b))
+                b[:n] = tmp[:n]
+                done += n
+                if n < len(b):
+                    break
+            return done
+        return _full_io(os.preadv, fd, bufs, offset)
 
-    def write_from(self, handle: tuple[int, bool], buf: memoryview, offset: int) -> int:
+    def writev(self, handle: tuple[int, bool], bufs: list[memoryview], offset: int) -> int:
         fd, direct = handle
-        if direct and not is_aligned(buf):
-            tmp = self._bounce(-(-len(buf) // ALIGN) * ALIGN)
-            tmp[: len(buf)] = buf
-            tmp[len(buf):] = bytes(len(tmp) - len(buf))
-            return min(_full_write(fd, tmp, offset), len(buf))
-        return _full_write(fd, buf, offset)
+        if direct and not all(is_aligned(b) for b in bufs):
+            done = 0
+            for b in bufs:
+                tmp = self._bounce(-(-len(b) // ALIGN) * ALIGN)
+                tmp[: len(b)] = b
+                tmp[len(b):] = bytes(len(tmp) - len(b))
+                done += min(_full_io(os.pwritev, fd, [tmp], offset + done), len(b))
+            return done
+        return _full_io(os.pwritev, fd, bufs, offset)
 
     def sync(self, handle: tuple[int, bool]) -> None:
         os.fdatasync(handle[0])
@@ -143,23 +158,24 @@ class PosixEngine(IoEngine):
         return f"posix ({mode}, {self.threads} threads)"
 
 
-def _full_read(fd: int, buf: memoryview, offset: int) -> int:
+def _full_io(op, fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Run preadv/pwritev until every buffer is done or (reads) end of file is reached."""
+    total = sum(len(b) for b in bufs)
     done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
+    while done < total:
+        n = op(fd, bufs, offset + done)
         if n == 0:
+            if op is os.pwritev:
+                raise OSError(f"pwritev wrote 0 bytes at offset {offset + done}")
             break  # end of file: a short read, the caller checks the length
         done += n
-    return done
-
-
-def _full_write(fd: int, buf: memoryview, offset: int) -> int:
-    done = 0
-    while done < len(buf):
-        n = os.pwritev(fd, [buf[done:]], offset + done)
-        if n == 0:
-            raise OSError(f"pwritev wrote 0 bytes at offset {offset + done}")
-        done += n
+        if done < total:  # drop the buffers (and the part of one) already transferred
+            skip = n
+            while skip and skip >= len(bufs[0]):
+                skip -= len(bufs[0])
+                bufs = bufs[1:]
+            if skip:
+                bufs = [bufs[0][skip:], *bufs[1:]]
     return done
 
 
@@ -181,11 +197,19 @@ class KvikioEngine(IoEngine):
     def close(self, handle: Any) -> None:
         handle.close()
 
-    def read_into(self, handle: Any, buf: memoryview, offset: int) -> int:
-        return handle.pread(np.frombuffer(buf, dtype=np.uint8), len(buf), offset).get()
+    def readv(self, handle: Any, bufs: list[memoryview], offset: int) -> int:
+        futs, pos = [], offset
+        for b in bufs:  # kvikio splits each request over its own thread pool
+            futs.append(handle.pread(np.frombuffer(b, dtype=np.uint8), len(b), pos))
+            pos += len(b)
+        return sum(f.get() for f in futs)
 
-    def write_from(self, handle: Any, buf: memoryview, offset: int) -> int:
-        return handle.pwrite(np.frombuffer(buf, dtype=np.uint8), len(buf), offset).get()
+    def writev(self, handle: Any, bufs: list[memoryview], offset: int) -> int:
+        futs, pos = [], offset
+        for b in bufs:
+            futs.append(handle.pwrite(np.frombuffer(b, dtype=np.uint8), len(b), pos))
+            pos += len(b)
+        return sum(f.get() for f in futs)
 
     def sync(self, handle: Any) -> None:
         os.fdatasync(handle.fd())

@@ -82,7 +82,7 @@ def run_tier(folder: Path, pool: Pool, n_rows: int, threads: int, io: str) -> di
     rb = pool.row_bytes
     facts = NamespaceFacts("bench", "bfloat16", "bench", rb, 16)
     cfg = {"path": str(folder), "capacity": n_rows * rb, "policy": "lru", "io": io,
-           "io_threads": threads, "slab_file_bytes": "4GiB", "max_batch": max(8, threads * 2)}
+           "io_threads": threads, "slab_file_bytes": "4GiB"}
     tier = FileTier(cfg, facts)
     keys = [_key(i) for i in range(n_rows)]
     cpu0, t0 = _cpu(), time.perf_counter()
@@ -97,17 +97,19 @@ def run_tier(folder: Path, pool: Pool, n_rows: int, threads: int, io: str) -> di
     tier.close()
     dropped = drop_caches()
     tier = FileTier(cfg, facts)
-    inflight = threads * 2
+    inflight = max(threads * 2, min(n_rows, (64 << 20) // rb))  # a long prompt's promotion
     outs = [aligned_buffer(rb) for _ in range(inflight)]
     free = list(range(inflight))
     bad, check_cpu = 0, 0.0
     cpu0, t0 = _cpu(), time.perf_counter()
     nxt = 0
     while nxt < n_rows or len(free) < inflight:
-        while free and nxt < n_rows:
+        batch = []
+        while free and nxt < n_rows:  # like a scheduler step: start every read that fits
             b = free.pop()
-            assert tier.get(keys[nxt], outs[b], token=(b, nxt))
+            batch.append((keys[nxt], outs[b], (b, nxt)))
             nxt += 1
+        assert all(tier.get_many(batch))
         for r in tier.poll(wait=0.05 if not free else 0.0):
             b, i = r.token
             c0 = time.thread_time()

@@ -1,0 +1,114 @@
+"""The staging region: tier 0's rows, in one shared-memory file per engine.
+
+The scheduler process (file-tier I/O reads and writes rows) and every worker process (DMA between
+the GPU and rows) map the same file, so a row never has to be copied between processes. Rows are
+``row_bytes`` apart (4096-aligned, so O_DIRECT reads and writes work on them directly). Inside a
+row each worker rank owns one cell, and inside a cell each KV tensor owns ``page × blocks_per_chunk``
+bytes, the layout vLLM's own CPU tier uses.
+
+Lifecycle: whichever process comes first creates ``/dev/shm/vllm_tiering_<engine>.shm`` at full
+size; the others open it. Every mapper holds a shared ``flock`` on it while mapped, so a region
+whose lock can be taken exclusively has no live user: ``remove_stale`` deletes those (left by an
+engine that was killed) at start. The scheduler unlinks its region at shutdown; workers keep
+their mapping until they exit.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+SHM_DIR = Path(os.environ.get("TIERING_SHM_DIR", "/dev/shm"))
+_PREFIX = "vllm_tiering_"
+
+
+def region_path(engine_id: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(engine_id))[:100]
+    return SHM_DIR / f"{_PREFIX}{safe}.shm"
+
+
+def remove_stale(keep: Path | None = None) -> list[Path]:
+    """Delete regions that no process has mapped (their engine died)."""
+    removed = []
+    for p in SHM_DIR.glob(f"{_PREFIX}*.shm"):
+        if keep is not None and p == keep:
+            continue
+        try:
+            fd = os.open(p, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            p.unlink()
+            removed.append(p)
+            log.warning("removed stale staging region %s (its engine is gone)", p)
+        except OSError:
+            pass
+        os.close(fd)
+    return removed
+
+
+class StagingRegion:
+    def __init__(self, engine_id: str, num_rows: int, row_bytes: int) -> None:
+        if row_bytes <= 0 or row_bytes % mmap.PAGESIZE:
+            raise ValueError(f"row_bytes must be a positive multiple of {mmap.PAGESIZE}, "
+                             f"got {row_bytes}")
+        if num_rows < 1:
+            raise ValueError(f"the CPU tier holds no row: num_rows={num_rows} "
+                             f"(cpu_bytes_to_use is smaller than one row of {row_bytes} bytes)")
+        self.path = region_path(engine_id)
+        self.num_rows, self.row_bytes = num_rows, row_bytes
+        size = num_rows * row_bytes
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            current = os.fstat(fd).st_size
+            if current == 0:
+                free = shutil.disk_usage(self.path.parent).free
+                if size > free:
+                    raise OSError(
+                        f"{self.path.parent} has {free} bytes free, the CPU tier needs {size} "
+                        "(in Docker, raise --shm-size; or lower cpu_bytes_to_use)")
+                os.ftruncate(fd, size)
+            elif current != size:
+                raise OSError(f"{self.path}: exists with {current} bytes, expected {size} "
+                              "(another engine with the same id and a different config?)")
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self.rows = np.frombuffer(self._mmap, dtype=np.uint8).reshape(num_rows, row_bytes)
+        self.base_address = self.rows.ctypes.data
+
+    def row(self, i: int) -> memoryview:
+        return memoryview(self._mmap)[i * self.row_bytes:(i + 1) * self.row_bytes]
+
+    def close(self, unlink: bool = False) -> None:
+        if self._fd < 0:
+            return
+        self.rows = None  # type: ignore[assignment]
+        try:
+            self._mmap.close()
+        except BufferError:  # a view is still alive (e.g. a torch tensor): leave it mapped
+            pass
+        if unlink:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+        os.close(self._fd)
+        self._fd = -1

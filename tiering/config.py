@@ -1,0 +1,116 @@
+"""The tiered spec's configuration (``kv_connector_extra_config``), parsed and validated.
+
+Validation happens in two steps, both before vLLM allocates anything of ours: ``parse`` checks
+every key and value that can be checked alone (names, sizes, policies, paths), ``check_sizes``
+checks what needs the engine's row size (the CPU tier must hold a row, a file tier must hold a
+row and fit on its disk). Each failure is one ``ValueError`` that names the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiering.backends.file_config import FileTierConfig, validate
+from tiering.backends.sizes import parse_size
+from tiering.policies import resolve
+
+# Keys that vLLM itself reads from kv_connector_extra_config: accepted and passed through.
+VLLM_KEYS = {
+    "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "offload_prompt_only",
+    "self_describing_kv_events", "canonical_layout", "sync_load_budget_bytes",
+    "enable_kv_cache_events",
+}
+OUR_KEYS = {"cpu_bytes_to_use", "tiers"}
+CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size"}
+
+
+@dataclass
+class CpuTierConfig:
+    policy: str = "lru"
+    store_threshold: int = 0
+    tracker_size: int = 64_000
+
+
+@dataclass
+class TieredConfig:
+    cpu_bytes_to_use: int
+    cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
+    files: list[FileTierConfig] = field(default_factory=list)
+
+
+def _int(value: Any, where: str, low: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{where}: expected an integer >= {low}, got {value!r}")
+    return value
+
+
+def parse(extra: dict[str, Any]) -> TieredConfig:
+    unknown = sorted(set(extra) - VLLM_KEYS - OUR_KEYS)
+    if unknown:
+        raise ValueError(f"kv_connector_extra_config: unknown key(s) "
+                         f"{', '.join(map(repr, unknown))}; the tiered spec reads "
+                         f"{', '.join(sorted(OUR_KEYS))} (plus vLLM's own "
+                         f"{', '.join(sorted(VLLM_KEYS))})")
+    if extra.get("cpu_bytes_to_use") in (None, 0, ""):
+        raise ValueError("cpu_bytes_to_use: required (bytes of CPU staging memory, e.g. "
+                         "'16GiB'), or pass --kv-offloading-size <GiB> to vllm serve")
+    cpu_bytes = parse_size(extra["cpu_bytes_to_use"], "cpu_bytes_to_use")
+    tiers = extra.get("tiers", [{"medium": "cpu"}])
+    if not isinstance(tiers, list) or not tiers:
+        raise ValueError(f"tiers: expected a non-empty list of tier objects, got {tiers!r}")
+    cfg = TieredConfig(cpu_bytes_to_use=cpu_bytes)
+    for i, tier in enumerate(tiers):
+        where = f"tiers[{i}]"
+        if not isinstance(tier, dict):
+            raise ValueError(f"{where}: expected an object, got {tier!r}")
+        medium = tier.get("medium")
+        if i == 0:
+            if medium != "cpu":
+                raise ValueError(f"{where}.medium: tier 0 is the CPU staging tier and must be "
+                                 f"'cpu', got {medium!r}")
+            bad = sorted(set(tier) - CPU_TIER_KEYS)
+            if bad:
+                raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, bad))}; "
+                                 f"known: {', '.join(sorted(CPU_TIER_KEYS))}")
+            policy = tier.get("policy", "lru")
+            try:
+                resolve(policy)
+            except ValueError as exc:
+                raise ValueError(f"{where}.policy: {exc}") from None
+            cfg.cpu = CpuTierConfig(
+                policy, _int(tier.get("store_threshold", 0), f"{where}.store_threshold", 0),
+                _int(tier.get("tracker_size", 64_000), f"{where}.tracker_size", 1))
+            continue
+        if medium != "file":
+            raise ValueError(f"{where}.medium: expected 'file' (tiers after the first are file "
+                             f"tiers), got {medium!r}")
+        body = {k: v for k, v in tier.items() if k != "medium"}
+        if not body.get("path"):
+            raise ValueError(f"{where}.path: required (a folder on the NVMe/filesystem tier)")
+        try:
+            fcfg = FileTierConfig.from_dict(body, where)
+            parse_size(fcfg.capacity, "capacity")
+            resolve(fcfg.policy)
+        except ValueError as exc:
+            msg = str(exc)
+            raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+        cfg.files.append(fcfg)
+    paths = [f.path for f in cfg.files]
+    if len(set(paths)) != len(paths):
+        raise ValueError("tiers: two file tiers share one path; give each its own folder")
+    return cfg
+
+
+def check_sizes(cfg: TieredConfig, row_bytes: int) -> int:
+    """Check sizes against the engine's row; returns the number of CPU rows."""
+    rows = cfg.cpu_bytes_to_use // row_bytes
+    if rows < 1:
+        raise ValueError(f"cpu_bytes_to_use: {cfg.cpu_bytes_to_use} bytes holds no row; one "
+                         f"row of this engine is {row_bytes} bytes")
+    for i, f in enumerate(cfg.files, start=1):
+        try:
+            validate(f, row_bytes)
+        except ValueError as exc:
+            raise ValueError(f"tiers[{i}].{exc}") from None
+    return rows

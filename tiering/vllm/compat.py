@@ -1,0 +1,60 @@
+"""What differs between the vLLM releases we support (0.32.x, 0.33.x), in one place.
+
+0.33 added ``OffloadingManager.lock`` / ``on_reset_flushed`` / ``config_info`` (all with
+defaults in the base class, so inheriting is enough) and ``expedited`` to
+``OffloadingWorker.submit_load`` (our worker accepts it either way). Everything else we use has
+the same name and shape in both.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import vllm
+from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for the adapter
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+
+log = logging.getLogger(__name__)
+VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2] if x.isdigit())
+
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - older releases report no hit source
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
+
+def hit_source(name: str) -> Any:
+    if CacheHitSource is None:  # pragma: no cover
+        return None
+    return CacheHitSource.DISK if name == "disk" else CacheHitSource.HOST
+
+
+def prefix_hash_algo() -> str | None:
+    """The engine's prefix-caching hash algorithm, if the current vLLM config is reachable."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return str(get_current_vllm_config().cache_config.prefix_caching_hash_algo)
+    except Exception:  # not inside engine construction, or the field moved
+        return None
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()

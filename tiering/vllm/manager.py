@@ -1,0 +1,96 @@
+"""TieredManager: vLLM's ``OffloadingManager`` interface over a ``TierChain``.
+
+Runs in the scheduler (EngineCore) process; every call comes from the scheduler thread and
+returns without waiting for I/O (file-tier reads and writes complete in the background and are
+applied when the chain polls). Hit sources are reported per key (HOST for chunks that were in
+CPU staging, DISK for chunks promoted from a file tier) so that vLLM's
+``prompt_tokens_cached_by_source`` splits correctly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable
+
+from tiering.chain import Lookup, TierChain
+from tiering.vllm.compat import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    hit_source,
+)
+from tiering.vllm.metrics import TierMetrics
+from tiering.vllm.worker import RowsSpec
+
+log = logging.getLogger(__name__)
+
+_LOOKUP = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS,
+           Lookup.PENDING: LookupResult.HIT_PENDING}
+
+
+class TieredManager(OffloadingManager):
+    def __init__(self, chain: TierChain, metrics: TierMetrics | None = None,
+                 on_shutdown=None) -> None:
+        self.chain = chain
+        self.metrics = metrics
+        self._on_shutdown = on_shutdown
+
+    def lookup(self, key, req_context: ReqContext) -> LookupResult:
+        return _LOOKUP[self.chain.lookup(bytes(key))]
+
+    def get_load_source(self, key, req_context: ReqContext):
+        return hit_source(self.chain.hit_source(bytes(key)))
+
+    def prepare_load(self, keys: Collection, req_context: ReqContext) -> RowsSpec:
+        return RowsSpec(self.chain.prepare_load([bytes(k) for k in keys]))
+
+    def touch(self, keys: Collection, req_context: ReqContext) -> None:
+        self.chain.touch([bytes(k) for k in keys])
+
+    def complete_load(self, keys: Collection, req_context: ReqContext) -> None:
+        self.chain.complete_load(bytes(k) for k in keys)
+
+    def prepare_store(self, keys: Collection, req_context: ReqContext
+                      ) -> PrepareStoreOutput | None:
+        out = self.chain.prepare_store([bytes(k) for k in keys])
+        if out is None:
+            return None
+        to_store, rows, evicted = out
+        return PrepareStoreOutput(keys_to_store=to_store, store_spec=RowsSpec(rows),
+                                  evicted_keys=evicted)
+
+    def complete_store(self, keys: Collection, req_context: ReqContext,
+                       success: bool = True) -> None:
+        self.chain.complete_store([bytes(k) for k in keys], success)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for e in self.chain.take_events():
+            medium = Medium.CPU if e.medium == "cpu" else Medium.STORAGE
+            yield OffloadingEvent(keys=e.keys, medium=medium, removed=e.removed)
+
+    def on_schedule_end(self, context) -> None:
+        self.chain.on_schedule_end()
+
+    def has_pending_work(self) -> bool:
+        self.chain.poll()
+        return self.chain.has_pending_work()
+
+    def reset_cache(self) -> None:
+        self.chain.reset()
+
+    def get_stats(self):
+        return self.metrics.collect(self.chain) if self.metrics is not None else None
+
+    def shutdown(self) -> None:
+        try:
+            self.chain.close()
+        finally:
+            if self._on_shutdown is not None:
+                self._on_shutdown()

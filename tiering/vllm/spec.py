@@ -1,0 +1,119 @@
+"""TieredOffloadingSpec: the entry point vLLM loads through ``spec_name``/``spec_module_path``.
+
+vLLM builds the spec in every process of an engine (the scheduler and each worker) with the
+same config. The constructor only parses and validates (one clear error naming the key, before
+anything is allocated); the scheduler's ``get_manager`` opens the staging region and the file
+tiers, each worker's ``get_worker`` maps the same staging region.
+
+Row size follows vLLM's CPU tier: every worker's KV bytes of one chunk, side by side, rounded up
+to 4096 (``worker_kv_bytes_per_block × world_size × blocks_per_chunk``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from tiering.backends.file_tier import FileTier
+from tiering.backends.namespace import NamespaceFacts
+from tiering.backends.staging import StagingRegion, remove_stale
+from tiering.chain import TierChain
+from tiering.config import check_sizes, parse
+from tiering.vllm import compat
+from tiering.vllm.compat import CanonicalKVCaches, OffloadingSpec
+from tiering.vllm.manager import TieredManager
+from tiering.vllm.metrics import TierMetrics, definitions
+from tiering.vllm.worker import CopyLayout, MemcpyEngine, TieredWorker
+
+log = logging.getLogger(__name__)
+PAGE = 4096
+RESTART_SAFE_ALGOS = {"sha256", "sha256_cbor"}
+
+
+class TieredOffloadingSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        return definitions()
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.cfg = parse(dict(self.extra_config))
+        par = config.parallel
+        self.world_size = max(1, par.world_size)
+        self.cell_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
+        raw_row = self.cell_bytes * self.world_size
+        self.row_bytes = -(-raw_row // PAGE) * PAGE
+        self.num_rows = check_sizes(self.cfg, self.row_bytes) if raw_row else 0
+        self._manager: TieredManager | None = None
+        self._worker: TieredWorker | None = None
+
+    # -- the namespace: what makes stored rows usable by another engine -------------------------
+    def namespace_facts(self) -> tuple[NamespaceFacts, dict[str, Any]]:
+        c = self.config
+        par = c.parallel
+        algo = compat.prefix_hash_algo()
+        facts = NamespaceFacts(
+            model=c.model.name, dtype=str(c.model.dtype),
+            layout=str(c.kv_cache_layout or "LBHNC"), row_bytes=self.row_bytes,
+            chunk_tokens=int(self.tokens_per_block[0]) * self.blocks_per_chunk,
+            parallel={"world_size": par.world_size, "tp": par.tp_size, "pp": par.pp_size,
+                      "pcp": par.pcp_size, "dcp": par.dcp_size,
+                      "replicated": bool(c.replicated_layout)},
+            extra={"groups": [[g.tokens_per_block, len(g.layer_names)] for g in c.groups],
+                   "worker_kv_bytes_per_block": c.worker_kv_bytes_per_block,
+                   "hash_algo": algo})
+        restart_safe = algo in RESTART_SAFE_ALGOS or (
+            algo is not None and "xxhash" not in algo and "PYTHONHASHSEED" in os.environ)
+        return facts, {"hash_algo": algo, "restart_safe": restart_safe}
+
+    # -- scheduler side ----------------------------------------------------------------------------
+    def get_manager(self) -> TieredManager:
+        if self._manager is not None:
+            return self._manager
+        region = StagingRegion(self.config.engine_id, self.num_rows, self.row_bytes)
+        remove_stale(keep=region.path)
+        facts, info = self.namespace_facts()
+        tiers: list[FileTier] = []
+        try:
+            for fcfg in self.cfg.files:
+                tiers.append(FileTier(fcfg, facts, info))
+        except BaseException:
+            for t in tiers:
+                t.close()
+            region.close(unlink=True)
+            raise
+        if self.cfg.files:
+            log.info("vllm-tiering: namespace %s (%s); prefix hash %s: cached chunks %s "
+                     "survive a restart", facts.namespace_id, facts.model, info["hash_algo"],
+                     "DO" if info["restart_safe"] else "do NOT (use "
+                     "--prefix-caching-hash-algo sha256 to keep them)")
+        chain = TierChain(region, self.cfg.cpu.policy, self.cfg.cpu.store_threshold,
+                          self.cfg.cpu.tracker_size, tiers,
+                          events=self.kv_events_config.enable_kv_cache_events)
+        policies = [self.cfg.cpu.policy] + [f.policy for f in self.cfg.files]
+        self._manager = TieredManager(chain, TierMetrics(policies),
+                                      on_shutdown=lambda: region.close(unlink=True))
+        log.info("vllm-tiering: CPU tier %d rows x %d bytes (%s, store_threshold %d), "
+                 "%d file tier(s)", self.num_rows, self.row_bytes, self.cfg.cpu.policy,
+                 self.cfg.cpu.store_threshold, len(tiers))
+        return self._manager
+
+    # -- worker side ---------------------------------------------------------------------------------
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> TieredWorker:
+        if self._worker is not None:
+            return self._worker
+        region = StagingRegion(self.config.engine_id, self.num_rows, self.row_bytes)
+        rank = self.config.parallel.rank
+        layout = CopyLayout(kv_caches, region, rank, self.cell_bytes, self.blocks_per_chunk)
+        on_device = kv_caches.tensors and kv_caches.tensors[0].tensor.device.type == "cuda"
+        if on_device:
+            from tiering.vllm.cuda_copy import CudaCopyEngine
+
+            engine = CudaCopyEngine(region, device=kv_caches.tensors[0].tensor.device)
+        else:
+            engine = MemcpyEngine()
+        log.info("vllm-tiering worker rank %d: %s copies, %d KV tensors", rank, engine.name,
+                 len(kv_caches.tensors))
+        self._worker = TieredWorker(layout, engine, region)
+        return self._worker
