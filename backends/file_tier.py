@@ -24,6 +24,7 @@ before its slot is reused, and counted. Nothing raises into the owner's thread o
 from __future__ import annotations
 
 import fcntl
+import gc
 import logging
 import os
 import queue
@@ -32,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -61,12 +62,17 @@ class NamespaceLocked(RuntimeError):
     """Another process is the writer of this namespace."""
 
 
-class _Entry:
-    __slots__ = ("slot", "length", "codec", "checksum", "created", "last_access", "hits", "ready")
+class Entry(NamedTuple):
+    """A snapshot of one key's slot record (for tools and tests)."""
 
-    def __init__(self, slot, length, codec, checksum, created, last_access, hits, ready):
-        self.slot, self.length, self.codec, self.checksum = slot, length, codec, checksum
-        self.created, self.last_access, self.hits, self.ready = created, last_access, hits, ready
+    slot: int
+    length: int
+    codec: int
+    checksum: int
+    created: float
+    last_access: float
+    hits: int
+    ready: bool
 
 
 @dataclass
@@ -141,7 +147,13 @@ class FileTier:
         self.codec = ZstdCodec(cfg.compression_level, int(self.meta.get("element_bytes", 2)))
         self.policy = create(cfg.policy, self.n_slots)
         self.admission = StoreThreshold(cfg.store_threshold, cfg.tracker_size)
-        self.entries: dict[bytes, _Entry] = {}
+        # key -> slot; the record fields live in per-slot lists (a million small objects would
+        # make reopening slow), valid while the slot is in ``entries``.
+        self.entries: dict[bytes, int] = {}
+        n = self.n_slots
+        self._len, self._codec, self._sum = [0] * n, [0] * n, [0] * n
+        self._created, self._last, self._hits = [0.0] * n, [0.0] * n, [0] * n
+        self._ready = [False] * n
         self._free: list[int] = []
         self._rebuild()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
@@ -167,6 +179,17 @@ class FileTier:
 
     def _rebuild(self) -> None:
         """Load the index: entries, policy order (oldest access first), free slots."""
+        # Millions of new objects would trigger repeated full garbage collections for nothing
+        # (none of them can be cyclic garbage yet): pause the collector while loading.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._load_index()
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _load_index(self) -> None:
         t0 = time.perf_counter()
         keys, recs = self.index.load_all()
         slots = recs["slot"] if len(recs) else np.empty(0, np.uint64)
@@ -180,16 +203,19 @@ class FileTier:
             self.index.publish([], [], drop_keys=drop)
         keep = np.nonzero(~(bad | dup))[0]
         order = keep[np.argsort(recs["last_access"][keep], kind="stable")]
-        insert, access, entries = self.policy.insert, self.policy.access, self.entries
-        for i in order.tolist():
-            r = recs[i]
-            key = keys[i]
-            entries[key] = _Entry(int(r["slot"]), int(r["length"]), int(r["codec"]),
-                                  int(r["checksum"]), float(r["created"]),
-                                  float(r["last_access"]), int(r["hits"]), True)
-            insert(key)
-            if r["hits"]:
-                access(key)
+        r = recs[order]
+        slot_list = r["slot"].astype(np.int64)
+        for name, col in (("_len", "length"), ("_codec", "codec"), ("_sum", "checksum"),
+                          ("_created", "created"), ("_last", "last_access"), ("_hits", "hits")):
+            arr = np.zeros(self.n_slots, dtype=r[col].dtype)
+            arr[slot_list] = r[col]
+            setattr(self, name, arr.tolist())
+        ready = np.zeros(self.n_slots, dtype=bool)
+        ready[slot_list] = True
+        self._ready = ready.tolist()
+        ordered_keys = np.array(keys, dtype=object)[order].tolist()
+        self.entries = dict(zip(ordered_keys, slot_list.tolist(), strict=True))
+        self.policy.bulk_load(ordered_keys, (r["hits"] > 0).tolist())
         used = np.zeros(self.n_slots, dtype=bool)
         if len(keep):
             used[slots[keep].astype(np.int64)] = True
@@ -198,8 +224,8 @@ class FileTier:
 
     # -- queries (owner thread) ---------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
-        e = self.entries.get(key)
-        return e is not None and e.ready
+        slot = self.entries.get(key)
+        return slot is not None and self._ready[slot]
 
     def lookup(self, key: bytes) -> bool:
         """``contains`` that also counts a lookup and lets the policy see misses."""
@@ -213,6 +239,13 @@ class FileTier:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def entry(self, key: bytes) -> Entry | None:
+        slot = self.entries.get(key)
+        if slot is None:
+            return None
+        return Entry(slot, self._len[slot], self._codec[slot], self._sum[slot],
+                     self._created[slot], self._last[slot], self._hits[slot], self._ready[slot])
 
     @property
     def used_bytes(self) -> int:
@@ -252,13 +285,15 @@ class FileTier:
                     self._count("rejected_full")
                     continue
                 victim = victims[0]
-                self._free.append(self.entries.pop(victim).slot)
+                self._free.append(self.entries.pop(victim))
                 self._dirty.discard(victim)
                 drop.append(victim)
                 reused = True
                 self._count("evictions")
             slot = self._free.pop()
-            self.entries[key] = _Entry(slot, 0, 0, 0, now, now, 0, False)
+            self.entries[key] = slot
+            self._ready[slot], self._hits[slot] = False, 0
+            self._created[slot] = self._last[slot] = now
             items.append(WriteItem(key, slot, memoryview(row), now))
             accepted.append(key)
         if accepted:
@@ -283,8 +318,9 @@ class FileTier:
         self.committer.jobs.put(job)
 
     def _record(self, key: bytes) -> bytes:
-        e = self.entries[key]
-        return pack_record(e.slot, e.length, e.codec, e.checksum, e.created, e.last_access, e.hits)
+        s = self.entries[key]
+        return pack_record(s, self._len[s], self._codec[s], self._sum[s], self._created[s],
+                           self._last[s], self._hits[s])
 
     # -- reads (owner thread) -------------------------------------------------------------------
     def get(self, key: bytes, out: memoryview, token: Any = None) -> bool:
@@ -300,15 +336,16 @@ class FileTier:
         started: list[ReadItem] = []
         answers = []
         for key, out, token in items:
-            e = self.entries.get(key)
-            if e is None or not e.ready:
+            slot = self.entries.get(key)
+            if slot is None or not self._ready[slot]:
                 answers.append(False)
                 continue
             if len(out) != self.row_bytes:
                 raise ValueError(f"get: buffer for key {key.hex()} has {len(out)} bytes, "
                                  f"expected row_bytes={self.row_bytes}")
             self.policy.pin(key)
-            started.append(ReadItem(key, e.slot, e.length, e.codec, e.checksum, out, token))
+            started.append(ReadItem(key, slot, self._len[slot], self._codec[slot],
+                                    self._sum[slot], out, token))
             answers.append(True)
         if not started:
             return answers
@@ -332,10 +369,10 @@ class FileTier:
         """Record a hit on ready keys (prefix order): policy recency and persisted hit counts."""
         now = time.time()
         for key in keys:
-            e = self.entries.get(key)
-            if e is not None and e.ready:
-                e.hits += 1
-                e.last_access = now
+            slot = self.entries.get(key)
+            if slot is not None and self._ready[slot]:
+                self._hits[slot] += 1
+                self._last[slot] = now
                 self._dirty.add(key)
         self.policy.access_many([k for k in keys if k in self.entries])
 
@@ -366,11 +403,12 @@ class FileTier:
 
     def _finish_write(self, r: WriteResult) -> WriteDone:
         self._inflight_writes -= 1
-        e = self.entries.get(r.key)
-        if e is not None and e.slot == r.slot and not e.ready:
+        slot = self.entries.get(r.key)
+        if slot == r.slot and not self._ready[slot]:
             self.policy.unpin(r.key)
             if r.ok:
-                e.length, e.codec, e.checksum, e.ready = r.length, r.codec, r.checksum, True
+                self._len[slot], self._codec[slot], self._sum[slot] = r.length, r.codec, r.checksum
+                self._ready[slot] = True
                 self._stats["writes"] += 1
                 self._stats["write_bytes"] += r.length
             else:
@@ -398,14 +436,14 @@ class FileTier:
         """Remove ready keys; their slots return to the free list once the index forgets them."""
         gone, slots = [], []
         for key in keys:
-            e = self.entries.get(key)
-            if e is None or not e.ready or self.policy.is_pinned(key):
+            slot = self.entries.get(key)
+            if slot is None or not self._ready[slot] or self.policy.is_pinned(key):
                 continue
             del self.entries[key]
             self.policy.remove(key)
             self._dirty.discard(key)
             gone.append(key)
-            slots.append(e.slot)
+            slots.append(slot)
         if gone:
             self._submit(Job(drop_keys=gone, freed_slots=slots))
         return len(gone)
@@ -425,7 +463,7 @@ class FileTier:
 
     def clear(self) -> None:
         """Drop every ready key (in-flight ones finish, then can be dropped later)."""
-        self.drop([k for k, e in self.entries.items() if e.ready])
+        self.drop([k for k, s in self.entries.items() if self._ready[s]])
 
     def _count(self, name: str, n: int = 1) -> None:
         self._stats[name] += n

@@ -76,14 +76,12 @@ class Index:
     # -- reads -------------------------------------------------------------------------------
     def load_all(self) -> tuple[list[bytes], np.ndarray]:
         """Every (key, record) in one snapshot; records as a structured array (fast reopen)."""
-        keys: list[bytes] = []
-        values: list[bytes] = []
-        with self.env.begin(db=self.records, buffers=False) as txn:
-            for k, v in txn.cursor():
-                keys.append(k)
-                values.append(v)
-        arr = np.frombuffer(b"".join(values), dtype=RECORD) if values else np.empty(0, RECORD)
-        return keys, arr
+        with self.env.begin(db=self.records, buffers=False) as txn:  # one snapshot, two passes
+            keys = list(txn.cursor().iternext(keys=True, values=False))
+            values = list(txn.cursor().iternext(keys=False, values=True))
+        if not keys:
+            return [], np.empty(0, RECORD)
+        return keys, np.frombuffer(b"".join(values), dtype=RECORD)
 
     def get(self, key: bytes) -> tuple | None:
         with self.env.begin(db=self.records) as txn:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
+from itertools import compress
 
 from tiering.policies.base import EvictionPolicy, Key
 
@@ -107,6 +108,14 @@ class ArcPolicy(EvictionPolicy):
             self.b2.popitem(last=False)
         while self.b1 and len(self) + len(self.b1) + len(self.b2) > 2 * c:
             self.b1.popitem(last=False)
+
+    def bulk_load(self, keys: list[Key], reused: list[bool]) -> None:
+        """Reused keys go to T2, the others to T1, each list oldest first."""
+        if len(self):
+            return super().bulk_load(keys, reused)
+        cold = [not hot for hot in reused]
+        self.t1 = OrderedDict.fromkeys(compress(keys, cold))
+        self.t2 = OrderedDict.fromkeys(compress(keys, reused))
 
     def clear(self) -> None:
         super().clear()

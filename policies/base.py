@@ -135,6 +135,14 @@ class EvictionPolicy(ABC):
         for key in reversed(list(keys)):
             self.access(key)
 
+    def bulk_load(self, keys: list[Key], reused: list[bool]) -> None:
+        """Rebuild state after a restart: ``keys`` oldest access first, ``reused[i]`` true if
+        key i was hit at least once. Policies override this with a faster construction."""
+        for key, hot in zip(keys, reused, strict=True):
+            self.insert(key)
+            if hot:
+                self.access(key)
+
     # -- hooks ----------------------------------------------------------------------------
     def on_miss(self, key: Key) -> None:
         """A lookup missed ``key`` (lets ghost-based policies adapt before the re-insert)."""

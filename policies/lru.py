@@ -48,3 +48,8 @@ class LruPolicy(EvictionPolicy):
         for key in victims:
             del self._order[key]
         return victims
+
+    def bulk_load(self, keys: list[Key], reused: list[bool]) -> None:
+        if self._order:
+            return super().bulk_load(keys, reused)
+        self._order = OrderedDict.fromkeys(keys)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
+from itertools import compress
 
 from tiering.policies.base import EvictionPolicy, Key
 
@@ -121,6 +122,17 @@ class S3FifoPolicy(EvictionPolicy):
         del self.freq[key]
         victims.append(key)
         return False
+
+    def bulk_load(self, keys: list[Key], reused: list[bool]) -> None:
+        """Reused keys go to the main queue (freq 1), the others to the small queue."""
+        if len(self):
+            return super().bulk_load(keys, reused)
+        self.freq = dict.fromkeys(keys, 0)
+        cold = [not hot for hot in reused]
+        self.small = OrderedDict.fromkeys(compress(keys, cold))
+        self.main = OrderedDict.fromkeys(compress(keys, reused))
+        for k in self.main:
+            self.freq[k] = 1
 
     def clear(self) -> None:
         super().clear()

@@ -117,7 +117,7 @@ def test_hit_counts_persist(tmp_path):
         t.touch([key(0)])
         t.touch([key(0)])
     with open_tier(tmp_path) as t:
-        assert t.entries[key(0)].hits == 2
+        assert t.entry(key(0)).hits == 2
 
 
 def test_capacity_shrink_drops_entries_beyond_it(tmp_path):
@@ -139,7 +139,7 @@ def test_zstd_round_trip_on_kv_like_data(tmp_path):
         np.frombuffer(row, np.uint16)[:] = (vals.view(np.uint32) >> 16).astype(np.uint16)  # bf16
         t.put([k], [row])
         assert all(d.ok for d in t.wait_idle())
-        e = t.entries[k]
+        e = t.entry(k)
         assert e.codec == 1 and e.length < 0.8 * big
         out = aligned_buffer(big)
         t.get(k, out)
@@ -150,7 +150,7 @@ def test_zstd_round_trip_on_kv_like_data(tmp_path):
 def test_zstd_stores_incompressible_rows_raw(tmp_path):
     with open_tier(tmp_path, compression="zstd") as t:
         store(t, [key(0)])
-        assert t.entries[key(0)].codec == 0
+        assert t.entry(key(0)).codec == 0
         assert read(t, key(0))[0] == bytes(row_for(key(0)))
 
 

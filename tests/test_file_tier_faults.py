@@ -72,7 +72,7 @@ def test_flipped_byte_is_a_miss_and_verify_reports_it(tmp_path, capsys):
     with open_tier(tmp_path) as t:
         store(t, keys)
         victim = keys[3]
-        slot = t.entries[victim].slot
+        slot = t.entry(victim).slot
         slab = t.folder / f"slab-{slot // 4:04d}.dat"
         folder = t.folder
     with open(slab, "r+b") as fh:  # flip one byte in the middle of the slot
@@ -99,7 +99,7 @@ def test_flipped_byte_is_a_miss_and_verify_reports_it(tmp_path, capsys):
 def test_truncated_slab_is_a_short_read_miss(tmp_path):
     with open_tier(tmp_path, slots=4) as t:
         store(t, [key(i) for i in range(4)])
-        last = max(t.entries, key=lambda k: t.entries[k].slot)
+        last = max(t.entries, key=t.entries.get)
         slab = t.folder / "slab-0000.dat"
     os.truncate(slab, 3 * ROW + 100)
     # reopening re-extends the file (zeros), so the slot's checksum fails instead
@@ -139,7 +139,7 @@ def test_kill_9_mid_write_leaves_only_exact_rows(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         with open_tier(tmp_path, slots=24) as t:
-            used = [e.slot for e in t.entries.values()]
+            used = list(t.entries.values())
             assert len(used) == len(set(used)), "a slot is indexed twice"
             assert not set(used) & set(t._free), "a slot is both free and indexed"
             assert len(used) + len(t._free) == t.n_slots

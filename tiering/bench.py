@@ -218,6 +218,10 @@ def run_index(folder: Path, entries: int) -> dict[str, Any]:
         idx.publish(recs, [])
     idx.close()
     t0 = time.perf_counter()
+    if os.environ.get("TIERING_PROFILE_REOPEN"):
+        import cProfile
+
+        cProfile.runctx("FileTier(cfg, facts).close()", globals(), locals(), sort="cumtime")
     tier = FileTier(cfg, facts)
     reopen = time.perf_counter() - t0
     keys = [_key(i) for i in range(0, entries, max(1, entries // 200_000))]

@@ -90,6 +90,9 @@ class TierChain:
         self.row_pins = [0] * self.num_rows  # every pin: vLLM's (store, load) and file I/O
         self.row_io = [0] * self.num_rows  # the file-I/O share of row_pins
         self.row_from_disk = [False] * self.num_rows
+        # Promoted rows not yet looked up: their first HIT is the disk tier's hit, counted when
+        # the promotion started, so it does not count again as a CPU hit.
+        self.row_fresh = [False] * self.num_rows
         self.free_rows = list(range(self.num_rows - 1, -1, -1))
         self.detached: set[int] = set()
         self._promote: list[list[tuple[bytes, int]]] = [[] for _ in self.file_tiers]
@@ -122,6 +125,7 @@ class TierChain:
         self.row_key[row] = None
         self.row_state[row] = RowState.FREE
         self.row_from_disk[row] = False
+        self.row_fresh[row] = False
         self.free_rows.append(row)
 
     def _drop_key(self, key: bytes, event: bool = True) -> None:
@@ -152,14 +156,18 @@ class TierChain:
     def lookup(self, key: bytes) -> Lookup:
         self.poll()
         c0 = self.counters[0]
-        c0.lookups += 1
         row = self.key_row.get(key)
         if row is not None:
-            if self.row_state[row] == RowState.READY:
+            if self.row_state[row] != RowState.READY:
+                return Lookup.PENDING  # asked again next step: counted when it resolves
+            if self.row_fresh[row]:
+                self.row_fresh[row] = False
+            else:
+                c0.lookups += 1
                 c0.hits += 1
                 c0.hit_bytes += self.row_bytes
-                return Lookup.HIT
-            return Lookup.PENDING
+            return Lookup.HIT
+        c0.lookups += 1
         self.policy.on_miss(key)
         for i, tier in enumerate(self.file_tiers):
             c = self.counters[i + 1]
@@ -321,6 +329,7 @@ class TierChain:
             self._fail_promotion(tier_idx, key, row)
             return
         self.row_state[row] = RowState.READY
+        self.row_fresh[row] = True
         self._unpin(row, io=True)
         c.promotions += 1
         c.promotion_bytes += r.nbytes
