@@ -297,12 +297,13 @@ class TierChain:
         else:
             self._unpin(row, io=True)
 
-    def poll(self) -> None:
+    def poll(self, wait: float = 0.0) -> None:
+        """Apply finished file-tier I/O (``wait`` > 0 blocks up to that long per busy tier)."""
         for i, tier in enumerate(self.file_tiers):
             if not tier.has_pending_work():
                 continue
             c = self.counters[i + 1]
-            for r in tier.poll():
+            for r in tier.poll(wait=wait):
                 if isinstance(r, WriteDone):
                     row, started = self._demoting.pop((i, r.key), (None, None))
                     if r.ok:
@@ -338,6 +339,15 @@ class TierChain:
         if self.events_enabled:
             self._events.append(Event([key], "cpu", False))
 
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Block until all file-tier I/O has been applied (tests, tools, shutdown)."""
+        deadline = time.monotonic() + timeout
+        self.on_schedule_end()
+        while self.has_pending_work():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tier chain: I/O still in flight after {timeout}s")
+            self.poll(wait=0.01)
+
     def has_pending_work(self) -> bool:
         return any(self._promote) or any(t.has_pending_work() for t in self.file_tiers)
 
@@ -370,6 +380,10 @@ class TierChain:
                 "pinned": pinned, "entries": len(self.key_row)}
 
     def close(self) -> None:
+        try:
+            self.wait_idle()
+        except Exception:  # never let a stuck tier stop the shutdown of the others
+            log.exception("tier chain: waiting for in-flight I/O at shutdown failed")
         for tier in self.file_tiers:
             try:
                 tier.close()

@@ -71,6 +71,9 @@ class CopyLayout:
             pos = np.arange(n, dtype=np.int64) + skip
             n_rows = -(-(n + skip) // self.bpc)
             grp_rows = rows[row_off:row_off + n_rows].astype(np.int64)
+            if len(grp_rows) < n_rows:
+                raise ValueError(f"job names {len(rows)} rows but group {g}'s blocks need "
+                                 f"{row_off + n_rows}")
             row_addr = self.row_base + grp_rows[pos // self.bpc] * self.row_bytes
             for ref in self.refs[g]:
                 t = ref.tensor_idx

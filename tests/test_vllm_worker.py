@@ -1,0 +1,112 @@
+"""The worker's copy descriptors on host tensors: random data, odd block ids, partial chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+)
+
+import tiering.backends.staging as staging  # noqa: E402
+from tiering.backends.staging import StagingRegion  # noqa: E402
+from tiering.vllm.compat import GPULoadStoreSpec  # noqa: E402
+from tiering.vllm.worker import CopyLayout, MemcpyEngine, RowsSpec, TieredWorker, merge_runs  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def shm_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setattr(staging, "SHM_DIR", tmp_path / "shm")
+
+
+def make(num_blocks=32, pages=(512, 1024), bpc=1, groups=1, rows=16, rank=0, world=1):
+    tensors = [CanonicalKVCacheTensor(torch.randint(-128, 127, (num_blocks, p), dtype=torch.int8), p)
+               for p in pages]
+    refs = [[CanonicalKVCacheRef(t, p) for t, p in enumerate(pages)] for _ in range(groups)]
+    kv = CanonicalKVCaches(tensors, refs)
+    cell = sum(pages) * bpc
+    row_bytes = -(-cell * world // 4096) * 4096
+    region = StagingRegion(f"w{bpc}{groups}{rank}", rows, row_bytes)
+    layout = CopyLayout(kv, region, rank, cell, bpc)
+    return kv, region, TieredWorker(layout, MemcpyEngine(), region)
+
+
+def test_round_trip_random_blocks_one_block_per_chunk():
+    kv, region, w = make()
+    src_blocks = [7, 3, 19, 4]
+    rows = [5, 0, 9, 2]
+    snapshot = [t.tensor[src_blocks].clone() for t in kv.tensors]
+    assert w.submit_store(1, GPULoadStoreSpec(src_blocks, [4], [0]), RowsSpec(rows))
+    (res,) = w.get_finished()
+    assert res.success and res.transfer_size == 4 * (512 + 1024)
+    # row layout: tensor 0's page first, then tensor 1's
+    r5 = torch.from_numpy(region.rows[5].copy()).view(torch.int8)
+    assert torch.equal(r5[:512], kv.tensors[0].tensor[7])
+    assert torch.equal(r5[512:1536], kv.tensors[1].tensor[7])
+    dst_blocks = [30, 11, 12, 1]
+    assert w.submit_load(2, RowsSpec(rows), GPULoadStoreSpec(dst_blocks, [4], [0]))
+    w.get_finished()
+    for t, snap in zip(kv.tensors, snapshot, strict=True):
+        assert torch.equal(t.tensor[dst_blocks], snap)
+    w.shutdown()
+
+
+def test_partial_first_chunk_with_blocks_per_chunk_4():
+    kv, region, w = make(bpc=4)
+    # logical blocks 6..13 of a request: chunk 1 from its 3rd block (6 % 4 == 2), chunks 2, 3
+    blocks = [20, 21, 22, 23, 24, 25, 26, 27]
+    rows = [3, 8, 1]
+    snap = [t.tensor[blocks].clone() for t in kv.tensors]
+    w.submit_store(1, GPULoadStoreSpec(blocks, [8], [6]), RowsSpec(rows))
+    w.get_finished()
+    r3 = torch.from_numpy(region.rows[3].copy()).view(torch.int8)
+    # block 20 is logical block 6 -> sub-block 2 of row 3, tensor 0 at offset 2*512
+    assert torch.equal(r3[2 * 512:3 * 512], kv.tensors[0].tensor[20])
+    assert torch.equal(r3[4 * 512 + 3 * 1024:4 * 512 + 4 * 1024], kv.tensors[1].tensor[21])
+    for t in kv.tensors:
+        t.tensor.zero_()
+    w.submit_load(2, RowsSpec(rows), GPULoadStoreSpec(blocks, [8], [6]))
+    w.get_finished()
+    for t, s in zip(kv.tensors, snap, strict=True):
+        assert torch.equal(t.tensor[blocks], s)
+    w.shutdown()
+
+
+def test_two_groups_one_empty_and_second_rank_cell():
+    kv, region, w = make(groups=2, rank=1, world=2, rows=4)
+    snap = [t.tensor[[9, 2]].clone() for t in kv.tensors]
+    w.submit_store(1, GPULoadStoreSpec([9, 2], [0, 2], [0, 0]), RowsSpec([2, 3]))
+    w.get_finished()
+    cell = 512 + 1024
+    r2 = torch.from_numpy(region.rows[2].copy()).view(torch.int8)
+    assert not r2[:cell].any()  # rank 0's cell untouched
+    assert torch.equal(r2[cell:cell + 512], kv.tensors[0].tensor[9])
+    for t in kv.tensors:
+        t.tensor.zero_()
+    w.submit_load(2, RowsSpec([2, 3]), GPULoadStoreSpec([9, 2], [0, 2], [0, 0]))
+    w.get_finished()
+    for t, s in zip(kv.tensors, snap, strict=True):
+        assert torch.equal(t.tensor[[9, 2]], s)
+    w.shutdown()
+
+
+def test_row_count_mismatch_is_an_error():
+    kv, region, w = make()
+    with pytest.raises(ValueError, match="rows"):
+        w.submit_store(1, GPULoadStoreSpec([1, 2], [2], [0]), RowsSpec([0]))
+    w.shutdown()
+
+
+def test_merge_runs_joins_only_continuations():
+    src = np.array([0, 100, 200, 1000], dtype=np.int64)
+    dst = np.array([5000, 5100, 9000, 9100], dtype=np.int64)
+    size = np.array([100, 100, 100, 100], dtype=np.int64)
+    s, d, n = merge_runs(src, dst, size)
+    assert s.tolist() == [0, 200, 1000] and d.tolist() == [5000, 9000, 9100]
+    assert n.tolist() == [200, 100, 100]
