@@ -15,9 +15,10 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 import tiering.backends.staging as staging  # noqa: E402
+from tiering.backends.dma import MemcpyEngine, merge_runs  # noqa: E402
 from tiering.backends.staging import StagingRegion  # noqa: E402
 from tiering.vllm.compat import GPULoadStoreSpec  # noqa: E402
-from tiering.vllm.worker import CopyLayout, MemcpyEngine, RowsSpec, TieredWorker, merge_runs  # noqa: E402
+from tiering.vllm.worker import RowsSpec, TieredWorker, make_layout  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +34,7 @@ def make(num_blocks=32, pages=(512, 1024), bpc=1, groups=1, rows=16, rank=0, wor
     cell = sum(pages) * bpc
     row_bytes = -(-cell * world // 4096) * 4096
     region = StagingRegion(f"w{bpc}{groups}{rank}", rows, row_bytes)
-    layout = CopyLayout(kv, region, rank, cell, bpc)
+    layout = make_layout(kv, region, rank, cell, bpc)
     return kv, region, TieredWorker(layout, MemcpyEngine(), region)
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Any
 
+from tiering.backends.dma import MemcpyEngine
 from tiering.backends.file_tier import FileTier
 from tiering.backends.namespace import NamespaceFacts
 from tiering.backends.staging import StagingRegion, remove_stale
@@ -24,7 +25,7 @@ from tiering.vllm import compat
 from tiering.vllm.compat import CanonicalKVCaches, OffloadingSpec
 from tiering.vllm.manager import TieredManager
 from tiering.vllm.metrics import TierMetrics, definitions
-from tiering.vllm.worker import CopyLayout, MemcpyEngine, TieredWorker
+from tiering.vllm.worker import TieredWorker, make_layout
 
 log = logging.getLogger(__name__)
 PAGE = 4096
@@ -105,12 +106,13 @@ class TieredOffloadingSpec(OffloadingSpec):
             return self._worker
         region = StagingRegion(self.config.engine_id, self.num_rows, self.row_bytes)
         rank = self.config.parallel.rank
-        layout = CopyLayout(kv_caches, region, rank, self.cell_bytes, self.blocks_per_chunk)
+        layout = make_layout(kv_caches, region, rank, self.cell_bytes, self.blocks_per_chunk)
         on_device = kv_caches.tensors and kv_caches.tensors[0].tensor.device.type == "cuda"
         if on_device:
-            from tiering.vllm.cuda_copy import CudaCopyEngine
+            from tiering.backends.dma import CudaCopyEngine
 
-            engine = CudaCopyEngine(region, device=kv_caches.tensors[0].tensor.device)
+            engine = CudaCopyEngine(region.base_address, region.num_rows * region.row_bytes,
+                                    device=kv_caches.tensors[0].tensor.device)
         else:
             engine = MemcpyEngine()
         log.info("vllm-tiering worker rank %d: %s copies, %d KV tensors", rank, engine.name,

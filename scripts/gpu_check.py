@@ -1,0 +1,171 @@
+"""GPU checks and benchmarks in one run (prints a short table, writes JSON).
+
+Run on a machine with an NVIDIA GPU: ``bash scripts/gpu_check.sh [OUT_DIR]``.
+
+1. DMA (``backends/dma.py`` CudaCopyEngine) for a Llama-3.1-8B-shaped cache: 32 layers,
+   8 KV heads, head 128, bf16, 16-token blocks → 64 KiB per-layer pages (per-layer layout,
+   32 tensors) and 2 MiB per block (packed layout, one tensor). 512 random non-contiguous blocks
+   (1 GiB) per job into random rows of a pinned staging region; store, load, and both at once,
+   against one large ``copy_`` of the same bytes measured in the same run. Every moved byte is
+   checked after a store → load round trip into other blocks.
+2. The file tier with ``io=kvikio`` against ``io=posix`` on the same disk (``tiering bench``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build-gpu"))
+
+import torch  # noqa: E402
+
+from tiering.backends.dma import CopyLayout, CudaCopyEngine, TensorInfo  # noqa: E402
+from tiering.backends.io_engines import aligned_buffer  # noqa: E402
+
+LAYERS, PAGE, BLOCKS, JOB, ROWS, REPEAT = 32, 64 << 10, 2048, 512, 1024, 7
+GB = 1e9
+
+
+def median_time(fn, repeat=REPEAT) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def dma(layout_name: str) -> dict:
+    row_bytes = LAYERS * PAGE
+    host = aligned_buffer(ROWS * row_bytes)
+    host_arr = np.frombuffer(host, np.uint8)
+    host_base = host_arr.ctypes.data
+    engine = CudaCopyEngine(host_base, len(host_arr))
+    if layout_name == "per-layer":
+        tensors = [torch.randint(-128, 127, (BLOCKS, PAGE), dtype=torch.int8, device="cuda")
+                   for _ in range(LAYERS)]
+        infos = [TensorInfo(t.data_ptr(), t.stride(0), PAGE) for t in tensors]
+        refs = [[(i, PAGE) for i in range(LAYERS)]]
+    else:
+        tensors = [torch.randint(-128, 127, (BLOCKS, row_bytes), dtype=torch.int8, device="cuda")]
+        infos = [TensorInfo(tensors[0].data_ptr(), tensors[0].stride(0), row_bytes)]
+        refs = [[(0, row_bytes)]]
+    layout = CopyLayout(infos, refs, host_base, row_bytes, 0, row_bytes, 1)
+    rng = np.random.default_rng(0)
+    blocks = rng.choice(BLOCKS // 2, JOB, replace=False)  # store from the first half
+    other = BLOCKS // 2 + rng.choice(BLOCKS // 2, JOB, replace=False)  # load into the second
+    rows = rng.choice(ROWS, JOB, replace=False)
+    dev, hst, size = layout.descriptors(blocks, [JOB], [0], rows)
+    dev2, hst2, size2 = layout.descriptors(other, [JOB], [0], rows)
+    nbytes = int(size.sum())
+    job = [0]
+
+    def run(src, dst, n, direction):
+        job[0] += 1
+        engine.submit(job[0], src, dst, n, direction)
+        engine.wait({job[0]})
+        engine.get_finished()
+
+    t_store = median_time(lambda: run(dev, hst, size, "store"))
+    t_load = median_time(lambda: run(hst2, dev2, size2, "load"))
+    # correctness: what was stored from `blocks` is now in `other`
+    ok = all(torch.equal(t[torch.as_tensor(blocks, device="cuda")],
+                         t[torch.as_tensor(other, device="cuda")]) for t in tensors)
+
+    def both():
+        job[0] += 2
+        engine.submit(job[0] - 1, dev, hst, size, "store")
+        engine.submit(job[0], hst2, dev2, size2, "load")
+        engine.wait({job[0] - 1, job[0]})
+        engine.get_finished()
+
+    t_both = median_time(both)
+    # ceiling: one large copy of the same bytes between pinned host and device memory
+    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    t_d2h = median_time(lambda: h.copy_(d, non_blocking=True))
+    t_h2d = median_time(lambda: d.copy_(h, non_blocking=True))
+    h2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def both_ceiling():
+        with torch.cuda.stream(s1):
+            h.copy_(d, non_blocking=True)
+        with torch.cuda.stream(s2):
+            d2.copy_(h2, non_blocking=True)
+
+    t_both_ceiling = median_time(both_ceiling)
+    res = {
+        "layout": layout_name, "bytes": nbytes, "descriptors": len(size),
+        "store_GBps": nbytes / t_store / GB, "load_GBps": nbytes / t_load / GB,
+        "both_GBps": 2 * nbytes / t_both / GB,
+        "copy_d2h_GBps": nbytes / t_d2h / GB, "copy_h2d_GBps": nbytes / t_h2d / GB,
+        "copy_both_GBps": 2 * nbytes / t_both_ceiling / GB,
+        "correct": bool(ok), "batch_api": engine.batch_api,
+        "register_failures": engine.register_failures,
+    }
+    res["store_vs_copy"] = res["store_GBps"] / res["copy_d2h_GBps"]
+    res["load_vs_copy"] = res["load_GBps"] / res["copy_h2d_GBps"]
+    engine.shutdown()
+    del tensors
+    torch.cuda.empty_cache()
+    return res
+
+
+def file_tier(folder: str) -> list[dict]:
+    from tiering.bench import bench
+
+    out = []
+    for io in ("posix", "kvikio"):
+        try:
+            r = bench(folder, 2 << 20, 2 << 30, 8, 3, "tier", io, 0)
+            out.append({"io": io, **{k: r[k] for k in ("tier_write_GBps", "tier_read_GBps",
+                                                        "tier_cpu_s_per_GB", "io_engine")},
+                        "bad_rows": r.get("tier_bad_rows")})
+        except Exception as exc:  # report, keep going
+            out.append({"io": io, "error": f"{type(exc).__name__}: {exc}"})
+    return out
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    print(json.dumps(info), flush=True)
+    results = {"info": info, "dma": [], "errors": []}
+    for name in ("per-layer", "packed"):
+        try:
+            results["dma"].append(dma(name))
+        except Exception:
+            import traceback
+
+            traceback.print_exc()
+            results["errors"].append(traceback.format_exc())
+    print(f"{'layout':<10} {'desc':>6} {'store':>7} {'load':>7} {'both':>7} | {'copy d2h':>8} "
+          f"{'copy h2d':>8} {'copy both':>9} | {'store%':>6} {'load%':>6} ok")
+    for r in results["dma"]:
+        print(f"{r['layout']:<10} {r['descriptors']:>6} {r['store_GBps']:>7.1f} "
+              f"{r['load_GBps']:>7.1f} {r['both_GBps']:>7.1f} | {r['copy_d2h_GBps']:>8.1f} "
+              f"{r['copy_h2d_GBps']:>8.1f} {r['copy_both_GBps']:>9.1f} | "
+              f"{100 * r['store_vs_copy']:>5.0f}% {100 * r['load_vs_copy']:>5.0f}% {r['correct']}",
+              flush=True)
+    scratch = os.environ.get("TIERING_BENCH_DIR", "/tmp/tiering-bench")
+    results["file_tier"] = file_tier(scratch)
+    for r in results["file_tier"]:
+        print(json.dumps(r), flush=True)
+    (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

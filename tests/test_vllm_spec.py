@@ -1,0 +1,110 @@
+"""TieredOffloadingSpec at engine start: config errors name the key; the manager works in-process
+through vLLM's own types."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+
+import tiering.backends.staging as staging  # noqa: E402
+from tiering.vllm import TieredOffloadingSpec  # noqa: E402
+
+BLOCK = 1 << 16  # worker KV bytes per block
+
+
+@pytest.fixture(autouse=True)
+def shm_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setattr(staging, "SHM_DIR", tmp_path / "shm")
+
+
+def config(extra: dict, engine="eng") -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("l0", "l1"), 0),), worker_kv_bytes_per_block=BLOCK,
+        enable_kv_cache_events=True, extra_config=extra, engine_id=engine,
+        model=OffloadingModelConfig("tiny", "bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+        kv_cache_layout="LBHNC")
+
+
+def good(tmp_path, **over) -> dict:
+    extra = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+             "cpu_bytes_to_use": 8 * BLOCK,
+             "tiers": [{"medium": "cpu", "policy": "arc"},
+                       {"medium": "file", "path": str(tmp_path / "kv"), "capacity": "4MiB",
+                        "io": "posix", "store_threshold": 0}]}
+    extra.update(over)
+    return extra
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda e: e.update(colour=1), "unknown key.*'colour'"),
+    (lambda e: e.update(cpu_bytes_to_use="lots"), "cpu_bytes_to_use: expected a byte size"),
+    (lambda e: e.pop("cpu_bytes_to_use"), "cpu_bytes_to_use: required"),
+    (lambda e: e.update(cpu_bytes_to_use=1000), "cpu_bytes_to_use: 1000 bytes holds no row"),
+    (lambda e: e["tiers"][1].pop("path"), r"tiers\[1\].path: required"),
+    (lambda e: e["tiers"][1].update(capacity="1XB"), r"tiers\[1\].*capacity"),
+    (lambda e: e["tiers"][1].update(capacity=1000), r"tiers\[1\].capacity: 1000 bytes holds no"),
+    (lambda e: e["tiers"][1].update(policy="nope"), r"tiers\[1\].*unknown policy 'nope'"),
+    (lambda e: e["tiers"][0].update(policy="nope"), r"tiers\[0\].policy.*unknown policy"),
+    (lambda e: e["tiers"][1].update(medium="tape"), r"tiers\[1\].medium: expected 'file'"),
+    (lambda e: e["tiers"][0].update(medium="file"), r"tiers\[0\].medium: tier 0 .* 'cpu'"),
+    (lambda e: e["tiers"][1].update(speed=3), r"tiers\[1\]: unknown key.*'speed'"),
+])
+def test_bad_config_is_one_clear_error_before_allocation(tmp_path, mutate, message):
+    extra = good(tmp_path)
+    mutate(extra)
+    with pytest.raises(ValueError, match=message):
+        TieredOffloadingSpec(config(extra))
+    assert not (tmp_path / "kv").exists()
+    assert not (tmp_path / "shm").exists() or not list((tmp_path / "shm").iterdir())
+
+
+def test_manager_store_lookup_promote_through_vllm_types(tmp_path):
+    spec = TieredOffloadingSpec(config(good(tmp_path)))
+    m = spec.get_manager()
+    ctx = ReqContext(req_id="r1", kv_transfer_params=None) if _takes_kw() else None
+    keys = [bytes([i]) * 32 + b"\0\0\0\0" for i in range(10)]
+    out = m.prepare_store(keys[:8], ctx)
+    assert out.keys_to_store == keys[:8] and len(out.store_spec.block_ids) == 8
+    assert m.lookup(keys[0], ctx) == LookupResult.HIT_PENDING
+    m.complete_store(keys[:8], ctx)
+    assert m.lookup(keys[0], ctx) == LookupResult.HIT
+    assert str(m.get_load_source(keys[0], ctx).value) == "host"
+    m.chain.wait_idle()
+    out2 = m.prepare_store(keys[8:], ctx)  # CPU full: evicts two (already on disk)
+    assert len(out2.evicted_keys) == 2
+    m.complete_store(keys[8:], ctx)
+    m.chain.wait_idle()
+    gone = out2.evicted_keys[0]
+    assert m.lookup(gone, ctx) == LookupResult.HIT_PENDING  # promotion from disk
+    m.on_schedule_end(None)
+    m.chain.wait_idle()
+    assert m.lookup(gone, ctx) == LookupResult.HIT
+    assert str(m.get_load_source(gone, ctx).value) == "disk"
+    events = list(m.take_events())
+    assert any(e.removed for e in events) and any(not e.removed for e in events)
+    stats = m.get_stats()
+    assert not stats.is_empty()
+    defs = TieredOffloadingSpec.build_metric_definitions({})
+    for name in stats.data["data"]:
+        assert name in defs  # vLLM asserts every reported name is declared
+    m.reset_cache()
+    assert m.lookup(keys[9], ctx) == LookupResult.HIT_PENDING  # CPU emptied, disk kept
+    m.shutdown()
+
+
+def _takes_kw() -> bool:
+    import inspect
+
+    return "req_id" in inspect.signature(ReqContext).parameters
