@@ -10,8 +10,12 @@ sides. Both engines take those arrays:
 * ``MemcpyEngine`` — host-only (vLLM's CPU platform and CI): ``ctypes.memmove`` per run.
 * ``CudaCopyEngine`` — the rows are registered with CUDA as pinned memory (in segments: one
   registration of tens of GiB can fail), one stream per direction plus one for expedited loads,
-  each job one ``cudaMemcpyBatchAsync`` per ≤1024 runs (per-run ``cudaMemcpyAsync`` where the
-  batch API is missing), a CUDA event per job for completion and timing. Torch and
+  each job ``cudaMemcpyBatchAsync`` calls of ≤1024 runs (per-run ``cudaMemcpyAsync`` where the
+  batch API is missing), a CUDA event per job for completion and timing. Optionally
+  (``staging_bytes`` > 0) jobs made of small pages (per-layer layouts: 64 KiB each) of whole
+  rows go through a device staging buffer laid out like the rows: one gather/scatter kernel per
+  KV tensor, then one batched copy of whole rows over PCIe. Off by default: on the H200 it only
+  beat the direct path for both directions at once with a 512 MiB buffer (docs/benchmarks.md). Torch and
   cuda-bindings are imported when the engine is built, never at module import.
 
 Engines never report a failed job (vLLM asserts on failures): a copy API error raises at once,
@@ -53,8 +57,10 @@ class CopyLayout:
 
     def __init__(self, tensors: Sequence[TensorInfo], group_refs: Sequence[Sequence[tuple[int, int]]],
                  row_base: int, row_bytes: int, rank: int, cell_bytes: int,
-                 blocks_per_chunk: int) -> None:
+                 blocks_per_chunk: int, torch_tensors: Sequence | None = None) -> None:
         self.tensors, self.refs, self.bpc = list(tensors), group_refs, blocks_per_chunk
+        self.torch_tensors = list(torch_tensors) if torch_tensors is not None else None
+        self.cell_bytes = cell_bytes
         offsets = np.cumsum([0] + [t.page * blocks_per_chunk for t in self.tensors])
         if offsets[-1] > cell_bytes:
             raise ValueError(f"KV pages need {offsets[-1]} bytes per chunk per worker but the "
@@ -95,12 +101,15 @@ class CopyLayout:
         return np.concatenate(dev), np.concatenate(host), np.concatenate(size)
 
 
-def merge_runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray
+def merge_runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray, by: str = "src"
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge descriptors that continue the previous one on both sides (fewer, larger copies)."""
+    """Merge descriptors that continue the previous one on both sides (fewer, larger copies).
+
+    The result is ordered by ``by`` ("src" or "dst") address.
+    """
     if len(src) <= 1:
         return src, dst, size
-    order = np.argsort(src, kind="stable")
+    order = np.argsort(src if by == "src" else dst, kind="stable")
     src, dst, size = src[order], dst[order], size[order]
     cont = (src[1:] == src[:-1] + size[:-1]) & (dst[1:] == dst[:-1] + size[:-1])
     idx = np.nonzero(np.concatenate(([True], ~cont)))[0]
@@ -123,6 +132,15 @@ class MemcpyEngine:
             ctypes.memmove(b, a, c)
         self._done.append(Finished(job_id, int(size.sum()), time.perf_counter() - t0))
 
+    def submit_job(self, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
+                   group_sizes: Sequence[int], block_indices: Sequence[int], rows: np.ndarray,
+                   direction: str) -> None:
+        dev, host, size = layout.descriptors(block_ids, group_sizes, block_indices, rows)
+        if direction == "store":
+            self.submit(job_id, dev, host, size, direction)
+        else:
+            self.submit(job_id, host, dev, size, direction)
+
     def get_finished(self) -> list[Finished]:
         done, self._done = self._done, []
         return done
@@ -134,16 +152,52 @@ class MemcpyEngine:
         return
 
 
+class _CudartBatch:
+    """``cudaMemcpyBatchAsync`` called through ctypes on the CUDA runtime that torch loaded.
+
+    cuda-bindings converts Python lists element by element (tens of ms for the 16k descriptors of
+    a per-layer job); ctypes hands the numpy arrays' memory straight to the runtime.
+    """
+
+    class Attrs(ctypes.Structure):  # struct cudaMemcpyAttributes (CUDA 12.8+)
+        _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocType", ctypes.c_int),
+                    ("srcLocId", ctypes.c_int), ("dstLocType", ctypes.c_int),
+                    ("dstLocId", ctypes.c_int), ("flags", ctypes.c_uint)]
+
+    def __init__(self, runtime_major: int) -> None:
+        self.lib = ctypes.CDLL(f"libcudart.so.{runtime_major}")
+        fn = self.lib.cudaMemcpyBatchAsync
+        fn.restype = ctypes.c_int
+        self.has_fail_idx = runtime_major == 12  # 12.8/12.9 take a failIdx out-parameter
+        self.fn = fn
+        self.attrs = self.Attrs(1, 0, 0, 0, 0, 0)  # source access order: stream
+        self.attr_idx = (ctypes.c_size_t * 1)(0)
+
+    def __call__(self, dst: np.ndarray, src: np.ndarray, size: np.ndarray, stream: int) -> int:
+        p = ctypes.c_void_p
+        args = [p(dst.ctypes.data), p(src.ctypes.data), p(size.ctypes.data),
+                ctypes.c_size_t(len(size)), ctypes.byref(self.attrs), self.attr_idx,
+                ctypes.c_size_t(1)]
+        if self.has_fail_idx:
+            args.append(ctypes.byref(ctypes.c_size_t(0)))
+        return self.fn(*args, p(stream))
+
+
 class CudaCopyEngine:
     """Batched async copies on CUDA streams (see module doc)."""
 
     name = "cuda"
 
-    def __init__(self, host_base: int, host_bytes: int, device: object = None) -> None:
+    def __init__(self, host_base: int, host_bytes: int, device: object = None,
+                 api: str = "auto", batch_max: int = BATCH_MAX, order: str = "host",
+                 staging_bytes: int = 0, staging_threshold: int = 256 << 10) -> None:
         import torch
         from cuda.bindings import runtime as rt
 
         self.torch, self.rt = torch, rt
+        self.batch_max, self.order = batch_max, order
+        self.staging_bytes, self.staging_threshold = staging_bytes, staging_threshold
+        self._staging: dict[str, object] = {}  # direction -> device buffer (allocated lazily)
         self.device = torch.device(device or "cuda")
         self.streams = {d: torch.cuda.Stream(self.device) for d in ("store", "load", "expedited")}
         self.registered: list[int] = []
@@ -162,6 +216,17 @@ class CudaCopyEngine:
                         -(-host_bytes // REGISTER_SEGMENT))
         self.batch_api = hasattr(rt, "cudaMemcpyBatchAsync")
         self._attrs = self._make_attrs() if self.batch_api else None
+        self._ctypes: _CudartBatch | None = None
+        if api in ("auto", "ctypes") and self.batch_api:
+            try:
+                major = int(str(torch.version.cuda).split(".")[0])
+                self._ctypes = _CudartBatch(major)
+            except (OSError, AttributeError, ValueError) as exc:
+                if api == "ctypes":
+                    raise
+                log.info("cudaMemcpyBatchAsync through ctypes unavailable (%s); using "
+                         "cuda-bindings", exc)
+        self.api = "ctypes" if self._ctypes else ("bindings" if self.batch_api else "memcpy")
         self._jobs: deque = deque()
 
     def _make_attrs(self):
@@ -172,19 +237,119 @@ class CudaCopyEngine:
 
     def submit(self, job_id: int, src: np.ndarray, dst: np.ndarray, size: np.ndarray,
                direction: str = "store") -> None:
-        torch, rt = self.torch, self.rt
+        torch = self.torch
         stream = self.streams[direction]
-        # Stores read blocks the model just wrote; loads must land before the model reads them:
-        # order both against the compute stream.
+        # Stores read blocks the model just wrote: order them after the compute stream's work.
+        # Loads are reported done (and only then used) through their end event.
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        s, d, n = merge_runs(src, dst, size)
+        store = direction == "store"
+        # walk host memory in address order (stores: by destination, loads: by source)
+        s, d, n = merge_runs(src, dst, size, by=("dst" if store else "src")
+                             if self.order == "host" else ("src" if store else "dst"))
+        s, d, n = (np.ascontiguousarray(a, dtype=np.uint64) for a in (s, d, n))
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record(stream)
-        handle = stream.cuda_stream
-        for lo in range(0, len(s), BATCH_MAX):
-            ss, dd, nn = (s[lo:lo + BATCH_MAX].tolist(), d[lo:lo + BATCH_MAX].tolist(),
-                          n[lo:lo + BATCH_MAX].tolist())
+        self._copy(job_id, s, d, n, stream.cuda_stream)
+        end.record(stream)
+        self._jobs.append((job_id, int(size.sum()), start, end))
+
+    def submit_job(self, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
+                   group_sizes: Sequence[int], block_indices: Sequence[int], rows: np.ndarray,
+                   direction: str) -> None:
+        """One vLLM job. Small pages of whole rows are gathered on the GPU (see _gather_job);
+        everything else goes through the descriptor path."""
+        small = max(t.page for t in layout.tensors) < self.staging_threshold
+        whole_rows = all(int(i) % layout.bpc == 0 and n % layout.bpc == 0
+                         for i, n in zip(block_indices, group_sizes, strict=True))
+        if (self.staging_bytes >= layout.cell_bytes and small and whole_rows
+                and layout.torch_tensors is not None):
+            self._gather_job(job_id, layout, block_ids, group_sizes, rows, direction)
+            return
+        dev, host, size = layout.descriptors(block_ids, group_sizes, block_indices, rows)
+        if direction == "store":
+            self.submit(job_id, dev, host, size, direction)
+        else:
+            self.submit(job_id, host, dev, size, direction)
+
+    def _gather_job(self, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
+                    group_sizes: Sequence[int], rows: np.ndarray, direction: str) -> None:
+        """Per-layer pages (tens of KiB each) moved as whole rows: on the GPU, one gather
+        (store) or scatter (load) kernel per KV tensor between the blocks and a staging buffer
+        laid out like the rows; over PCIe, one batched copy of whole rows. The device side runs
+        at HBM speed, the PCIe side sees a few MiB-sized copies instead of thousands of small
+        ones."""
+        torch = self.torch
+        store = direction == "store"
+        stream = self.streams[direction]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        buf = self._staging_buffer(direction)
+        cell, bpc = layout.cell_bytes, layout.bpc
+        per_piece = max(1, self.staging_bytes // cell)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        total = 0
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            blk_off = row_off = 0
+            for g, n in enumerate(group_sizes):
+                if n == 0:
+                    continue
+                n_rows = n // bpc
+                g_rows = np.asarray(rows[row_off:row_off + n_rows], dtype=np.int64)
+                # indices go up once, asynchronously: a pageable host->device copy would
+                # block the host until the stream drained and serialize every piece
+                idx = torch.from_numpy(np.asarray(block_ids[blk_off:blk_off + n],
+                                                  dtype=np.int64)).pin_memory()
+                g_blocks = idx.to(self.device, non_blocking=True)
+                for r0 in range(0, n_rows, per_piece):
+                    r1 = min(n_rows, r0 + per_piece)
+                    blocks = g_blocks[r0 * bpc:r1 * bpc]
+                    stage = buf[:(r1 - r0) * cell].view(r1 - r0, cell)
+                    host = (layout.row_base + g_rows[r0:r1] * layout.row_bytes).astype(np.uint64)
+                    dev = np.full(r1 - r0, stage.data_ptr(), dtype=np.uint64) + (
+                        np.arange(r1 - r0, dtype=np.uint64) * np.uint64(cell))
+                    sizes = np.full(r1 - r0, cell, dtype=np.uint64)
+                    if not store:
+                        self._copy(job_id, host, dev, sizes, stream.cuda_stream)
+                    for t_idx, page_bytes in layout.refs[g]:
+                        page = layout.tensors[t_idx].page
+                        off = layout.tensor_off[t_idx]
+                        region = stage[:, off:off + bpc * page].reshape(
+                            (r1 - r0) * bpc, page)[:, :page_bytes]
+                        tensor = layout.torch_tensors[t_idx][:, :page_bytes]
+                        if store:
+                            region.copy_(tensor.index_select(0, blocks))
+                        else:
+                            tensor.index_copy_(0, blocks, region)
+                        total += page_bytes * len(blocks)
+                    if store:
+                        self._copy(job_id, dev, host, sizes, stream.cuda_stream)
+                blk_off += n
+                row_off += n_rows
+            end.record(stream)
+        self._jobs.append((job_id, total, start, end))
+
+    def _staging_buffer(self, direction: str):
+        buf = self._staging.get(direction)
+        if buf is None:
+            buf = self.torch.empty(self.staging_bytes, dtype=self.torch.uint8,
+                                   device=self.device).view(self.torch.int8)
+            self._staging[direction] = buf
+        return buf
+
+    def _copy(self, job_id: int, s: np.ndarray, d: np.ndarray, n: np.ndarray,
+              handle: int) -> None:
+        rt = self.rt
+        s, d, n = (np.ascontiguousarray(a, dtype=np.uint64) for a in (s, d, n))
+        bm = self.batch_max
+        for lo in range(0, len(s), bm):
+            if self._ctypes is not None:
+                code = self._ctypes(d[lo:lo + bm], s[lo:lo + bm], n[lo:lo + bm], handle)
+                if code != 0:
+                    raise RuntimeError(f"cudaMemcpyBatchAsync for job {job_id} failed: {code}")
+                continue
+            ss, dd, nn = s[lo:lo + bm].tolist(), d[lo:lo + bm].tolist(), n[lo:lo + bm].tolist()
             if self.batch_api:
                 res = rt.cudaMemcpyBatchAsync(dd, ss, nn, len(ss), [self._attrs], [0], 1, handle)
                 err = res[0] if isinstance(res, tuple) else res
@@ -197,8 +362,6 @@ class CudaCopyEngine:
                         break
             if err != rt.cudaError_t.cudaSuccess:
                 raise RuntimeError(f"CUDA copy for job {job_id} failed: {err}")
-        end.record(stream)  # vLLM schedules a request only after its load is reported done
-        self._jobs.append((job_id, int(size.sum()), start, end))
 
     def get_finished(self) -> list[Finished]:
         done = []

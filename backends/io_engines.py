@@ -185,19 +185,23 @@ class KvikioEngine(IoEngine):
     name = "kvikio"
 
     def __init__(self, threads: int) -> None:
-        import kvikio  # noqa: F401 - fail early with ImportError if absent
+        import kvikio  # fail early with ImportError if absent
+        import kvikio.defaults  # noqa: F401 - a submodule, not imported by the package
 
         self._kvikio = kvikio
         kvikio.defaults.set("num_threads", max(1, threads))
         super().__init__(threads)
 
     def open(self, path: str) -> Any:
-        return self._kvikio.CuFile(path, "r+")
+        # CuFile exposes no descriptor for fdatasync: keep a plain one beside it
+        return self._kvikio.CuFile(path, "r+"), os.open(path, os.O_RDWR)
 
     def close(self, handle: Any) -> None:
-        handle.close()
+        handle[0].close()
+        os.close(handle[1])
 
     def readv(self, handle: Any, bufs: list[memoryview], offset: int) -> int:
+        handle = handle[0]
         futs, pos = [], offset
         for b in bufs:  # kvikio splits each request over its own thread pool
             futs.append(handle.pread(np.frombuffer(b, dtype=np.uint8), len(b), pos))
@@ -205,6 +209,7 @@ class KvikioEngine(IoEngine):
         return sum(f.get() for f in futs)
 
     def writev(self, handle: Any, bufs: list[memoryview], offset: int) -> int:
+        handle = handle[0]
         futs, pos = [], offset
         for b in bufs:
             futs.append(handle.pwrite(np.frombuffer(b, dtype=np.uint8), len(b), pos))
@@ -212,7 +217,7 @@ class KvikioEngine(IoEngine):
         return sum(f.get() for f in futs)
 
     def sync(self, handle: Any) -> None:
-        os.fdatasync(handle.fd())
+        os.fdatasync(handle[1])
 
     def describe(self) -> str:
         compat = self._kvikio.defaults.get("compat_mode")

@@ -45,12 +45,14 @@ def median_time(fn, repeat=REPEAT) -> float:
     return statistics.median(times)
 
 
-def dma(layout_name: str) -> dict:
+def dma(layout_name: str, api: str, batch_max: int = 1024, order: str = "host",
+        staging: int = 128 << 20) -> dict:
     row_bytes = LAYERS * PAGE
     host = aligned_buffer(ROWS * row_bytes)
     host_arr = np.frombuffer(host, np.uint8)
     host_base = host_arr.ctypes.data
-    engine = CudaCopyEngine(host_base, len(host_arr))
+    engine = CudaCopyEngine(host_base, len(host_arr), api=api, batch_max=batch_max, order=order,
+                            staging_bytes=staging)
     if layout_name == "per-layer":
         tensors = [torch.randint(-128, 127, (BLOCKS, PAGE), dtype=torch.int8, device="cuda")
                    for _ in range(LAYERS)]
@@ -60,33 +62,34 @@ def dma(layout_name: str) -> dict:
         tensors = [torch.randint(-128, 127, (BLOCKS, row_bytes), dtype=torch.int8, device="cuda")]
         infos = [TensorInfo(tensors[0].data_ptr(), tensors[0].stride(0), row_bytes)]
         refs = [[(0, row_bytes)]]
-    layout = CopyLayout(infos, refs, host_base, row_bytes, 0, row_bytes, 1)
+    layout = CopyLayout(infos, refs, host_base, row_bytes, 0, row_bytes, 1, torch_tensors=tensors)
     rng = np.random.default_rng(0)
     blocks = rng.choice(BLOCKS // 2, JOB, replace=False)  # store from the first half
     other = BLOCKS // 2 + rng.choice(BLOCKS // 2, JOB, replace=False)  # load into the second
     rows = rng.choice(ROWS, JOB, replace=False)
-    dev, hst, size = layout.descriptors(blocks, [JOB], [0], rows)
-    dev2, hst2, size2 = layout.descriptors(other, [JOB], [0], rows)
+    _, _, size = layout.descriptors(blocks, [JOB], [0], rows)
     nbytes = int(size.sum())
     job = [0]
 
-    def run(src, dst, n, direction):
+    def submit(blk, direction):
         job[0] += 1
-        engine.submit(job[0], src, dst, n, direction)
-        engine.wait({job[0]})
+        engine.submit_job(job[0], layout, blk, [JOB], [0], rows, direction)
+        return job[0]
+
+    def run(blk, direction):
+        engine.wait({submit(blk, direction)})
         engine.get_finished()
 
-    t_store = median_time(lambda: run(dev, hst, size, "store"))
-    t_load = median_time(lambda: run(hst2, dev2, size2, "load"))
+    t_store = median_time(lambda: run(blocks, "store"))
+    t_load = median_time(lambda: run(other, "load"))
     # correctness: what was stored from `blocks` is now in `other`
     ok = all(torch.equal(t[torch.as_tensor(blocks, device="cuda")],
                          t[torch.as_tensor(other, device="cuda")]) for t in tensors)
 
     def both():
-        job[0] += 2
-        engine.submit(job[0] - 1, dev, hst, size, "store")
-        engine.submit(job[0], hst2, dev2, size2, "load")
-        engine.wait({job[0] - 1, job[0]})
+        a = submit(blocks, "store")
+        b = submit(other, "load")
+        engine.wait({a, b})
         engine.get_finished()
 
     t_both = median_time(both)
@@ -107,7 +110,8 @@ def dma(layout_name: str) -> dict:
 
     t_both_ceiling = median_time(both_ceiling)
     res = {
-        "layout": layout_name, "bytes": nbytes, "descriptors": len(size),
+        "layout": layout_name, "api": f"{engine.api}/{batch_max}/{staging >> 20}M",
+        "bytes": nbytes, "descriptors": len(size),
         "store_GBps": nbytes / t_store / GB, "load_GBps": nbytes / t_load / GB,
         "both_GBps": 2 * nbytes / t_both / GB,
         "copy_d2h_GBps": nbytes / t_d2h / GB, "copy_h2d_GBps": nbytes / t_h2d / GB,
@@ -144,18 +148,27 @@ def main() -> None:
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     print(json.dumps(info), flush=True)
     results = {"info": info, "dma": [], "errors": []}
-    for name in ("per-layer", "packed"):
+    variants = [("per-layer", "ctypes", 1024, "host", 128 << 20),
+                ("packed", "ctypes", 1024, "host", 128 << 20),
+                ("per-layer", "ctypes", 1024, "host", 32 << 20),
+                ("per-layer", "ctypes", 1024, "host", 512 << 20),
+                ("per-layer", "ctypes", 256, "host", 0),
+                ("per-layer", "ctypes", 1024, "host", 0),
+                ("per-layer", "bindings", 1024, "host", 128 << 20)]
+    if os.environ.get("GPU_CHECK_QUICK"):
+        variants = variants[:2]
+    for name, api, bm, order, staging in variants:
         try:
-            results["dma"].append(dma(name))
+            results["dma"].append(dma(name, api, bm, order, staging))
         except Exception:
             import traceback
 
             traceback.print_exc()
             results["errors"].append(traceback.format_exc())
-    print(f"{'layout':<10} {'desc':>6} {'store':>7} {'load':>7} {'both':>7} | {'copy d2h':>8} "
+    print(f"{'layout':<10} {'api/batch/staging':<20} {'desc':>6} {'store':>7} {'load':>7} {'both':>7} | {'copy d2h':>8} "
           f"{'copy h2d':>8} {'copy both':>9} | {'store%':>6} {'load%':>6} ok")
     for r in results["dma"]:
-        print(f"{r['layout']:<10} {r['descriptors']:>6} {r['store_GBps']:>7.1f} "
+        print(f"{r['layout']:<10} {r['api']:<20} {r['descriptors']:>6} {r['store_GBps']:>7.1f} "
               f"{r['load_GBps']:>7.1f} {r['both_GBps']:>7.1f} | {r['copy_d2h_GBps']:>8.1f} "
               f"{r['copy_h2d_GBps']:>8.1f} {r['copy_both_GBps']:>9.1f} | "
               f"{100 * r['store_vs_copy']:>5.0f}% {100 * r['load_vs_copy']:>5.0f}% {r['correct']}",

@@ -34,28 +34,26 @@ def make_layout(kv_caches: CanonicalKVCaches, region: StagingRegion, rank: int,
     refs = [[(r.tensor_idx, r.page_size_bytes) for r in group]
             for group in kv_caches.group_data_refs]
     return CopyLayout(tensors, refs, region.base_address, region.row_bytes, rank, cell_bytes,
-                      blocks_per_chunk)
+                      blocks_per_chunk, torch_tensors=[t.tensor for t in kv_caches.tensors])
 
 
 class TieredWorker(OffloadingWorker):
     def __init__(self, layout: CopyLayout, engine, region: StagingRegion) -> None:
         self.layout, self.engine, self.region = layout, engine, region
 
-    def _descriptors(self, gpu: GPULoadStoreSpec, rows: LoadStoreSpec):
-        return self.layout.descriptors(gpu.block_ids, gpu.group_sizes, gpu.block_indices,
-                                       rows.block_ids)
+    def _submit(self, job_id: int, gpu: GPULoadStoreSpec, rows: LoadStoreSpec,
+                direction: str) -> bool:
+        self.engine.submit_job(job_id, self.layout, gpu.block_ids, gpu.group_sizes,
+                               gpu.block_indices, rows.block_ids, direction)
+        return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
                      dst_spec: LoadStoreSpec) -> bool:
-        dev, host, size = self._descriptors(src_spec, dst_spec)
-        self.engine.submit(job_id, dev, host, size, "store")
-        return True
+        return self._submit(job_id, src_spec, dst_spec, "store")
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
                     expedited: bool = False) -> bool:
-        dev, host, size = self._descriptors(dst_spec, src_spec)
-        self.engine.submit(job_id, host, dev, size, "expedited" if expedited else "load")
-        return True
+        return self._submit(job_id, dst_spec, src_spec, "expedited" if expedited else "load")
 
     def get_finished(self) -> list[TransferResult]:
         return [TransferResult(f.job_id, True, f.size, f.seconds)
