@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -109,6 +110,8 @@ class Committer(threading.Thread):
             try:
                 self._commit(batch)
             except Exception:  # never let the thread die: fail the batch's writes instead
+                if sys.is_finalizing():  # the process is exiting without close(): nothing
+                    return  # was published, so the slots are free on the next open
                 log.exception("file tier: batch commit failed")
                 for j in batch:
                     for w in j.writes:

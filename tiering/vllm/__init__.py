@@ -2,10 +2,16 @@
 
 * ``TieredOffloadingSpec`` — ``"spec_name": "TieredOffloadingSpec", "spec_module_path":
   "tiering.vllm"`` in ``kv_connector_extra_config``.
+* ``FileTier`` — our file tier under vLLM's ``TieringOffloadingSpec``: ``"secondary_tiers":
+  [{"type": "FileTier", "module_path": "tiering.vllm", "path": …, "capacity": …}]``.
+* ``S3FIFOPolicy``, ``TieringARCPolicy``, ``TieringLRUPolicy`` — our policies in vLLM's CPU
+  tier: ``"eviction_policy": "S3FIFOPolicy", "cache_policy_module_path": "tiering.vllm"``.
 """
 
 import logging
 
+from tiering.vllm.cache_policy import S3FIFOPolicy, TieringARCPolicy, TieringLRUPolicy
+from tiering.vllm.secondary import FileTier
 from tiering.vllm.spec import TieredOffloadingSpec
 
 
@@ -21,4 +27,5 @@ def _share_vllm_logging() -> None:
 
 _share_vllm_logging()
 
-__all__ = ["TieredOffloadingSpec"]
+__all__ = ["FileTier", "S3FIFOPolicy", "TieredOffloadingSpec", "TieringARCPolicy",
+           "TieringLRUPolicy"]

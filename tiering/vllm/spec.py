@@ -12,24 +12,21 @@ to 4096 (``worker_kv_bytes_per_block × world_size × blocks_per_chunk``).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from tiering.backends.dma import MemcpyEngine
 from tiering.backends.file_tier import FileTier
-from tiering.backends.namespace import NamespaceFacts
 from tiering.backends.staging import StagingRegion, remove_stale
 from tiering.chain import TierChain
 from tiering.config import check_sizes, parse
-from tiering.vllm import compat
 from tiering.vllm.compat import CanonicalKVCaches, OffloadingSpec
 from tiering.vllm.manager import TieredManager
 from tiering.vllm.metrics import TierMetrics, definitions
+from tiering.vllm.namespace import facts_from_config
 from tiering.vllm.worker import TieredWorker, make_layout
 
 log = logging.getLogger(__name__)
 PAGE = 4096
-RESTART_SAFE_ALGOS = {"sha256", "sha256_cbor"}
 
 
 class TieredOffloadingSpec(OffloadingSpec):
@@ -49,32 +46,13 @@ class TieredOffloadingSpec(OffloadingSpec):
         self._manager: TieredManager | None = None
         self._worker: TieredWorker | None = None
 
-    # -- the namespace: what makes stored rows usable by another engine -------------------------
-    def namespace_facts(self) -> tuple[NamespaceFacts, dict[str, Any]]:
-        c = self.config
-        par = c.parallel
-        algo = compat.prefix_hash_algo()
-        facts = NamespaceFacts(
-            model=c.model.name, dtype=str(c.model.dtype),
-            layout=str(c.kv_cache_layout or "LBHNC"), row_bytes=self.row_bytes,
-            chunk_tokens=int(self.tokens_per_block[0]) * self.blocks_per_chunk,
-            parallel={"world_size": par.world_size, "tp": par.tp_size, "pp": par.pp_size,
-                      "pcp": par.pcp_size, "dcp": par.dcp_size,
-                      "replicated": bool(c.replicated_layout)},
-            extra={"groups": [[g.tokens_per_block, len(g.layer_names)] for g in c.groups],
-                   "worker_kv_bytes_per_block": c.worker_kv_bytes_per_block,
-                   "hash_algo": algo})
-        restart_safe = algo in RESTART_SAFE_ALGOS or (
-            algo is not None and "xxhash" not in algo and "PYTHONHASHSEED" in os.environ)
-        return facts, {"hash_algo": algo, "restart_safe": restart_safe}
-
     # -- scheduler side ----------------------------------------------------------------------------
     def get_manager(self) -> TieredManager:
         if self._manager is not None:
             return self._manager
         region = StagingRegion(self.config.engine_id, self.num_rows, self.row_bytes)
         remove_stale(keep=region.path)
-        facts, info = self.namespace_facts()
+        facts, info = facts_from_config(self.config, self.row_bytes)
         tiers: list[FileTier] = []
         try:
             for fcfg in self.cfg.files:
