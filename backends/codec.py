@@ -28,7 +28,11 @@ def shuffle(row: memoryview | bytes, element_bytes: int) -> bytes:
     a = np.frombuffer(row, dtype=np.uint8)
     if element_bytes <= 1 or a.size % element_bytes:
         return a.tobytes()
-    return a.reshape(-1, element_bytes).T.tobytes()
+    n = a.size // element_bytes
+    out = np.empty_like(a)
+    for k in range(element_bytes):  # one strided copy per plane (a transpose is much slower)
+        out[k * n:(k + 1) * n] = a[k::element_bytes]
+    return out.tobytes()
 
 
 def unshuffle(data: bytes, element_bytes: int, out: memoryview) -> None:
@@ -37,7 +41,9 @@ def unshuffle(data: bytes, element_bytes: int, out: memoryview) -> None:
     if element_bytes <= 1 or src.size % element_bytes:
         dst[: src.size] = src
         return
-    dst[: src.size].reshape(-1, element_bytes)[:] = src.reshape(element_bytes, -1).T
+    n = src.size // element_bytes
+    for k in range(element_bytes):
+        dst[k:src.size:element_bytes] = src[k * n:(k + 1) * n]
 
 
 class ZstdCodec:

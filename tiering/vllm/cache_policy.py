@@ -29,7 +29,8 @@ class _AdaptedPolicy(CachePolicy):
     def get(self, key) -> ChunkStatus | None:
         return self._chunks.get(key)
 
-    def insert(self, key, chunk: ChunkStatus) -> None:
+    def insert(self, key, chunk: ChunkStatus, req_context=None) -> None:
+        # vLLM 0.33 passes the storing request's context; 0.32 does not
         self._chunks[key] = chunk
         self._policy.insert(key)
         if chunk.ref_cnt != 0:  # written or read right now: not evictable until marked so

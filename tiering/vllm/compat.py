@@ -2,8 +2,10 @@
 
 0.33 added ``OffloadingManager.lock`` / ``on_reset_flushed`` / ``config_info`` (all with
 defaults in the base class, so inheriting is enough) and ``expedited`` to
-``OffloadingWorker.submit_load`` (our worker accepts it either way). Everything else we use has
-the same name and shape in both.
+``OffloadingWorker.submit_load`` (our worker accepts it either way), a ``req_context``
+argument to ``CachePolicy.insert`` (``tiering.vllm.cache_policy`` accepts both), and holds
+promotions after ``reset_cache`` until ``on_reset_flushed``. Everything else we use has the same
+name and shape in both; ``make test`` runs the scheduler-side tests against both.
 """
 
 from __future__ import annotations
