@@ -21,6 +21,7 @@ scheduler thread drains in ``FileTier.poll``).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -29,6 +30,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tiering.backends.checksum import checksum_of
 from tiering.backends.codec import ZstdCodec
@@ -58,6 +60,7 @@ class Job:
     records: list[tuple[bytes, bytes]] = field(default_factory=list)  # refreshed access stats
     stats: dict[str, int] = field(default_factory=dict)
     done: threading.Event | None = None
+    reply: tuple[str, dict] | None = None  # admin reply written once this job is committed
 
 
 @dataclass
@@ -77,6 +80,14 @@ class SlotsFreed:
     slots: list[int]
 
 
+@dataclass
+class AdminRequest:
+    """An operation a tool left in ``requests/`` (see ``admin.py``); applied by the owner."""
+
+    reply_path: str
+    op: dict
+
+
 class Committer(threading.Thread):
     """Single thread that owns every write transaction of one namespace."""
 
@@ -92,7 +103,11 @@ class Committer(threading.Thread):
 
     def run(self) -> None:
         while True:
-            job = self.jobs.get()
+            try:
+                job = self.jobs.get(timeout=1.0)
+            except queue.Empty:
+                self._take_requests()  # idle: look for admin requests of tools
+                continue
             if job is None:
                 return
             batch = [job]
@@ -118,8 +133,32 @@ class Committer(threading.Thread):
                         self.out.put(WriteResult(w.key, w.slot, False, reason="error"))
             finally:
                 for j in batch:
+                    if j.reply is not None:
+                        self._reply(*j.reply)
                     if j.done is not None:
                         j.done.set()
+
+    def _take_requests(self) -> None:
+        req_dir = self.index.path.parent / "requests"
+        if not req_dir.is_dir():
+            return
+        for path in sorted(req_dir.glob("*.json")):
+            try:
+                op = json.loads(path.read_text())
+                path.rename(path.with_suffix(".taken"))
+            except (OSError, ValueError) as exc:
+                log.warning("file tier: ignoring unreadable admin request %s: %s", path, exc)
+                continue
+            self.out.put(AdminRequest(str(path.with_suffix(".done")), op))
+
+    def _reply(self, path: str, payload: dict) -> None:
+        from tiering.backends.namespace import write_json
+
+        try:
+            write_json(Path(path), payload)
+            Path(path).with_suffix(".taken").unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("file tier: cannot write admin reply %s: %s", path, exc)
 
     def _commit(self, batch: list[Job]) -> None:
         writes = [w for j in batch for w in j.writes]

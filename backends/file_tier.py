@@ -40,6 +40,7 @@ import numpy as np
 from tiering.backends.codec import ZstdCodec
 from tiering.backends.file_config import FileTierConfig, validate
 from tiering.backends.file_io import (
+    AdminRequest,
     Committer,
     Job,
     ReadItem,
@@ -96,9 +97,14 @@ class WriteDone:
 
 def acquire_writer_lock(folder: Path) -> int:
     fd = os.open(folder / "writer.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    for attempt in range(10):  # a tool may hold the lock for a moment to test it: retry briefly
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if attempt < 9:
+                time.sleep(0.1)
+    else:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
         raise NamespaceLocked(f"{folder}: namespace is already open for writing by pid {holder}; "
@@ -397,6 +403,8 @@ class FileTier:
                 done.append(self._finish_read(r))
             elif isinstance(r, SlotsFreed):
                 self._free.extend(r.slots)
+            elif isinstance(r, AdminRequest):
+                self._admin(r)
         if (self._unflushed or self._dirty) and time.monotonic() - self._last_flush > 1.0:
             self._submit(Job())
         return done
@@ -431,6 +439,16 @@ class FileTier:
             log.warning("file tier: key %s is a miss (%s); dropping it", r.key.hex(), r.reason)
             self.drop([r.key])
         return r
+
+    def _admin(self, r: AdminRequest) -> None:
+        from tiering.backends import admin
+
+        try:
+            reply = admin.apply(self, r.op)
+        except ValueError as exc:
+            reply = {"error": str(exc)}
+        log.info("file tier %s: admin request %s -> %s", self.folder, r.op, reply)
+        self._submit(Job(reply=(r.reply_path, reply)))  # replied once the deletions commit
 
     def drop(self, keys: Sequence[bytes]) -> int:
         """Remove ready keys; their slots return to the free list once the index forgets them."""

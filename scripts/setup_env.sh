@@ -7,6 +7,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
+# System programs the tests drive for real: Prometheus (observability tests) and fio (bench).
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v fio >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+      prometheus fio >/dev/null
+  else
+    echo "setup_env: install prometheus and fio (apt-get install prometheus fio)" >&2
+  fi
+fi
 stamp="$VENV/.tiering-setup"
 recipe_hash=$(cat scripts/setup_env.sh pyproject.toml | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$recipe_hash" ]; then

@@ -300,10 +300,9 @@ class TierChain:
     def poll(self, wait: float = 0.0) -> None:
         """Apply finished file-tier I/O (``wait`` > 0 blocks up to that long per busy tier)."""
         for i, tier in enumerate(self.file_tiers):
-            if not tier.has_pending_work():
-                continue
+            # always drained (cheap when empty): admin requests of tools arrive here too
             c = self.counters[i + 1]
-            for r in tier.poll(wait=wait):
+            for r in tier.poll(wait=wait if tier.has_pending_work() else 0.0):
                 if isinstance(r, WriteDone):
                     row, started = self._demoting.pop((i, r.key), (None, None))
                     if r.ok:

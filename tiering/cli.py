@@ -1,7 +1,8 @@
 """The ``tiering`` command line.
 
-Exit codes: 0 success; 1 the command ran and found a problem (e.g. ``verify`` found corrupt
-slots); 2 bad usage or bad input (argparse's convention), with one message naming what was wrong.
+Exit codes: 0 success; 1 the command ran and found a problem (``verify`` found corrupt slots, a
+live writer did not answer, a server could not be reached); 2 bad usage or bad input
+(argparse's convention), with one message naming what was wrong.
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.set_defaults(func=_cmd_simulate)
 
-    from tiering import cli_cache
+    from tiering import cli_admin, cli_cache
 
     cli_cache.add_commands(sub)
+    cli_admin.add_commands(sub)
     return parser
 
 
@@ -83,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, PermissionError) as exc:
         print(f"tiering {args.command}: {exc}", file=sys.stderr)
         return 2
+    except (TimeoutError, OSError, RuntimeError) as exc:  # e.g. a live writer did not answer
+        print(f"tiering {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

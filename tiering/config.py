@@ -114,3 +114,29 @@ def check_sizes(cfg: TieredConfig, row_bytes: int) -> int:
         except ValueError as exc:
             raise ValueError(f"tiers[{i}].{exc}") from None
     return rows
+
+
+def build_transfer_config(args: Any) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` for ``tiering config`` flags, validated like at engine
+    start (the same ``parse``), plus the checks that need no engine: each disk path is
+    writable and its capacity fits the free space."""
+    tiers: list[dict[str, Any]] = [{"medium": "cpu", "policy": args.cpu_policy,
+                                    "store_threshold": args.cpu_threshold}]
+    for spec in args.disk:
+        path, sep, cap = spec.rpartition(":")
+        if not sep or not path:
+            raise ValueError(f"--disk: expected PATH:CAPACITY like /mnt/nvme/kv:1TiB, got {spec!r}")
+        tiers.append({"medium": "file", "path": path, "capacity": cap, "policy": args.policy,
+                      "store_threshold": args.threshold, "io": args.io,
+                      "io_threads": args.io_threads, "compression": args.compression,
+                      "verify": True})
+    extra = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+             "cpu_bytes_to_use": parse_size(args.cpu, "--cpu"), "tiers": tiers}
+    cfg = parse(extra)
+    for i, f in enumerate(cfg.files, start=1):
+        try:
+            validate(f, row_bytes=4096)  # the real row size is known only at engine start
+        except ValueError as exc:
+            raise ValueError(f"tiers[{i}].{exc}") from None
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}

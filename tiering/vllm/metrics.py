@@ -77,9 +77,10 @@ class TierMetrics:
 
     def _delta(self, stats, name: str, value: float, labels: tuple[str, ...]) -> None:
         key = (name, labels)
+        first = key not in self._last
         d = value - self._last.get(key, 0)
         self._last[key] = value
-        if d:
+        if d or first:  # report zeros once, so every series exists from the start
             stats.increase_counter(PREFIX + name, d, labels)
 
     def collect(self, chain) -> Any:

@@ -1,0 +1,63 @@
+"""Prometheus text format for caches that are not attached to a server (``tiering export``).
+
+Uses prometheus_client's own renderer over a custom collector, so names, escaping and TYPE/HELP
+lines follow the exposition format exactly. Metric names mirror the server's
+``vllm:kv_tier_*`` family without the ``vllm:`` prefix (a textfile is not a vLLM process):
+``tiering_cache_*`` with labels ``path`` and ``namespace``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tiering.backends.reader import NamespaceReader
+
+COUNTERS = {
+    "lookups": "Lookups answered by the tier (persisted).",
+    "hits": "Lookups that hit (persisted).",
+    "writes": "Rows written.", "write_bytes": "Bytes written.",
+    "reads": "Rows read.", "read_bytes": "Bytes read.",
+    "evictions": "Rows evicted by policy.",
+    "rejected_threshold": "Rows not admitted: store_threshold not reached.",
+    "rejected_full": "Rows not admitted: nothing evictable.",
+    "rejected_error": "Rows not stored: write failed.",
+    "checksum_failures": "Reads whose checksum did not match.",
+    "io_errors": "Failed reads and writes.",
+}
+
+
+class CacheCollector:
+    def __init__(self, folders: list[Path]) -> None:
+        self.folders = folders
+
+    def collect(self) -> Iterator:
+        labels = ["path", "namespace"]
+        gauges = {k: GaugeMetricFamily(f"tiering_cache_{k}", doc, labels=labels) for k, doc in (
+            ("capacity_bytes", "Capacity of the namespace."),
+            ("used_bytes", "Bytes held (entries x row size)."),
+            ("entries", "Rows held."),
+            ("usage_ratio", "used_bytes / capacity_bytes."),
+            ("row_bytes", "Size of one row."))}
+        counters = {k: CounterMetricFamily(f"tiering_cache_{k}", doc, labels=labels)
+                    for k, doc in COUNTERS.items()}
+        for folder in self.folders:
+            with NamespaceReader(folder) as r:
+                s = r.summary()
+            lv = [str(folder.parent), folder.name]
+            for k in ("capacity_bytes", "used_bytes", "entries", "row_bytes"):
+                gauges[k].add_metric(lv, s[k])
+            gauges["usage_ratio"].add_metric(lv, s["usage_percent"] / 100)
+            for k in COUNTERS:
+                counters[k].add_metric(lv, s["stats"].get(k, 0))
+        yield from gauges.values()
+        yield from counters.values()
+
+
+def render(folders: list[Path]) -> str:
+    reg = CollectorRegistry()
+    reg.register(CacheCollector(folders))
+    return generate_latest(reg).decode()
