@@ -357,7 +357,10 @@ class FileTier:
             return answers
         self._inflight_reads += len(started)
         t0 = time.perf_counter()
-        per_run = max(1, -(-len(started) // self.engine.threads))
+        # Runs of adjacent slots become one preadv each, but no larger than ~4 MiB: huge
+        # vectored reads queue behind each other on one thread while others idle.
+        per_run = max(1, min(-(-len(started) // self.engine.threads),
+                             (4 << 20) // self.row_bytes))
         results = self._results
 
         def report(fut) -> None:
