@@ -490,6 +490,10 @@ class FileTier:
         self._stats[name] += n
         self._unflushed[name] = self._unflushed.get(name, 0) + n
 
+    def counter(self, name: str) -> int:
+        """One of this process's counters (cheap; ``stats()`` builds the whole picture)."""
+        return self._stats[name]
+
     def stats(self) -> dict[str, Any]:
         return {**self._stats, "entries": len(self.entries), "capacity_bytes": self.capacity,
                 "used_bytes": self.used_bytes, "slots": self.n_slots,

@@ -139,9 +139,12 @@ class TierChain:
         if event and self.events_enabled:
             self._events.append(Event([key], "cpu", True))
 
-    def _allocate(self, n: int, protected: Iterable[bytes]) -> list[int] | None:
-        """n free rows, evicting READY unpinned rows by policy; None (no change) if impossible."""
+    def _allocate(self, n: int, protected: Iterable[bytes]
+                  ) -> tuple[list[int], list[bytes]] | None:
+        """(n free rows, evicted keys), evicting READY unpinned rows by policy; None (and no
+        change) if impossible."""
         need = n - len(self.free_rows)
+        victims: list[bytes] = []
         if need > 0:
             victims = self.policy.evict(need, protected=set(protected))
             if victims is None:
@@ -150,7 +153,7 @@ class TierChain:
                 self.policy.insert(v)  # _drop_key removes it again, with the event
                 self._drop_key(v)
             self.counters[0].evictions += len(victims)
-        return [self.free_rows.pop() for _ in range(n)]
+        return [self.free_rows.pop() for _ in range(n)], victims
 
     # -- lookups and loads -------------------------------------------------------------------------
     def lookup(self, key: bytes) -> Lookup:
@@ -177,11 +180,11 @@ class TierChain:
             c.hits += 1
             c.hit_bytes += self.row_bytes
             tier.touch([key])  # a promotion is a use: recency and the persisted hit count
-            rows = self._allocate(1, ())
-            if rows is None:
+            got = self._allocate(1, ())
+            if got is None:
                 self.counters[0].rejected["full"] += 1
                 return Lookup.MISS
-            row = rows[0]
+            row = got[0][0]
             self.key_row[key] = row
             self.row_key[row] = key
             self.row_state[row] = RowState.PROMOTING
@@ -229,12 +232,11 @@ class TierChain:
             wanted.append(k)
         if not wanted:
             return [], [], []
-        before = set(self.key_row)
-        rows = self._allocate(len(wanted), keys)
-        if rows is None:
+        got = self._allocate(len(wanted), keys)
+        if got is None:
             self.counters[0].rejected["full"] += len(wanted)
             return None
-        evicted = [k for k in before if k not in self.key_row]
+        rows, evicted = got
         for k, r in zip(wanted, rows, strict=True):
             self.key_row[k] = r
             self.row_key[r] = k
@@ -267,9 +269,10 @@ class TierChain:
 
     def _demote(self, keys: list[bytes]) -> None:
         for i, tier in enumerate(self.file_tiers):
-            before = tier.stats()["rejected_threshold"]
+            before = tier.counter("rejected_threshold")
             accepted = tier.put(keys, [self.region.row(self.key_row[k]) for k in keys])
-            self.counters[i + 1].rejected["threshold"] += tier.stats()["rejected_threshold"] - before
+            self.counters[i + 1].rejected["threshold"] += (tier.counter("rejected_threshold")
+                                                           - before)
             now = time.perf_counter()
             for k in accepted:
                 row = self.key_row[k]
