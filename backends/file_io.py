@@ -88,15 +88,50 @@ class AdminRequest:
     op: dict
 
 
+class PendingMeta:
+    """Access stats and counters waiting to be persisted, shared by owner and committer.
+
+    The owner thread adds packed records (``touch``) and counts; any job it submits takes them
+    along, and when the committer has been idle for a second it takes them itself, so recency
+    and counters reach LMDB even when no write follows (an idle server, a killed process).
+    A dropped key is discarded here before its drop job is queued, so a stale record can never
+    bring it back (the committer takes and publishes a snapshot before processing later jobs).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: dict[bytes, bytes] = {}
+        self._stats: dict[str, int] = {}
+
+    def record(self, key: bytes, packed: bytes) -> None:
+        with self._lock:
+            self._records[key] = packed
+
+    def discard(self, key: bytes) -> None:
+        with self._lock:
+            self._records.pop(key, None)
+
+    def count(self, name: str, n: int) -> None:
+        with self._lock:
+            self._stats[name] = self._stats.get(name, 0) + n
+
+    def take(self) -> tuple[list[tuple[bytes, bytes]], dict[str, int]]:
+        with self._lock:
+            records, stats = list(self._records.items()), self._stats
+            self._records, self._stats = {}, {}
+        return records, stats
+
+
 class Committer(threading.Thread):
     """Single thread that owns every write transaction of one namespace."""
 
     def __init__(self, index: Index, slabs: SlabSet, engine: IoEngine, out: queue.SimpleQueue,
-                 codec: ZstdCodec | None, max_batch: int) -> None:
+                 codec: ZstdCodec | None, max_batch: int, pending: PendingMeta) -> None:
         super().__init__(name="tier-committer", daemon=True)
         self.index, self.slabs, self.engine, self.out = index, slabs, engine, out
         self.codec = codec
         self.max_batch = max_batch
+        self.pending = pending
         self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.pid = os.getpid()
         self.busy = threading.Event()
@@ -105,8 +140,14 @@ class Committer(threading.Thread):
         while True:
             try:
                 job = self.jobs.get(timeout=1.0)
-            except queue.Empty:
-                self._take_requests()  # idle: look for admin requests of tools
+            except queue.Empty:  # idle for a second
+                self._take_requests()  # admin requests of tools
+                records, stats = self.pending.take()
+                if records or stats:
+                    try:
+                        self.index.publish(records, [], stat_delta=stats)
+                    except Exception:  # a full disk: keep serving, stats are best effort
+                        log.exception("file tier: persisting access stats failed")
                 continue
             if job is None:
                 return

@@ -23,6 +23,7 @@ before its slot is reused, and counted. Nothing raises into the owner's thread o
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import gc
 import logging
@@ -30,6 +31,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,7 @@ from tiering.backends.file_io import (
     AdminRequest,
     Committer,
     Job,
+    PendingMeta,
     ReadItem,
     SlotsFreed,
     WriteItem,
@@ -57,6 +60,19 @@ from tiering.backends.slab import SlabSet
 from tiering.policies import StoreThreshold, create
 
 log = logging.getLogger(__name__)
+
+
+_OPEN_TIERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_tiers() -> None:
+    """A server stopped by a signal still persists its last access stats and counters."""
+    for tier in list(_OPEN_TIERS):
+        try:
+            tier.close()
+        except Exception:  # exiting anyway: never turn a clean exit into a traceback
+            log.exception("closing file tier %s at exit failed", tier.folder)
 
 
 class NamespaceLocked(RuntimeError):
@@ -163,17 +179,17 @@ class FileTier:
         self._free: list[int] = []
         self._rebuild()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending = PendingMeta()  # access stats and counters not yet in LMDB
         self.committer = Committer(self.index, self.slabs, self.engine, self._results,
                                    self.codec if cfg.compression == "zstd" else None,
-                                   cfg.max_batch or max(8, min(1024, (64 << 20) // self.row_bytes)))
+                                   cfg.max_batch or max(8, min(1024, (64 << 20) // self.row_bytes)),
+                                   self.pending)
         self.committer.start()
         self._inflight_reads = 0
         self._inflight_writes = 0
-        self._dirty: set[bytes] = set()
         self._stats = dict.fromkeys(STAT_NAMES, 0)  # this process's counters
-        self._unflushed: dict[str, int] = {}
-        self._last_flush = time.monotonic()
         self.closed = False
+        _OPEN_TIERS.add(self)  # flushed and closed at interpreter exit if still open
         write_json(self.folder / "writer.json", {
             "pid": os.getpid(), "opened": time.time(), "engine": self.engine.describe(),
             "capacity_bytes": self.capacity, "slots": self.n_slots, "policy": cfg.policy,
@@ -292,7 +308,7 @@ class FileTier:
                     continue
                 victim = victims[0]
                 self._free.append(self.entries.pop(victim))
-                self._dirty.discard(victim)
+                self.pending.discard(victim)
                 drop.append(victim)
                 reused = True
                 self._count("evictions")
@@ -316,11 +332,7 @@ class FileTier:
             raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {key!r:.80}")
 
     def _submit(self, job: Job) -> None:
-        job.stats, self._unflushed = self._unflushed, {}
-        if self._dirty:
-            job.records = [(k, self._record(k)) for k in self._dirty if k in self.entries]
-            self._dirty.clear()
-        self._last_flush = time.monotonic()
+        job.records, job.stats = self.pending.take()
         self.committer.jobs.put(job)
 
     def _record(self, key: bytes) -> bytes:
@@ -382,7 +394,7 @@ class FileTier:
             if slot is not None and self._ready[slot]:
                 self._hits[slot] += 1
                 self._last[slot] = now
-                self._dirty.add(key)
+                self.pending.record(key, self._record(key))
         self.policy.access_many([k for k in keys if k in self.entries])
 
     # -- completions (owner thread) -------------------------------------------------------------
@@ -408,8 +420,6 @@ class FileTier:
                 self._free.extend(r.slots)
             elif isinstance(r, AdminRequest):
                 self._admin(r)
-        if (self._unflushed or self._dirty) and time.monotonic() - self._last_flush > 1.0:
-            self._submit(Job())
         return done
 
     def _finish_write(self, r: WriteResult) -> WriteDone:
@@ -462,7 +472,7 @@ class FileTier:
                 continue
             del self.entries[key]
             self.policy.remove(key)
-            self._dirty.discard(key)
+            self.pending.discard(key)
             gone.append(key)
             slots.append(slot)
         if gone:
@@ -488,7 +498,7 @@ class FileTier:
 
     def _count(self, name: str, n: int = 1) -> None:
         self._stats[name] += n
-        self._unflushed[name] = self._unflushed.get(name, 0) + n
+        self.pending.count(name, n)
 
     def counter(self, name: str) -> int:
         """One of this process's counters (cheap; ``stats()`` builds the whole picture)."""
@@ -521,6 +531,7 @@ class FileTier:
         if self.closed:
             return
         self.closed = True
+        _OPEN_TIERS.discard(self)
         try:
             self.wait_idle()
             self.flush()

@@ -4,6 +4,7 @@ corruption. One module-scoped scenario runs the servers once; the tests assert o
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -55,6 +56,7 @@ def scenario(tmp_path_factory):
         before = s.metrics()
         out = s.complete(prompts["A"])
         rec["restart"] = {"out": out["token_ids"], "before": before, "after": s.metrics()}
+        time.sleep(2)  # access stats reach the index within a second of idling
 
     # Flip one byte in one of A's slots (A's chunks are the ones read back: hits > 0).
     (ns,) = find_namespaces(work / "kv")
