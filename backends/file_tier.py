@@ -23,21 +23,14 @@ before its slot is reused, and counted. Nothing raises into the owner's thread o
 
 from __future__ import annotations
 
-import atexit
-import fcntl
-import gc
 import logging
 import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import Any
 
 from tiering.backends.codec import ZstdCodec
 from tiering.backends.file_config import FileTierConfig, validate
@@ -53,6 +46,15 @@ from tiering.backends.file_io import (
     adjacent_runs,
     read_run,
 )
+from tiering.backends.file_state import (
+    OPEN_TIERS,
+    Entry,
+    NamespaceLocked,  # noqa: F401 - part of this module's interface
+    ReadResult,
+    WriteDone,
+    acquire_writer_lock,
+    load_slot_state,
+)
 from tiering.backends.index import MAX_KEY_BYTES, STAT_NAMES, Index, pack_record
 from tiering.backends.io_engines import make_engine
 from tiering.backends.namespace import NamespaceFacts, read_meta, write_json, write_meta
@@ -60,75 +62,6 @@ from tiering.backends.slab import SlabSet
 from tiering.policies import StoreThreshold, create
 
 log = logging.getLogger(__name__)
-
-
-_OPEN_TIERS: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_tiers() -> None:
-    """A server stopped by a signal still persists its last access stats and counters."""
-    for tier in list(_OPEN_TIERS):
-        try:
-            tier.close()
-        except Exception:  # exiting anyway: never turn a clean exit into a traceback
-            log.exception("closing file tier %s at exit failed", tier.folder)
-
-
-class NamespaceLocked(RuntimeError):
-    """Another process is the writer of this namespace."""
-
-
-class Entry(NamedTuple):
-    """A snapshot of one key's slot record (for tools and tests)."""
-
-    slot: int
-    length: int
-    codec: int
-    checksum: int
-    created: float
-    last_access: float
-    hits: int
-    ready: bool
-
-
-@dataclass
-class ReadResult:
-    key: bytes
-    ok: bool
-    reason: str = ""
-    nbytes: int = 0
-    seconds: float = 0.0
-    token: Any = None
-
-
-@dataclass
-class WriteDone:
-    key: bytes
-    ok: bool
-    reason: str = ""
-    nbytes: int = 0
-    seconds: float = 0.0
-
-
-def acquire_writer_lock(folder: Path) -> int:
-    fd = os.open(folder / "writer.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    for attempt in range(10):  # a tool may hold the lock for a moment to test it: retry briefly
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if attempt < 9:
-                time.sleep(0.1)
-    else:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise NamespaceLocked(f"{folder}: namespace is already open for writing by pid {holder}; "
-                              "one writer per namespace (read-only tools may run alongside)"
-                              ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 class FileTier:
@@ -189,7 +122,7 @@ class FileTier:
         self._inflight_writes = 0
         self._stats = dict.fromkeys(STAT_NAMES, 0)  # this process's counters
         self.closed = False
-        _OPEN_TIERS.add(self)  # flushed and closed at interpreter exit if still open
+        OPEN_TIERS.add(self)  # flushed and closed at interpreter exit if still open
         write_json(self.folder / "writer.json", {
             "pid": os.getpid(), "opened": time.time(), "engine": self.engine.describe(),
             "capacity_bytes": self.capacity, "slots": self.n_slots, "policy": cfg.policy,
@@ -200,48 +133,14 @@ class FileTier:
                  len(self.entries), self.engine.describe(), cfg.policy, cfg.store_threshold)
 
     def _rebuild(self) -> None:
-        """Load the index: entries, policy order (oldest access first), free slots."""
-        # Millions of new objects would trigger repeated full garbage collections for nothing
-        # (none of them can be cyclic garbage yet): pause the collector while loading.
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            self._load_index()
-        finally:
-            if enabled:
-                gc.enable()
-
-    def _load_index(self) -> None:
+        """Load the index: entries, per-slot fields, policy order, free slots."""
         t0 = time.perf_counter()
-        keys, recs = self.index.load_all()
-        slots = recs["slot"] if len(recs) else np.empty(0, np.uint64)
-        bad = slots >= self.n_slots  # capacity shrank
-        uniq, counts = np.unique(slots, return_counts=True)
-        dup = np.isin(slots, uniq[counts > 1])  # never trust a slot claimed twice
-        drop = [keys[i] for i in np.nonzero(bad | dup)[0]]
-        if drop:
-            log.warning("%s: dropping %d index entries (beyond capacity or sharing a slot)",
-                        self.folder, len(drop))
-            self.index.publish([], [], drop_keys=drop)
-        keep = np.nonzero(~(bad | dup))[0]
-        order = keep[np.argsort(recs["last_access"][keep], kind="stable")]
-        r = recs[order]
-        slot_list = r["slot"].astype(np.int64)
-        for name, col in (("_len", "length"), ("_codec", "codec"), ("_sum", "checksum"),
-                          ("_created", "created"), ("_last", "last_access"), ("_hits", "hits")):
-            arr = np.zeros(self.n_slots, dtype=r[col].dtype)
-            arr[slot_list] = r[col]
-            setattr(self, name, arr.tolist())
-        ready = np.zeros(self.n_slots, dtype=bool)
-        ready[slot_list] = True
-        self._ready = ready.tolist()
-        ordered_keys = np.array(keys, dtype=object)[order].tolist()
-        self.entries = dict(zip(ordered_keys, slot_list.tolist(), strict=True))
-        self.policy.bulk_load(ordered_keys, (r["hits"] > 0).tolist())
-        used = np.zeros(self.n_slots, dtype=bool)
-        if len(keep):
-            used[slots[keep].astype(np.int64)] = True
-        self._free = np.nonzero(~used)[0][::-1].tolist()  # pop() hands out low slots first
+        state = load_slot_state(self.index, self.n_slots, self.folder)
+        self.entries, self._free = state.entries, state.free
+        self._len, self._codec, self._sum = state.length, state.codec, state.checksum
+        self._created, self._last, self._hits = state.created, state.last, state.hits
+        self._ready = state.ready
+        self.policy.bulk_load(state.ordered_keys, state.reused)
         self.reopen_seconds = time.perf_counter() - t0
 
     # -- queries (owner thread) ---------------------------------------------------------------
@@ -531,7 +430,7 @@ class FileTier:
         if self.closed:
             return
         self.closed = True
-        _OPEN_TIERS.discard(self)
+        OPEN_TIERS.discard(self)
         try:
             self.wait_idle()
             self.flush()
