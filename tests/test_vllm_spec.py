@@ -108,3 +108,18 @@ def _takes_kw() -> bool:
     import inspect
 
     return "req_id" in inspect.signature(ReqContext).parameters
+
+
+def test_repeated_lookups_of_one_request_count_once(tmp_path):
+    m = TieredOffloadingSpec(config(good(tmp_path), engine="dedupe")).get_manager()
+    key = bytes(32) + b"\0\0\0\1"
+    ctx, other = ReqContext(req_id="a"), ReqContext(req_id="b")
+    for _ in range(3):  # vLLM asks again every step while the request waits
+        assert m.lookup(key, ctx) == LookupResult.MISS
+    assert m.chain.counters[0].lookups == 1 and m.chain.counters[1].lookups == 1
+    m.lookup(key, other)
+    assert m.chain.counters[0].lookups == 2
+    m.on_request_finished(ctx)
+    m.lookup(key, ctx)  # a new request with the same id after the old one finished
+    assert m.chain.counters[0].lookups == 3
+    m.shutdown()

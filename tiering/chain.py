@@ -156,7 +156,9 @@ class TierChain:
         return [self.free_rows.pop() for _ in range(n)], victims
 
     # -- lookups and loads -------------------------------------------------------------------------
-    def lookup(self, key: bytes) -> Lookup:
+    def lookup(self, key: bytes, count: bool = True) -> Lookup:
+        """``count=False`` for a repeated lookup of the same chunk by the same request (vLLM
+        asks again every step while any chunk is pending): hit ratios stay per chunk."""
         self.poll()
         c0 = self.counters[0]
         row = self.key_row.get(key)
@@ -165,16 +167,16 @@ class TierChain:
                 return Lookup.PENDING  # asked again next step: counted when it resolves
             if self.row_fresh[row]:
                 self.row_fresh[row] = False
-            else:
+            elif count:
                 c0.lookups += 1
                 c0.hits += 1
                 c0.hit_bytes += self.row_bytes
             return Lookup.HIT
-        c0.lookups += 1
+        c0.lookups += count
         self.policy.on_miss(key)
         for i, tier in enumerate(self.file_tiers):
             c = self.counters[i + 1]
-            c.lookups += 1
+            c.lookups += count
             if not tier.lookup(key):
                 continue
             c.hits += 1

@@ -38,9 +38,18 @@ class TieredManager(OffloadingManager):
         self.chain = chain
         self.metrics = metrics
         self._on_shutdown = on_shutdown
+        self._counted: dict[str, set[bytes]] = {}  # request -> chunks whose lookup was counted
 
     def lookup(self, key, req_context: ReqContext) -> LookupResult:
-        return _LOOKUP[self.chain.lookup(bytes(key))]
+        key = bytes(key)
+        seen = self._counted.setdefault(getattr(req_context, "req_id", ""), set())
+        result = self.chain.lookup(key, count=key not in seen)
+        if result != Lookup.PENDING:  # pending lookups are counted when they resolve
+            seen.add(key)
+        return _LOOKUP[result]
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._counted.pop(getattr(req_context, "req_id", ""), None)
 
     def get_load_source(self, key, req_context: ReqContext):
         return hit_source(self.chain.hit_source(bytes(key)))
