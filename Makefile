@@ -34,7 +34,7 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 # File-tier benchmark against fio and vLLM's fs tier on the disk under BENCH_DIR.
-BENCH_DIR ?= /var/tmp/tiering-bench
+BENCH_DIR ?= .bench-scratch
 bench: env
 	@command -v fio >/dev/null || (apt-get install -y -q fio >/dev/null 2>&1 || echo "fio not installed")
 	$(VENV)/bin/tiering bench $(BENCH_DIR) --row-bytes 2MiB --total 4GiB --repeat 3

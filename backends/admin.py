@@ -18,6 +18,7 @@ Operations (JSON): ``{"op": "evict", "bytes": N}`` (by policy order),
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -27,6 +28,7 @@ from typing import Any
 
 from tiering.backends.namespace import NamespaceFacts, read_meta, write_json
 
+log = logging.getLogger(__name__)
 REQUESTS = "requests"
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -67,6 +69,16 @@ def apply(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
         removed = tier.drop(old)
     return {"removed_entries": removed, "removed_bytes": removed * tier.row_bytes,
             "entries": len(tier.entries)}
+
+
+def apply_request(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
+    """A tool's request, applied by the writer's owner thread; errors become the reply."""
+    try:
+        reply = apply(tier, op)
+    except ValueError as exc:
+        reply = {"error": str(exc)}
+    log.info("file tier %s: admin request %s -> %s", tier.folder, op, reply)
+    return reply
 
 
 def writer_alive(folder: Path) -> bool:

@@ -1,11 +1,7 @@
 """FileTier: a bounded, crash-safe, restart-persistent store of fixed-size rows on a filesystem.
 
-On disk (one namespace; see ``namespace.py``, ``slab.py``, ``index.py``, ``file_io.py``)::
-
-    <path>/<namespace>/meta.json      facts that make bytes compatible, format version
-    <path>/<namespace>/writer.lock    flock held by the one writer (its pid inside)
-    <path>/<namespace>/index.lmdb/    key -> slot record, reservations, counters
-    <path>/<namespace>/slab-NNNN.dat  preallocated slots
+On disk: ``<path>/<namespace>/`` holds ``meta.json``, ``writer.lock``, ``index.lmdb/`` and
+``slab-NNNN.dat`` files (see ``namespace.py``, ``index.py``, ``slab.py``, docs/file-tier.md).
 
 Threading contract: every public method is called from one thread (the owner: vLLM's scheduler
 thread) and none of them blocks on I/O. Writes and reads run on the I/O engine's threads and the
@@ -355,11 +351,7 @@ class FileTier:
     def _admin(self, r: AdminRequest) -> None:
         from tiering.backends import admin
 
-        try:
-            reply = admin.apply(self, r.op)
-        except ValueError as exc:
-            reply = {"error": str(exc)}
-        log.info("file tier %s: admin request %s -> %s", self.folder, r.op, reply)
+        reply = admin.apply_request(self, r.op)
         self._submit(Job(reply=(r.reply_path, reply)))  # replied once the deletions commit
 
     def drop(self, keys: Sequence[bytes]) -> int:
@@ -380,14 +372,8 @@ class FileTier:
 
     def evict(self, n: int) -> list[bytes]:
         """Evict up to ``n`` keys by policy (e.g. to make room on request)."""
-        victims = []
-        while len(victims) < n:
-            v = self.policy.evict(1)
-            if v is None:
-                break
-            self.policy.insert(v[0])  # drop() removes it from the policy again
-            victims.append(v[0])
-        self.drop(victims)
+        victims = self.policy.evict(min(n, self.policy.evictable_count())) or []
+        self.drop(victims)  # already out of the policy: drop() forgets entries and slots
         self._count("evictions", len(victims))
         return victims
 

@@ -87,7 +87,7 @@ class EvictionPolicy(ABC):
         """Choose, remove and return ``n`` victims, or ``None`` (and change nothing)."""
         if n <= 0:
             return []
-        if self._evictable_count(protected) < n:
+        if self.evictable_count(protected) < n:
             return None
         victims = self._pick_victims(n, protected)
         for key in victims:
@@ -119,7 +119,8 @@ class EvictionPolicy(ABC):
     def _blocked(self, key: Key, protected: Collection[Key]) -> bool:
         return key in self._pins or key in protected
 
-    def _evictable_count(self, protected: Collection[Key]) -> int:
+    def evictable_count(self, protected: Collection[Key] = ()) -> int:
+        """Resident keys that are neither pinned nor protected."""
         blocked = sum(1 for k in self._pins if k in self)
         blocked += sum(1 for k in set(protected) if k in self and k not in self._pins)
         return len(self) - blocked

@@ -17,6 +17,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -173,7 +174,7 @@ def main() -> None:
               f"{r['copy_h2d_GBps']:>8.1f} {r['copy_both_GBps']:>9.1f} | "
               f"{100 * r['store_vs_copy']:>5.0f}% {100 * r['load_vs_copy']:>5.0f}% {r['correct']}",
               flush=True)
-    scratch = os.environ.get("TIERING_BENCH_DIR", "/tmp/tiering-bench")
+    scratch = os.environ.get("TIERING_BENCH_DIR") or tempfile.mkdtemp(prefix="tiering-bench-")
     results["file_tier"] = file_tier(scratch)
     for r in results["file_tier"]:
         print(json.dumps(r), flush=True)

@@ -5,9 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-results}}
 if ls .whl/*.whl >/dev/null 2>&1; then
+  site=$(mktemp -d)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/tiering-site .whl/*.whl
-  export PYTHONPATH=/tmp/tiering-site:${PYTHONPATH:-}
+    --target "$site" .whl/*.whl
+  export PYTHONPATH=$site:${PYTHONPATH:-}
 fi
 # the package itself, importable without installing (mirrors pyproject's package-dir mapping)
 rm -rf build-gpu && mkdir -p build-gpu/tiering

@@ -181,3 +181,16 @@ def test_stale_region_of_dead_engine_is_removed(tmp_path):
 def test_region_smaller_than_a_row_is_a_clear_error():
     with pytest.raises(ValueError, match="holds no row"):
         StagingRegion("e", 0, ROW)
+
+
+def test_cpu_evictions_leave_arc_ghosts(tmp_path):
+    region = StagingRegion("arc-ghosts", 4, ROW)
+    c = TierChain(region, "arc", 0)
+    fill(c, [key(i) for i in range(4)])
+    c.touch([key(0), key(1)])  # reused: ARC's frequent list T2
+    fill(c, [key(4)], seed=1)  # evicts one of the once-seen keys 2, 3 from T1
+    (victim,) = [k for k in (key(2), key(3)) if k not in c.key_row]
+    assert victim in c.policy.b1  # ARC remembers it: a return adapts p and goes to T2
+    assert c.key_row.keys() >= {key(0), key(1), key(4)}
+    c.close()
+    region.close(unlink=True)

@@ -149,8 +149,7 @@ class TierChain:
             victims = self.policy.evict(need, protected=set(protected))
             if victims is None:
                 return None
-            for v in victims:
-                self.policy.insert(v)  # _drop_key removes it again, with the event
+            for v in victims:  # already out of the policy (ghost entries kept), rows freed here
                 self._drop_key(v)
             self.counters[0].evictions += len(victims)
         return [self.free_rows.pop() for _ in range(n)], victims
