@@ -139,6 +139,10 @@ def test_cli_watch_shows_tiers(live, capsys):
     assert cli(["watch", live["server"].url, "--interval", "0.2", "--count", "1"]) == 0
     out = capsys.readouterr().out
     assert "disk" in out and "cpu" in out and "prompt tokens cached" in out
+    assert cli(["watch", live["server"].url, "--interval", "0.2", "--count", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["tiers"]) == {"cpu", "disk"}
+    assert 0 < data["tiers"]["disk"]["hit_ratio"] <= 1 and data["prompt_tokens_cached"]["disk"] > 0
 
 
 def _admin_while_serving(live, args, capsys):

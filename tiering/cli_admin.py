@@ -97,7 +97,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_watch(args: argparse.Namespace) -> int:
     from tiering.watch import watch
 
-    return watch(args.url, args.interval, args.count, sys.stdout)
+    return watch(args.url, args.interval, args.count, sys.stdout, args.json)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -156,6 +156,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("url", help="e.g. http://127.0.0.1:8000/metrics")
     p.add_argument("--interval", type=float, default=2.0)
     p.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    p.add_argument("--json", action="store_true", help="one JSON object per refresh")
     p.set_defaults(func=_cmd_watch)
 
     p = sub.add_parser("config", help="print a validated --kv-transfer-config",
