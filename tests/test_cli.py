@@ -110,12 +110,12 @@ def test_config_prints_valid_transfer_config(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--disk", "/tmp/x"], "--disk: expected PATH:CAPACITY"),
-    (["--disk", "/tmp/x:1EiB"], "capacity: expected a byte size"),
-    (["--disk", "/tmp/x:1000000TiB"], "bytes free"),
-    (["--disk", "/tmp/x:1GiB", "--policy", "mru"], "unknown policy 'mru'"),
-    (["--disk", "/tmp/x:1GiB", "--io", "spdk"], "io: unknown I/O engine"),
+    (["--disk", "{tmp}/x"], "--disk: expected PATH:CAPACITY"),
+    (["--disk", "{tmp}/x:1EiB"], "capacity: expected a byte size"),
+    (["--disk", "{tmp}/x:1000000TiB"], "bytes free"),
+    (["--disk", "{tmp}/x:1GiB", "--policy", "mru"], "unknown policy 'mru'"),
+    (["--disk", "{tmp}/x:1GiB", "--io", "spdk"], "io: unknown I/O engine"),
 ])
-def test_config_rejects_bad_flags(capsys, args, message):
-    assert main(["config", "--cpu", "1GiB", *args]) == 2
+def test_config_rejects_bad_flags(tmp_path, capsys, args, message):
+    assert main(["config", "--cpu", "1GiB", *(a.format(tmp=tmp_path) for a in args)]) == 2
     assert message in capsys.readouterr().err
