@@ -155,3 +155,19 @@ def _load(index: Index, n_slots: int, folder: Path) -> SlotState:
     return SlotState(dict(zip(ordered_keys, slot_list.tolist(), strict=True)), free,
                      ready=ready.tolist(), ordered_keys=ordered_keys,
                      reused=(r["hits"] > 0).tolist(), **columns)
+
+
+def announce(tier: Any) -> None:
+    """Say who writes this namespace and how: ``writer.json`` (read by ``tiering inspect``)
+    and one log line."""
+    from tiering.backends.namespace import write_json
+
+    cfg = tier.cfg
+    write_json(tier.folder / "writer.json", {
+        "pid": os.getpid(), "opened": time.time(), "engine": tier.engine.describe(),
+        "capacity_bytes": tier.capacity, "slots": tier.n_slots, "policy": cfg.policy,
+        "store_threshold": cfg.store_threshold, "compression": cfg.compression,
+        "verify": cfg.verify, "sparse_slabs": tier.slabs.sparse})
+    log.info("file tier %s: %d slots of %d bytes, %d resident, engine %s, policy %s, "
+             "store_threshold %d", tier.folder, tier.n_slots, tier.row_bytes,
+             len(tier.entries), tier.engine.describe(), cfg.policy, cfg.store_threshold)

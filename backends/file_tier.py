@@ -49,11 +49,12 @@ from tiering.backends.file_state import (
     ReadResult,
     WriteDone,
     acquire_writer_lock,
+    announce,
     load_slot_state,
 )
 from tiering.backends.index import MAX_KEY_BYTES, STAT_NAMES, Index, pack_record
 from tiering.backends.io_engines import make_engine
-from tiering.backends.namespace import NamespaceFacts, read_meta, write_json, write_meta
+from tiering.backends.namespace import NamespaceFacts, read_meta, write_meta
 from tiering.backends.slab import SlabSet
 from tiering.policies import StoreThreshold, create
 
@@ -98,14 +99,6 @@ class FileTier:
         self.codec = ZstdCodec(cfg.compression_level, int(self.meta.get("element_bytes", 2)))
         self.policy = create(cfg.policy, self.n_slots)
         self.admission = StoreThreshold(cfg.store_threshold, cfg.tracker_size)
-        # key -> slot; the record fields live in per-slot lists (a million small objects would
-        # make reopening slow), valid while the slot is in ``entries``.
-        self.entries: dict[bytes, int] = {}
-        n = self.n_slots
-        self._len, self._codec, self._sum = [0] * n, [0] * n, [0] * n
-        self._created, self._last, self._hits = [0.0] * n, [0.0] * n, [0] * n
-        self._ready = [False] * n
-        self._free: list[int] = []
         self._rebuild()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self.pending = PendingMeta()  # access stats and counters not yet in LMDB
@@ -119,17 +112,11 @@ class FileTier:
         self._stats = dict.fromkeys(STAT_NAMES, 0)  # this process's counters
         self.closed = False
         OPEN_TIERS.add(self)  # flushed and closed at interpreter exit if still open
-        write_json(self.folder / "writer.json", {
-            "pid": os.getpid(), "opened": time.time(), "engine": self.engine.describe(),
-            "capacity_bytes": self.capacity, "slots": self.n_slots, "policy": cfg.policy,
-            "store_threshold": cfg.store_threshold, "compression": cfg.compression,
-            "verify": cfg.verify, "sparse_slabs": self.slabs.sparse})
-        log.info("file tier %s: %d slots of %d bytes, %d resident, engine %s, policy %s, "
-                 "store_threshold %d", self.folder, self.n_slots, self.row_bytes,
-                 len(self.entries), self.engine.describe(), cfg.policy, cfg.store_threshold)
+        announce(self)
 
     def _rebuild(self) -> None:
-        """Load the index: entries, per-slot fields, policy order, free slots."""
+        """Load the index: ``entries`` (key -> slot), the per-slot record fields (plain lists,
+        valid while the slot is in ``entries``), policy order and free slots."""
         t0 = time.perf_counter()
         state = load_slot_state(self.index, self.n_slots, self.folder)
         self.entries, self._free = state.entries, state.free
@@ -167,10 +154,6 @@ class FileTier:
     @property
     def used_bytes(self) -> int:
         return len(self.entries) * self.row_bytes
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
 
     def has_pending_work(self) -> bool:
         return bool(self._inflight_reads or self._inflight_writes)
@@ -322,6 +305,7 @@ class FileTier:
         slot = self.entries.get(r.key)
         if slot == r.slot and not self._ready[slot]:
             self.policy.unpin(r.key)
+            # the committer already persisted these counts with the batch: local tally only
             if r.ok:
                 self._len[slot], self._codec[slot], self._sum[slot] = r.length, r.codec, r.checksum
                 self._ready[slot] = True

@@ -2,7 +2,7 @@
 
 Run on a machine with an NVIDIA GPU: ``bash scripts/gpu_check.sh [OUT_DIR]``.
 
-1. DMA (``backends/dma.py`` CudaCopyEngine) for a Llama-3.1-8B-shaped cache: 32 layers,
+1. DMA (``backends/cuda_copy.py`` CudaCopyEngine) for a Llama-3.1-8B-shaped cache: 32 layers,
    8 KV heads, head 128, bf16, 16-token blocks → 64 KiB per-layer pages (per-layer layout,
    32 tensors) and 2 MiB per block (packed layout, one tensor). 512 random non-contiguous blocks
    (1 GiB) per job into random rows of a pinned staging region; store, load, and both at once,
@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build-gpu"))
 
 import torch  # noqa: E402
 
-from tiering.backends.dma import CopyLayout, CudaCopyEngine, TensorInfo  # noqa: E402
+from tiering.backends.cuda_copy import CudaCopyEngine  # noqa: E402
+from tiering.backends.dma import CopyLayout, TensorInfo  # noqa: E402
 from tiering.backends.io_engines import aligned_buffer  # noqa: E402
 
 LAYERS, PAGE, BLOCKS, JOB, ROWS, REPEAT = 32, 64 << 10, 2048, 512, 1024, 7

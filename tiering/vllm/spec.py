@@ -87,7 +87,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         layout = make_layout(kv_caches, region, rank, self.cell_bytes, self.blocks_per_chunk)
         on_device = kv_caches.tensors and kv_caches.tensors[0].tensor.device.type == "cuda"
         if on_device:
-            from tiering.backends.dma import CudaCopyEngine
+            from tiering.backends.cuda_copy import CudaCopyEngine
 
             engine = CudaCopyEngine(region.base_address, region.num_rows * region.row_bytes,
                                     device=kv_caches.tensors[0].tensor.device)

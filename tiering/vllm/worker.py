@@ -1,4 +1,5 @@
-"""The worker side: vLLM's ``OffloadingWorker`` over our copy engines (``backends/dma.py``).
+"""The worker side: vLLM's ``OffloadingWorker`` over our copy engines (``backends/dma.py``,
+``backends/cuda_copy.py``).
 
 Each job's GPU spec and staging rows become one descriptor list (``CopyLayout``), copied by
 ``MemcpyEngine`` on vLLM's CPU platform or ``CudaCopyEngine`` on CUDA. The worker never reports
