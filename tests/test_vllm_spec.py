@@ -116,10 +116,10 @@ def test_repeated_lookups_of_one_request_count_once(tmp_path):
     ctx, other = ReqContext(req_id="a"), ReqContext(req_id="b")
     for _ in range(3):  # vLLM asks again every step while the request waits
         assert m.lookup(key, ctx) == LookupResult.MISS
-    assert m.chain.counters[0].lookups == 1 and m.chain.counters[1].lookups == 1
+    assert m.chain.tiers[0].stats["lookups"] == 1 and m.chain.tiers[1].stats["lookups"] == 1
     m.lookup(key, other)
-    assert m.chain.counters[0].lookups == 2
+    assert m.chain.tiers[0].stats["lookups"] == 2
     m.on_request_finished(ctx)
     m.lookup(key, ctx)  # a new request with the same id after the old one finished
-    assert m.chain.counters[0].lookups == 3
+    assert m.chain.tiers[0].stats["lookups"] == 3
     m.shutdown()

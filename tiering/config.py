@@ -102,15 +102,16 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
     return cfg
 
 
-def check_sizes(cfg: TieredConfig, row_bytes: int) -> int:
-    """Check sizes against the engine's row; returns the number of CPU rows."""
+def check_sizes(cfg: TieredConfig, row_bytes: int, namespace_id: str | None = None) -> int:
+    """Check sizes against the engine's row; returns the number of CPU rows. ``namespace_id``:
+    the engine's namespace, whose slabs already on disk count as space the tier owns."""
     rows = cfg.cpu_bytes_to_use // row_bytes
     if rows < 1:
         raise ValueError(f"cpu_bytes_to_use: {cfg.cpu_bytes_to_use} bytes holds no row; one "
                          f"row of this engine is {row_bytes} bytes")
     for i, f in enumerate(cfg.files, start=1):
         try:
-            validate(f, row_bytes)
+            validate(f, row_bytes, namespace_id)
         except ValueError as exc:
             raise ValueError(f"tiers[{i}].{exc}") from None
     return rows

@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from tiering.backends.file_config import FileTierConfig
 from tiering.backends.file_tier import FileTier as _FileTier
-from tiering.backends.file_tier import ReadResult, WriteDone
+from tiering.tier import Lookup
 from tiering.vllm.compat import (
     LookupResult,
     Medium,
@@ -67,12 +67,13 @@ class FileTier(SecondaryTierManager):
         return self._rows[chunk_id * self._row_bytes:(chunk_id + 1) * self._row_bytes]
 
     def lookup(self, key, req_context: ReqContext) -> LookupResult:
-        return LookupResult.HIT if self.tier.lookup(bytes(key)) else LookupResult.MISS
+        hit = self.tier.lookup(bytes(key)) is Lookup.HIT
+        return LookupResult.HIT if hit else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = [bytes(k) for k in job_metadata.keys]
         rows = [self._row(int(c)) for c in job_metadata.chunk_ids]
-        accepted = self.tier.put(keys, rows)
+        accepted = self.tier.put(keys, rows).admitted
         if not accepted:  # nothing to write (present, not admitted, or full): done at once
             self._finished.append(JobResult(job_metadata.job_id, True))
             return
@@ -83,7 +84,7 @@ class FileTier(SecondaryTierManager):
     def submit_load(self, job_metadata: TransferJob) -> None:
         items = [(bytes(k), self._row(int(c)), job_metadata.job_id)
                  for k, c in zip(job_metadata.keys, job_metadata.chunk_ids, strict=True)]
-        started = self.tier.get_many(items)
+        started = self.tier.get(items)
         job = _Job({k for (k, _, _), s in zip(items, started, strict=True) if s},
                    is_promotion=True, failed=not all(started))
         if not job.keys:
@@ -93,13 +94,12 @@ class FileTier(SecondaryTierManager):
 
     def _poll(self, wait: float = 0.0) -> None:
         for r in self.tier.poll(wait=wait):
-            if isinstance(r, WriteDone):
+            if r.kind == "store":
                 job_id = self._owner.pop(r.key, None)
                 if r.ok:
                     self._events.append(OffloadingEvent(keys=[r.key], medium=Medium.STORAGE,
                                                         removed=False))
             else:
-                assert isinstance(r, ReadResult)
                 job_id = r.token
             job = self._jobs.get(job_id)
             if job is None:

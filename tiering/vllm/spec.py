@@ -19,6 +19,7 @@ from tiering.backends.file_tier import FileTier
 from tiering.backends.staging import StagingRegion, remove_stale
 from tiering.chain import TierChain
 from tiering.config import check_sizes, parse
+from tiering.cpu_tier import CpuTier
 from tiering.vllm.compat import CanonicalKVCaches, OffloadingSpec
 from tiering.vllm.manager import TieredManager
 from tiering.vllm.metrics import TierMetrics, definitions
@@ -42,7 +43,10 @@ class TieredOffloadingSpec(OffloadingSpec):
         self.cell_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         raw_row = self.cell_bytes * self.world_size
         self.row_bytes = -(-raw_row // PAGE) * PAGE
-        self.num_rows = check_sizes(self.cfg, self.row_bytes) if raw_row else 0
+        self.num_rows = 0
+        if raw_row:
+            facts, _ = facts_from_config(config, self.row_bytes)
+            self.num_rows = check_sizes(self.cfg, self.row_bytes, facts.namespace_id)
         self._manager: TieredManager | None = None
         self._worker: TieredWorker | None = None
 
@@ -67,11 +71,10 @@ class TieredOffloadingSpec(OffloadingSpec):
                      "survive a restart", facts.namespace_id, facts.model, info["hash_algo"],
                      "DO" if info["restart_safe"] else "do NOT (use "
                      "--prefix-caching-hash-algo sha256 to keep them)")
-        chain = TierChain(region, self.cfg.cpu.policy, self.cfg.cpu.store_threshold,
-                          self.cfg.cpu.tracker_size, tiers,
-                          events=self.kv_events_config.enable_kv_cache_events)
-        policies = [self.cfg.cpu.policy] + [f.policy for f in self.cfg.files]
-        self._manager = TieredManager(chain, TierMetrics(policies),
+        cpu = CpuTier(region, self.cfg.cpu.policy, self.cfg.cpu.store_threshold,
+                      self.cfg.cpu.tracker_size)
+        chain = TierChain(cpu, tiers, events=self.kv_events_config.enable_kv_cache_events)
+        self._manager = TieredManager(chain, TierMetrics(),
                                       on_shutdown=lambda: region.close(unlink=True))
         log.info("vllm-tiering: CPU tier %d rows x %d bytes (%s, store_threshold %d), "
                  "%d file tier(s)", self.num_rows, self.row_bytes, self.cfg.cpu.policy,
