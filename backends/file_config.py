@@ -19,6 +19,9 @@ from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
 
 
+DEMOTE_MODES = ("on_store", "on_evict")
+
+
 @dataclass
 class FileTierConfig:
     path: str
@@ -36,6 +39,9 @@ class FileTierConfig:
     preallocate: bool = True
     direct: bool = True
     max_batch: int = 0  # rows per group commit; 0 = about 64 MiB worth
+    # when a chunk is written here: "on_store" (as soon as the CPU tier has it: write-through)
+    # or "on_evict" (only when the CPU tier is about to evict it: write-back, fewer SSD writes)
+    demote: str = "on_store"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "file tier") -> FileTierConfig:
@@ -96,6 +102,8 @@ def validate(cfg: FileTierConfig, row_bytes: int, namespace_id: str | None = Non
     if cfg.io not in ENGINES:
         raise ValueError(f"io: unknown I/O engine {cfg.io!r}; expected one of {', '.join(ENGINES)}")
     check_codec(cfg.compression)
+    if cfg.demote not in DEMOTE_MODES:
+        raise ValueError(f"demote: expected one of {', '.join(DEMOTE_MODES)}, got {cfg.demote!r}")
     resolve(cfg.policy)
     for name in ("store_threshold", "tracker_size", "io_threads", "max_batch", "element_bytes"):
         v = getattr(cfg, name)

@@ -14,6 +14,7 @@ comes from the other list, so eviction never fails while any evictable key exist
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from itertools import compress
@@ -41,6 +42,10 @@ class ArcPolicy(EvictionPolicy):
     def __iter__(self) -> Iterator[Key]:
         first, second = (self.t1, self.t2) if len(self.t1) > self.p else (self.t2, self.t1)
         return iter([*first, *second])
+
+    def peek_victims(self, n: int) -> list[Key]:
+        first, second = (self.t1, self.t2) if len(self.t1) > self.p else (self.t2, self.t1)
+        return list(itertools.islice(itertools.chain(first, second), n))
 
     def on_miss(self, key: Key) -> None:
         """Adapt ``p`` when a lookup misses a ghost (the key is about to be stored again)."""

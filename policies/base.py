@@ -26,6 +26,7 @@ after it useless, while a missing suffix chunk costs only itself).
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Hashable, Iterable, Iterator
 from typing import ClassVar
@@ -60,6 +61,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def __iter__(self) -> Iterator[Key]:
         """Resident keys, next victim first (pinned keys included, in place)."""
+
+    def peek_victims(self, n: int) -> list[Key]:
+        """About the next ``n`` victims, in order, without changing anything (write-back
+        cleaning looks ahead with it). Policies override it to avoid walking every key."""
+        return list(itertools.islice(iter(self), n))
 
     # -- mutation -------------------------------------------------------------------------
     @abstractmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 
@@ -25,6 +26,9 @@ class LruPolicy(EvictionPolicy):
 
     def __iter__(self) -> Iterator[Key]:
         return iter(list(self._order))
+
+    def peek_victims(self, n: int) -> list[Key]:
+        return list(itertools.islice(self._order, n))
 
     def insert(self, key: Key) -> None:
         if key in self._order:

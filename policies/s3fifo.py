@@ -13,6 +13,7 @@ counted against a step budget, so a queue full of pinned keys cannot loop foreve
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from itertools import compress
@@ -45,6 +46,9 @@ class S3FifoPolicy(EvictionPolicy):
 
     def __iter__(self) -> Iterator[Key]:
         return iter([*self.small, *self.main])
+
+    def peek_victims(self, n: int) -> list[Key]:
+        return list(itertools.islice(itertools.chain(self.small, self.main), n))
 
     def insert(self, key: Key) -> None:
         if key in self.freq:

@@ -174,3 +174,56 @@ def test_every_reader_agrees_on_every_counter(tmp_path, capsys):
         line = [ln for ln in text.splitlines() if ln.startswith(f"tiering_cache_{name}_total{{")
                 and (not label or f'reason="{label}"' in ln)]
         assert len(line) == 1 and float(line[0].rsplit(" ", 1)[1]) == v, (flat, line)
+
+
+def writeback_chain(tmp_path, rows=8, disk_slots=64) -> TierChain:
+    tier = FileTier({"path": str(tmp_path / "disk"), "capacity": disk_slots * ROW, "io": "posix",
+                     "policy": "lru", "demote": "on_evict"}, facts(ROW))
+    return TierChain(CpuTier(StagingRegion("wb", rows, ROW), "lru"), [tier], events=True)
+
+
+def test_writeback_writes_only_what_the_cpu_tier_evicts(tmp_path):
+    c = writeback_chain(tmp_path)
+    disk = c.file_tiers[0]
+    ks = [key(i) for i in range(40)]
+    fill(c, ks[:4])
+    c.wait_idle()
+    assert disk.stats["stores"] == 0  # write-back: nothing written while the CPU holds them
+    for i in range(4, 40, 2):  # keep storing: the oldest rows are written before eviction
+        fill(c, ks[i:i + 2])
+        c.wait_idle()
+        c.check()
+    assert disk.stats["writeback_misses"] == 0
+    on_disk = [k for k in ks if disk.contains(k)]
+    in_cpu = [k for k in ks if c.cpu.contains(k)]
+    assert set(on_disk) | set(in_cpu) == set(ks)  # every chunk is somewhere
+    assert disk.stats["stores"] < len(ks)  # rows still in the CPU were not written
+    c.reset()  # owed rows are written before they are dropped
+    c.wait_idle()
+    for k in ks:
+        assert disk.contains(k)
+        assert c.lookup(k) is Lookup.PENDING
+        c.wait_idle()
+        rows = c.prepare_load([k])
+        assert bytes(c.region.row(rows[0])) == bytes(row_for(k))
+        c.complete_load([k])
+    c.check()
+    c.close()
+
+
+def test_writeback_shutdown_persists_owed_rows(tmp_path):
+    c = writeback_chain(tmp_path)
+    ks = [key(i) for i in range(5)]
+    fill(c, ks)
+    c.wait_idle()
+    assert c.file_tiers[0].stats["stores"] == 0
+    c.close()
+    with FileTier({"path": str(tmp_path / "disk"), "capacity": 64 * ROW, "io": "posix",
+                   "policy": "lru", "demote": "on_evict"}, facts(ROW)) as t:
+        assert all(t.contains(k) for k in ks)
+
+
+def test_demote_mode_is_validated(tmp_path):
+    with pytest.raises(ValueError, match="demote: expected one of on_store, on_evict, got 'later'"):
+        FileTier({"path": str(tmp_path / "d"), "capacity": 4 * ROW, "demote": "later"}, facts(ROW))
+    assert not (tmp_path / "d").exists()

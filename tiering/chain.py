@@ -10,6 +10,14 @@ Store path: vLLM asks ``prepare_store`` (the CPU tier reserves rows; the GPU fil
 ``complete_store``: the rows become READY and are offered to every file tier (demotion; each
 tier's own ``store_threshold`` decides). A demoted row stays pinned until its write completes.
 
+Write-back (a file tier with ``demote: on_evict``): a READY row is only *owed* to that tier
+(``_owed``). Rows are written down when they come near the head of the CPU tier's eviction order:
+at each step's end enough of the next victims are written that free rows plus clean victims make
+a reserve (``WRITEBACK_RESERVE_FRACTION`` of the rows), and before a store needs evictions its
+victims-to-be are. A row being written is pinned, so the CPU tier evicts around it
+and never waits for a write. A row evicted while still owed never reaches that tier (counted as
+``writeback_misses``); a reset and the shutdown write every owed row first.
+
 Disk-hit path: ``lookup`` misses the CPU tier and hits a file tier: a CPU row is reserved at once
 (PROMOTING), the answer is PENDING, and at the step's end (``on_schedule_end``) the reads of all
 promotions of the step are issued in one batch per tier. ``poll`` marks the rows READY; vLLM's next
@@ -28,6 +36,12 @@ from tiering.cpu_tier import CpuTier
 from tiering.tier import Completion, Lookup, Tier
 
 log = logging.getLogger(__name__)
+
+# Write-back tiers: rows kept clean (free, or next victims already written down) at each step's
+# end, as a fraction of the CPU rows (at least 2), so the next steps' stores evict without
+# waiting for a write.
+WRITEBACK_RESERVE_FRACTION = 1 / 8
+WRITEBACK_RESERVE_MIN = 2
 
 __all__ = ["Event", "Lookup", "TierChain"]
 
@@ -58,6 +72,13 @@ class TierChain:
         self._in_flight: dict[tuple[int, str, bytes], tuple[int, float]] = {}  # -> row, start
         # (tier index, "store" | "promotion", seconds): read and cleared by the metrics layer
         self.transfer_samples: list[tuple[int, str, float]] = []
+        self._writeback = [i for i, t in enumerate(self.file_tiers, start=1)
+                           if t.cfg.demote == "on_evict"]
+        self._write_through = [i for i, t in enumerate(self.file_tiers, start=1)
+                               if t.cfg.demote != "on_evict"]
+        self._owed: dict[bytes, list[int]] = {}  # READY key -> write-back tiers still owed it
+        self._reserve = max(WRITEBACK_RESERVE_MIN,
+                            int(self.num_rows * WRITEBACK_RESERVE_FRACTION))
 
     def _event(self, keys: list[bytes], medium: str, removed: bool) -> None:
         if self.events_enabled and keys:
@@ -75,9 +96,11 @@ class TierChain:
             if tier.lookup(key, count) is not Lookup.HIT:
                 continue
             tier.touch([key])  # a promotion is a use: recency and the persisted hit count
-            row = self.cpu.reserve_promotion(key, tier_label(i))
-            if row is None:  # no CPU row free now: a miss (counted on the CPU tier)
+            got = self.cpu.reserve_promotion(key, tier_label(i))
+            if got is None:  # no CPU row free now: a miss (counted on the CPU tier)
                 return Lookup.MISS
+            row, evicted = got
+            self._evicted_from_cpu(evicted)
             self._promote[i - 1].append((key, row))
             self._in_flight[(i, "promotion", key)] = (row, time.perf_counter())
             return Lookup.PENDING
@@ -100,22 +123,56 @@ class TierChain:
     def prepare_store(self, keys: Sequence[bytes]
                       ) -> tuple[list[bytes], list[int], list[bytes]] | None:
         """(keys to store, their rows, evicted keys), or None if no room can be made now."""
+        if self._owed:  # write down the rows this store is about to evict (they get pinned)
+            self._keep_clean(len(keys))
         out = self.cpu.put(keys, None)
         if not out.admitted and any(r != "threshold" for r in out.rejected.values()):
             return None
-        self._event(out.evicted, "cpu", True)
+        self._evicted_from_cpu(out.evicted)
         return out.admitted, [self.cpu.row_of(k) for k in out.admitted], out.evicted
+
+    def _evicted_from_cpu(self, keys: list[bytes]) -> None:
+        self._event(keys, "cpu", True)
+        if self._owed:
+            for k in keys:
+                for i in self._owed.pop(k, ()):
+                    self.tiers[i].stats.add("writeback_misses")
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
         ready = self.cpu.finish_store(keys, success)
         if not ready:
             return
         self._event(list(ready), "cpu", False)
-        self._demote(ready)
+        self._demote(ready, self._write_through)
+        if self._writeback:
+            for k in ready:
+                self._owed[k] = list(self._writeback)
 
-    def _demote(self, keys: list[bytes]) -> None:
+    def _keep_clean(self, extra: int = 0) -> None:
+        """Write back owed rows at the head of the eviction order until free rows plus clean
+        victims reach the reserve (plus ``extra`` rows a store is about to take)."""
+        short = self._reserve + extra - self.cpu.free_count()
+        if short > 0:
+            self._write_back(self.cpu.next_victims(short))
+
+    def _write_back(self, keys: Iterable[bytes]) -> None:
+        """Write owed rows down now (pinned until written; each tier's admission decides)."""
+        per_tier: dict[int, list[bytes]] = {}
+        for k in keys:
+            if not self.cpu.contains(k):  # only READY rows are owed; a dropped one is gone
+                self._owed.pop(k, None)
+                continue
+            for i in self._owed.pop(k, ()):
+                per_tier.setdefault(i, []).append(k)
+        for i, ks in per_tier.items():
+            self._demote(ks, [i])
+
+    def _demote(self, keys: list[bytes], tier_indexes: Sequence[int]) -> None:
+        if not keys or not tier_indexes:
+            return
         views = [self.cpu.view(k) for k in keys]
-        for i, tier in enumerate(self.file_tiers, start=1):
+        for i in tier_indexes:
+            tier = self.tiers[i]
             out = tier.put(keys, views)
             self._event(out.evicted, "disk", True)
             now = time.perf_counter()
@@ -125,7 +182,8 @@ class TierChain:
 
     # -- background completions: the one place they are applied ------------------------------
     def on_schedule_end(self) -> None:
-        """Issue the step's promotions (one batch per tier), then apply what finished."""
+        """Issue the step's promotions (one batch per tier), write back rows near eviction,
+        then apply what finished."""
         for i, tier in enumerate(self.file_tiers, start=1):
             batch, self._promote[i - 1] = self._promote[i - 1], []
             if not batch:
@@ -135,6 +193,8 @@ class TierChain:
                 if not ok:  # gone from the tier since the lookup: a miss after all
                     self._finish_promotion(i, Completion("read", k, False, "gone",
                                                          token=(k, r)))
+        if self._owed:
+            self._keep_clean()
         self.poll()
 
     def poll(self, wait: float = 0.0) -> None:
@@ -161,6 +221,9 @@ class TierChain:
         if self.cpu.finish_promotion(key, row, done.ok):
             self.transfer_samples.append((i, "promotion", time.perf_counter() - started))
             self._event([key], "cpu", False)
+            owed = [j for j in self._writeback if j != i and not self.tiers[j].contains(key)]
+            if owed:  # another write-back tier below does not have it yet
+                self._owed[key] = owed
         elif not done.ok and done.reason != "gone":
             self._event([key], "disk", True)  # the file tier dropped the key (bad slot)
 
@@ -186,6 +249,7 @@ class TierChain:
         vLLM discards its in-flight jobs on a reset (their completions never come), so its pins
         go too; rows still read or written by a file tier stay detached until that I/O ends.
         """
+        self._write_back(list(self._owed))  # nothing owed is lost: written before the drop
         for i, queued in enumerate(self._promote, start=1):  # not issued yet: nothing to wait for
             for key, row in queued:
                 self._in_flight.pop((i, "promotion", key), None)
@@ -205,6 +269,7 @@ class TierChain:
 
     def close(self) -> None:
         try:
+            self._write_back(list(self._owed))  # a restart finds every chunk it had
             self.wait_idle()
         except Exception:  # never let a stuck tier stop the shutdown of the others
             log.exception("tier chain: waiting for in-flight I/O at shutdown failed")

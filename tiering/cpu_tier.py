@@ -246,17 +246,25 @@ class CpuTier(Tier):
         return ready
 
     # -- promotions: a file tier fills a row -----------------------------------------------
-    def reserve_promotion(self, key: bytes, source: str) -> int | None:
-        """A row for ``key`` that a file tier will fill (pinned for that I/O), or None."""
+    def reserve_promotion(self, key: bytes, source: str) -> tuple[int, list[bytes]] | None:
+        """(a row for ``key`` that a file tier will fill, pinned for that I/O; the keys evicted
+        for it), or None."""
         got = self._allocate(1, ())
         if isinstance(got, str):
             self.stats.reject(got)
             return None
-        row = got[0][0]
+        (row,), evicted = got
         self._bind(key, row, RowState.PROMOTING, source)
         self.policy.insert(key)
         self.pin(key, io=True)
-        return row.index
+        return row.index, evicted
+
+    def next_victims(self, n: int) -> list[bytes]:
+        """About the next ``n`` keys the policy would evict (pinned ones included)."""
+        return self.policy.peek_victims(n)
+
+    def free_count(self) -> int:
+        return len(self.free_rows)
 
     def finish_promotion(self, key: bytes, index: int, ok: bool) -> bool:
         """The read into row ``index`` ended; True if ``key`` is now READY there."""

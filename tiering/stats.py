@@ -45,6 +45,8 @@ METRICS: tuple[Metric, ...] = (
            "(threshold: store_threshold not reached; full: no room, disk full included; "
            "error: the write failed; pinned: every candidate victim is in use).",
            ("reason",), REJECT_REASONS),
+    Metric("writeback_misses", "counter", "Chunks a write-back tier (demote: on_evict) never "
+           "got: the CPU tier evicted them before they were written down."),
     Metric("io_errors", "counter", "Failed reads and writes of this tier."),
     Metric("checksum_failures", "counter", "Reads whose checksum did not match (served as "
            "misses)."),
