@@ -18,7 +18,6 @@ from tiering.backends.io_engines import ALIGN, ENGINES
 from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
 
-
 DEMOTE_MODES = ("on_store", "on_evict")
 
 
