@@ -227,3 +227,44 @@ def test_demote_mode_is_validated(tmp_path):
     with pytest.raises(ValueError, match="demote: expected one of on_store, on_evict, got 'later'"):
         FileTier({"path": str(tmp_path / "d"), "capacity": 4 * ROW, "demote": "later"}, facts(ROW))
     assert not (tmp_path / "d").exists()
+
+
+def test_advisor_loads_only_what_pays():
+    from tiering.advisor import REPROBE_AFTER, PromotionAdvisor
+
+    a = PromotionAdvisor(1, row_bytes=1 << 20, chunk_tokens=16)
+    assert a.pays(0)  # nothing measured yet: load, and so measure
+    a.observe_read_batch(0, 1 << 30, 1.0)  # ~1.07 GB/s: ~0.98 ms per 1 MiB chunk
+    for step in range(5):  # 16 chunks (256 tokens) per 10 ms step: 25.6k tokens/s
+        a.observe_stored_chunks(16)
+        a.observe_step_end(now=step * 0.01)
+    assert a.prefill_rate() == pytest.approx(25_600)
+    assert not a.pays(0)  # recomputing 16 tokens (0.63 ms) beats reading 1 MiB (0.98 ms)
+    a.observe_step_end(now=10.0)  # an idle gap is not compute time
+    assert a.prefill_rate() == pytest.approx(25_600)
+    slow = PromotionAdvisor(1, row_bytes=1 << 20, chunk_tokens=16, prefill_tokens_per_s=4000)
+    slow.observe_read_batch(0, 1 << 30, 1.0)
+    assert slow.pays(0)  # 4 ms to recompute vs ~1 ms to read
+    declined = sum(not a.pays(0) for _ in range(REPROBE_AFTER))
+    assert declined == REPROBE_AFTER - 1  # one probe per REPROBE_AFTER declines
+
+
+def test_chain_declines_disk_hits_that_do_not_pay(tmp_path):
+    from tiering.advisor import PromotionAdvisor
+
+    c = make_chain(tmp_path, rows=8)
+    c.advisor = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e12)
+    ks = [key(i) for i in range(6)]
+    fill(c, ks)
+    c.wait_idle()
+    c.reset()
+    assert c.lookup(ks[0]) is Lookup.PENDING  # first read: not measured yet, so loaded
+    c.wait_idle()
+    assert c.advisor.read_rate(0) > 0
+    assert c.lookup(ks[1]) is Lookup.MISS  # an absurdly fast engine: recompute instead
+    assert c.file_tiers[0].stats["promotions_declined"] == 1
+    c.advisor.fixed_prefill = 1.0  # a slow engine: every disk hit pays
+    assert c.lookup(ks[2]) is Lookup.PENDING
+    c.wait_idle()
+    c.check()
+    c.close()

@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from tiering.advisor import PromotionAdvisor
 from tiering.backends.file_tier import FileTier
 from tiering.cpu_tier import CpuTier
 from tiering.tier import Completion, Lookup, Tier
@@ -60,7 +61,7 @@ def tier_label(i: int) -> str:
 
 class TierChain:
     def __init__(self, cpu: CpuTier, file_tiers: Sequence[FileTier] = (),
-                 events: bool = False) -> None:
+                 events: bool = False, advisor: PromotionAdvisor | None = None) -> None:
         self.cpu = cpu
         self.file_tiers = list(file_tiers)
         self.tiers: list[Tier] = [cpu, *self.file_tiers]
@@ -77,6 +78,10 @@ class TierChain:
         self._write_through = [i for i, t in enumerate(self.file_tiers, start=1)
                                if t.cfg.demote != "on_evict"]
         self._owed: dict[bytes, list[int]] = {}  # READY key -> write-back tiers still owed it
+        self.advisor = advisor  # None: every disk hit is loaded
+        # promotion batches in flight: batch id -> [tier index, reads left, bytes, started]
+        self._batches: dict[int, list] = {}
+        self._next_batch = 0
         self._reserve = max(WRITEBACK_RESERVE_MIN,
                             int(self.num_rows * WRITEBACK_RESERVE_FRACTION))
 
@@ -95,6 +100,9 @@ class TierChain:
         for i, tier in enumerate(self.file_tiers, start=1):
             if tier.lookup(key, count) is not Lookup.HIT:
                 continue
+            if self.advisor is not None and not self.advisor.pays(i - 1):
+                tier.stats.add("promotions_declined")
+                return Lookup.MISS  # recomputing is faster than reading it
             tier.touch([key])  # a promotion is a use: recency and the persisted hit count
             got = self.cpu.reserve_promotion(key, tier_label(i))
             if got is None:  # no CPU row free now: a miss (counted on the CPU tier)
@@ -126,6 +134,8 @@ class TierChain:
         if self._owed:  # write down the rows this store is about to evict (they get pinned)
             self._keep_clean(len(keys))
         out = self.cpu.put(keys, None)
+        if self.advisor is not None:  # newly computed chunks: the prefill rate's measure
+            self.advisor.observe_stored_chunks(len(out.admitted) + len(out.rejected))
         if not out.admitted and any(r != "threshold" for r in out.rejected.values()):
             return None
         self._evicted_from_cpu(out.evicted)
@@ -188,14 +198,20 @@ class TierChain:
             batch, self._promote[i - 1] = self._promote[i - 1], []
             if not batch:
                 continue
-            started = tier.get([(k, self.region.row(r), (k, r)) for k, r in batch])
+            b = self._next_batch
+            self._next_batch += 1
+            started = tier.get([(k, self.region.row(r), (k, r, b)) for k, r in batch])
+            if any(started):
+                self._batches[b] = [i, sum(started), 0, time.perf_counter()]
             for (k, r), ok in zip(batch, started, strict=True):
                 if not ok:  # gone from the tier since the lookup: a miss after all
                     self._finish_promotion(i, Completion("read", k, False, "gone",
-                                                         token=(k, r)))
+                                                         token=(k, r, None)))
         if self._owed:
             self._keep_clean()
         self.poll()
+        if self.advisor is not None:
+            self.advisor.observe_step_end()
 
     def poll(self, wait: float = 0.0) -> None:
         """Apply finished file-tier I/O (``wait`` > 0 blocks up to that long per busy tier)."""
@@ -216,7 +232,16 @@ class TierChain:
             self.cpu.unpin_row(row, io=True)
 
     def _finish_promotion(self, i: int, done: Completion) -> None:
-        key, row = done.token
+        key, row, batch = done.token
+        if batch is not None:  # the batch's last read measures the tier's read rate
+            entry = self._batches[batch]
+            entry[1] -= 1
+            entry[2] += done.nbytes if done.ok else 0
+            if entry[1] == 0:
+                del self._batches[batch]
+                if self.advisor is not None:
+                    self.advisor.observe_read_batch(i - 1, entry[2],
+                                                    time.perf_counter() - entry[3])
         _, started = self._in_flight.pop((i, "promotion", key), (None, 0.0))
         if self.cpu.finish_promotion(key, row, done.ok):
             self.transfer_samples.append((i, "promotion", time.perf_counter() - started))

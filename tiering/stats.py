@@ -40,6 +40,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("promotion_bytes", "counter", "Bytes read out of this tier for use above it."),
     Metric("promotion_failures", "counter", "Reads that ended as a miss (I/O error, checksum "
            "mismatch, chunk gone, no CPU row free)."),
+    Metric("promotions_declined", "counter", "Hits of this file tier not loaded because "
+           "recomputing the chunk is faster than reading it (measured rates)."),
     Metric("evictions", "counter", "Chunks evicted from this tier by its policy."),
     Metric("rejections", "counter", "Chunks offered to this tier and not stored, by reason "
            "(threshold: store_threshold not reached; full: no room, disk full included; "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tiering.advisor import PromotionAdvisor
 from tiering.backends.dma import MemcpyEngine
 from tiering.backends.file_tier import FileTier
 from tiering.backends.staging import StagingRegion, remove_stale
@@ -73,7 +74,12 @@ class TieredOffloadingSpec(OffloadingSpec):
                      "--prefix-caching-hash-algo sha256 to keep them)")
         cpu = CpuTier(region, self.cfg.cpu.policy, self.cfg.cpu.store_threshold,
                       self.cfg.cpu.tracker_size)
-        chain = TierChain(cpu, tiers, events=self.kv_events_config.enable_kv_cache_events)
+        advisor = None
+        if tiers and self.cfg.cpu.promote == "auto":
+            advisor = PromotionAdvisor(len(tiers), self.row_bytes, facts.chunk_tokens,
+                                       self.cfg.cpu.prefill_tokens_per_s)
+        chain = TierChain(cpu, tiers, events=self.kv_events_config.enable_kv_cache_events,
+                          advisor=advisor)
         self._manager = TieredManager(chain, TierMetrics(),
                                       on_shutdown=lambda: region.close(unlink=True))
         log.info("vllm-tiering: CPU tier %d rows x %d bytes (%s, store_threshold %d), "
