@@ -268,3 +268,42 @@ def test_chain_declines_disk_hits_that_do_not_pay(tmp_path):
     c.wait_idle()
     c.check()
     c.close()
+
+
+def vllm_lookup_round(c: TierChain, keys: list[bytes], seen: set[bytes]) -> int | None:
+    """What vLLM's scheduler does each step: ask chunks in order until a miss; None (ask again
+    next step) while any asked chunk is pending; else the number of chunks it will load."""
+    hits, pending = 0, False
+    for k in keys:
+        r = c.lookup(k, count=k not in seen, protect=seen)
+        seen.add(k)
+        if r is Lookup.MISS:
+            break
+        hits += 1
+        pending |= r is Lookup.PENDING
+    return None if pending else hits
+
+
+def test_prefix_larger_than_cpu_tier_loads_what_fits_without_thrashing(tmp_path):
+    """A request's own promoted chunks are never evicted by its later promotions: vLLM gets the
+    longest prefix the CPU tier can hold, then recomputes the rest (it cannot load a prefix
+    larger than the CPU tier in one job, and a failed load cannot be reported to it)."""
+    c = make_chain(tmp_path, rows=4)
+    ks = [key(i) for i in range(8)]
+    for i in range(0, 8, 2):
+        fill(c, ks[i:i + 2])
+        c.wait_idle()
+    c.reset()
+    seen: set[bytes] = set()
+    for _step in range(10):
+        n = vllm_lookup_round(c, ks, seen)
+        if n is not None:
+            break
+        c.wait_idle()
+    assert n == 4, "the request must resolve with the CPU tier's worth of chunks"
+    rows = c.prepare_load(ks[:n])
+    for k, r in zip(ks[:n], rows, strict=True):
+        assert bytes(c.region.row(r)) == bytes(row_for(k))
+    c.complete_load(ks[:n])
+    c.check()
+    c.close()

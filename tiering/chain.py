@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from tiering.advisor import PromotionAdvisor
@@ -90,9 +90,14 @@ class TierChain:
             self._events.append(Event(keys, medium, removed))
 
     # -- lookups and loads -------------------------------------------------------------------
-    def lookup(self, key: bytes, count: bool = True) -> Lookup:
+    def lookup(self, key: bytes, count: bool = True, protect: Collection[bytes] = ()) -> Lookup:
         """``count=False`` for a repeated lookup of the same chunk by the same request (vLLM
-        asks again every step while any chunk is pending): hit ratios stay per chunk."""
+        asks again every step while any chunk is pending): hit ratios stay per chunk.
+
+        ``protect``: the chunks the same request looked up before this one. A promotion never
+        evicts them: vLLM loads a request's hits in one job, so a prefix larger than the CPU
+        tier would otherwise evict its own head to promote its tail, forever. Such a request
+        gets the longest prefix the CPU tier holds and recomputes the rest."""
         self.poll()
         found = self.cpu.lookup(key, count)
         if found is not Lookup.MISS:
@@ -104,7 +109,7 @@ class TierChain:
                 tier.stats.add("promotions_declined")
                 return Lookup.MISS  # recomputing is faster than reading it
             tier.touch([key])  # a promotion is a use: recency and the persisted hit count
-            got = self.cpu.reserve_promotion(key, tier_label(i))
+            got = self.cpu.reserve_promotion(key, tier_label(i), protect)
             if got is None:  # no CPU row free now: a miss (counted on the CPU tier)
                 return Lookup.MISS
             row, evicted = got

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from tiering.backends.staging import StagingRegion
@@ -172,12 +172,13 @@ class CpuTier(Tier):
         else:
             self._free(row)
 
-    def _allocate(self, n: int, protected: Iterable[bytes]) -> tuple[list[Row], list[bytes]] | str:
+    def _allocate(self, n: int, protected: Collection[bytes]
+                  ) -> tuple[list[Row], list[bytes]] | str:
         """(n free rows, keys evicted for them), or the rejection reason (nothing changed)."""
         need = n - len(self.free_rows)
         victims: list[bytes] = []
         if need > 0:
-            got = self.policy.evict(need, protected=set(protected))
+            got = self.policy.evict(need, protected=protected)
             if got is None:
                 return "pinned" if any(r.pins for r in self.rows) else "full"
             victims = got
@@ -213,7 +214,7 @@ class CpuTier(Tier):
             wanted.append(k)
         if not wanted:
             return out
-        got = self._allocate(len(wanted), keys)
+        got = self._allocate(len(wanted), set(keys))
         if isinstance(got, str):
             for k in wanted:
                 out.rejected[k] = got
@@ -246,10 +247,11 @@ class CpuTier(Tier):
         return ready
 
     # -- promotions: a file tier fills a row -----------------------------------------------
-    def reserve_promotion(self, key: bytes, source: str) -> tuple[int, list[bytes]] | None:
+    def reserve_promotion(self, key: bytes, source: str, protected: Collection[bytes] = ()
+                          ) -> tuple[int, list[bytes]] | None:
         """(a row for ``key`` that a file tier will fill, pinned for that I/O; the keys evicted
-        for it), or None."""
-        got = self._allocate(1, ())
+        for it, never one of ``protected``), or None."""
+        got = self._allocate(1, protected)
         if isinstance(got, str):
             self.stats.reject(got)
             return None
