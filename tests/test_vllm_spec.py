@@ -52,6 +52,10 @@ def good(tmp_path, **over) -> dict:
     (lambda e: e.update(cpu_bytes_to_use="lots"), "cpu_bytes_to_use: expected a byte size"),
     (lambda e: e.pop("cpu_bytes_to_use"), "cpu_bytes_to_use: required"),
     (lambda e: e.update(cpu_bytes_to_use=1000), "cpu_bytes_to_use: 1000 bytes holds no row"),
+    (lambda e: e.update(cpu_bytes_to_use=1e6 + 0.5), "cpu_bytes_to_use: .*whole number of bytes"),
+    (lambda e: e.update(cpu_bytes_to_use=-4e10), "cpu_bytes_to_use: must not be negative"),
+    (lambda e: e.update(cpu_bytes_to_use=float("nan")), "cpu_bytes_to_use: .*whole number"),
+    (lambda e: e.update(cpu_bytes_to_use=float("inf")), "cpu_bytes_to_use: .*whole number"),
     (lambda e: e["tiers"][1].pop("path"), r"tiers\[1\].path: required"),
     (lambda e: e["tiers"][1].update(capacity="1XB"), r"tiers\[1\].*capacity"),
     (lambda e: e["tiers"][1].update(capacity=1000), r"tiers\[1\].capacity: 1000 bytes holds no"),
@@ -68,6 +72,15 @@ def test_bad_config_is_one_clear_error_before_allocation(tmp_path, mutate, messa
         TieredOffloadingSpec(config(extra))
     assert not (tmp_path / "kv").exists()
     assert not (tmp_path / "shm").exists() or not list((tmp_path / "shm").iterdir())
+
+
+@pytest.mark.parametrize("value", [4e10, float(8 * BLOCK), 16.0 * 2**30])
+def test_integral_float_cpu_bytes_is_accepted(tmp_path, value):
+    """vLLM's own spec takes a JSON float here, and --kv-offloading-size <GiB> writes one."""
+    spec = TieredOffloadingSpec(config(good(tmp_path, cpu_bytes_to_use=value)))
+    assert spec.cfg.cpu_bytes_to_use == int(value)
+    assert isinstance(spec.cfg.cpu_bytes_to_use, int)
+    assert spec.num_rows == int(value) // spec.row_bytes
 
 
 def test_manager_store_lookup_promote_through_vllm_types(tmp_path):
