@@ -16,7 +16,8 @@ demo: env
 # tests again against CUDA vLLM 0.33 (it imports on a CPU-only machine) in a second venv. The
 # preemption scenario is 0.32-only: under 0.33's scheduler it completes without a flush, so it
 # would prove nothing there.
-VLLM033_TESTS := tests/test_vllm_spec.py tests/test_vllm_adapters.py tests/test_vllm_worker.py \
+VLLM033_TESTS := tests/test_vllm_spec.py tests/test_vllm_adapters.py tests/test_vllm_secondary.py \
+                 tests/test_vllm_worker.py \
                  tests/test_vllm_scheduler.py
 
 test: env

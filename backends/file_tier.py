@@ -24,7 +24,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 class FileTier(Tier):
     medium = "file"
+    _removed_listener: Callable[[list[bytes]], None] | None = None  # see on_removed
 
     def __init__(self, cfg: FileTierConfig | dict, facts: NamespaceFacts,
                  info: dict[str, Any] | None = None) -> None:
@@ -129,6 +130,12 @@ class FileTier(Tier):
         self.reopen_seconds = time.perf_counter() - t0
 
     # -- queries (owner thread) ---------------------------------------------------------------
+    def on_removed(self, listener: Callable[[list[bytes]], None] | None) -> None:
+        """Call ``listener(keys)`` on the owner thread whenever stored keys leave the tier
+        (evicted by ``put``/``evict``, dropped after a bad read, by ``drop``/``clear`` or an
+        admin request), e.g. to tell a KV-event consumer. ``None`` removes it."""
+        self._removed_listener = listener
+
     def contains(self, key: bytes) -> bool:
         slot = self.entries.get(key)
         return slot is not None and self._ready[slot]
@@ -215,6 +222,8 @@ class FileTier(Tier):
             self._inflight_writes += len(accepted)
         if items or drop:
             self._submit(Job(writes=items, drop_keys=drop, reused_slots=reused))
+        if drop and self._removed_listener is not None:
+            self._removed_listener(drop)
         return out
 
     def _check_key(self, key: bytes) -> None:
@@ -363,6 +372,8 @@ class FileTier(Tier):
             slots.append(slot)
         if gone:
             self._submit(Job(drop_keys=gone, freed_slots=slots))
+            if self._removed_listener is not None:
+                self._removed_listener(gone)
         return len(gone)
 
     def evict(self, n: int) -> list[bytes]:

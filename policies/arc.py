@@ -73,6 +73,13 @@ class ArcPolicy(EvictionPolicy):
         elif key in self.t2:
             self.t2.move_to_end(key)
 
+    def refresh(self, key: Key) -> None:
+        """Most recent within its own list: T1 stays T1 (a store is not a second use)."""
+        for lst in (self.t1, self.t2):
+            if key in lst:
+                lst.move_to_end(key)
+                return
+
     def _discard(self, key: Key) -> bool:
         if key in self.t1:
             del self.t1[key]

@@ -142,6 +142,16 @@ class EvictionPolicy(ABC):
         for key in reversed(list(keys)):
             self.access(key)
 
+    def refresh(self, key: Key) -> None:
+        """Re-stamp a resident key as stored just now, without counting a hit (unknown keys are
+        ignored). Lets a request stored over several batches be ordered as one batch. Policies
+        without an insertion order (this default) do nothing."""
+
+    def refresh_many(self, keys: Iterable[Key]) -> None:
+        """``refresh`` one request's keys, given in prefix order (applied last to first)."""
+        for key in reversed(list(keys)):
+            self.refresh(key)
+
     def bulk_load(self, keys: list[Key], reused: list[bool]) -> None:
         """Rebuild state after a restart: ``keys`` oldest access first, ``reused[i]`` true if
         key i was hit at least once. Policies override this with a faster construction."""

@@ -39,6 +39,9 @@ class LruPolicy(EvictionPolicy):
         if key in self._order:
             self._order.move_to_end(key)
 
+    def refresh(self, key: Key) -> None:
+        self.access(key)  # recency is all LRU knows
+
     def _discard(self, key: Key) -> bool:
         return self._order.pop(key, 0) is None
 

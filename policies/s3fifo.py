@@ -65,6 +65,13 @@ class S3FifoPolicy(EvictionPolicy):
         if f is not None and f < _MAX_FREQ:
             self.freq[key] = f + 1
 
+    def refresh(self, key: Key) -> None:
+        """Back to the head of its queue as if inserted now; the hit counter is unchanged."""
+        for queue in (self.small, self.main):
+            if key in queue:
+                queue.move_to_end(key)
+                return
+
     def _discard(self, key: Key) -> bool:
         if self.freq.pop(key, None) is None:
             return False

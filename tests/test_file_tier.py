@@ -203,3 +203,20 @@ def test_row_size_mismatch_is_a_clear_error(tmp_path):
         with pytest.raises(ValueError, match="expected row_bytes=8192"):
             t.put([key(0)], [memoryview(bytearray(100))])
         assert len(t) == 0
+
+
+def test_removed_listener_sees_every_key_that_leaves(tmp_path):
+    keys = [key(i) for i in range(6)]
+    seen: list[bytes] = []
+    with open_tier(tmp_path, slots=4) as t:
+        t.on_removed(seen.extend)
+        store(t, keys[:4])
+        store(t, keys[4:5])  # full: one evicted by put
+        assert len(seen) == 1 and seen[0] in keys[:4] and not t.contains(seen[0])
+        assert t.drop([keys[4]]) == 1  # dropped on request
+        assert seen[-1] == keys[4]
+        victims = t.evict(1)
+        assert seen[-1:] == victims
+        t.on_removed(None)
+        t.clear()
+        assert len(seen) == 3

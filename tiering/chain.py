@@ -69,6 +69,8 @@ class TierChain:
         self.num_rows, self.row_bytes = cpu.num_rows, cpu.row_bytes
         self.events_enabled = events
         self._events: list[Event] = []
+        for tier in self.file_tiers:  # every key leaving a file tier, whatever the cause
+            tier.on_removed(lambda keys: self._event(list(keys), "disk", True))
         self._promote: list[list[tuple[bytes, int]]] = [[] for _ in self.file_tiers]
         self._in_flight: dict[tuple[int, str, bytes], tuple[int, float]] = {}  # -> row, start
         # (tier index, "store" | "promotion", seconds): read and cleared by the metrics layer
@@ -189,7 +191,6 @@ class TierChain:
         for i in tier_indexes:
             tier = self.tiers[i]
             out = tier.put(keys, views)
-            self._event(out.evicted, "disk", True)
             now = time.perf_counter()
             for k in out.admitted:
                 self.cpu.pin(k, io=True)
@@ -254,8 +255,6 @@ class TierChain:
             owed = [j for j in self._writeback if j != i and not self.tiers[j].contains(key)]
             if owed:  # another write-back tier below does not have it yet
                 self._owed[key] = owed
-        elif not done.ok and done.reason != "gone":
-            self._event([key], "disk", True)  # the file tier dropped the key (bad slot)
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Block until all file-tier I/O has been applied (tests, tools, shutdown)."""

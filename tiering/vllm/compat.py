@@ -19,6 +19,7 @@ from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for the adapte
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,

@@ -6,7 +6,11 @@ anything is allocated); the scheduler's ``get_manager`` opens the staging region
 tiers, each worker's ``get_worker`` maps the same staging region.
 
 Row size follows vLLM's CPU tier: every worker's KV bytes of one chunk, side by side, rounded up
-to 4096 (``worker_kv_bytes_per_block × world_size × blocks_per_chunk``).
+to 4096 (``worker_kv_bytes_per_block × copies × blocks_per_chunk``). ``copies`` is the world
+size, or 1 when vLLM reports a replicated layout (``OffloadingConfig.replicated_layout``: e.g. an
+MLA model under tensor parallelism, where every rank holds the same KV). Then, as for vLLM's own
+CPU tier, the spec says so (``self.replicated_layout``), vLLM's worker connector submits stores
+on rank 0 only, and every rank's worker reads and writes the one cell of the shared row.
 """
 
 from __future__ import annotations
@@ -41,8 +45,11 @@ class TieredOffloadingSpec(OffloadingSpec):
         self.cfg = parse(dict(self.extra_config))
         par = config.parallel
         self.world_size = max(1, par.world_size)
+        # our staging region is one shared memory file for every rank, so one copy can serve all
+        self.replicated_layout = bool(getattr(config, "replicated_layout", False))
+        copies = 1 if self.replicated_layout else self.world_size
         self.cell_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
-        raw_row = self.cell_bytes * self.world_size
+        raw_row = self.cell_bytes * copies
         self.row_bytes = -(-raw_row // PAGE) * PAGE
         self.num_rows = 0
         if raw_row:
@@ -93,7 +100,8 @@ class TieredOffloadingSpec(OffloadingSpec):
             return self._worker
         region = StagingRegion(self.config.engine_id, self.num_rows, self.row_bytes)
         rank = self.config.parallel.rank
-        layout = make_layout(kv_caches, region, rank, self.cell_bytes, self.blocks_per_chunk)
+        cell = 0 if self.replicated_layout else rank
+        layout = make_layout(kv_caches, region, cell, self.cell_bytes, self.blocks_per_chunk)
         on_device = kv_caches.tensors and kv_caches.tensors[0].tensor.device.type == "cuda"
         if on_device:
             from tiering.backends.cuda_copy import CudaCopyEngine
