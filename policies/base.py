@@ -14,8 +14,8 @@ Invariants every policy keeps (and the tests check on random operation sequences
 * Every operation is O(1) amortized in the number of resident keys (``evict`` is O(n) in the
   number of victims plus the pinned/protected entries it has to step over).
 
-Threading: policies are not thread-safe. The owning tier calls them from one thread (the
-scheduler thread, under the manager lock); I/O threads never touch a policy.
+Threading: policies are not thread-safe. The owning tier calls them from its owner thread only
+(vLLM's scheduler thread in a server); I/O and committer threads never touch a policy.
 
 Batches and the suffix-before-prefix rule: ``insert_many`` and ``access_many`` take the keys
 of one request in prefix order and apply them from the *last* key to the first. The prefix
