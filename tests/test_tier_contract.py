@@ -307,3 +307,18 @@ def test_prefix_larger_than_cpu_tier_loads_what_fits_without_thrashing(tmp_path)
     c.complete_load(ks[:n])
     c.check()
     c.close()
+
+
+def test_every_registry_metric_is_documented_and_on_the_dashboard_or_rules():
+    from pathlib import Path
+
+    from tiering.stats import METRICS
+
+    root = Path(__file__).resolve().parent.parent
+    ops = (root / "docs/operations.md").read_text()
+    for m in METRICS:
+        suffix = "_total" if m.kind == "counter" else ""
+        assert f"vllm:kv_tier_{m.name}{suffix}" in ops or f"kv_tier_{m.name}" in ops, m.name
+    dash = (root / "examples/grafana/tiering-dashboard.json").read_text()
+    used = set(__import__("re").findall(r"kv_tier_([a-z_]+?)(?:_total|_bucket)?\b", dash))
+    assert used <= {m.name for m in METRICS}, used - {m.name for m in METRICS}
