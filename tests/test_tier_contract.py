@@ -230,7 +230,8 @@ def test_demote_mode_is_validated(tmp_path):
 
 
 def test_advisor_loads_only_what_pays():
-    from tiering.advisor import REPROBE_AFTER, PromotionAdvisor
+    from tiering.advisor import PromotionAdvisor
+    from tiering.settings import ADVISOR_REPROBE_AFTER as REPROBE_AFTER
 
     a = PromotionAdvisor(1, row_bytes=1 << 20, chunk_tokens=16)
     assert a.pays(0)  # nothing measured yet: load, and so measure

@@ -24,16 +24,12 @@ from __future__ import annotations
 
 import time
 
-# Smoothing weight of a new sample (exponential moving average).
-EWMA_WEIGHT = 0.3
-# A disk hit must be at least this much faster than recomputing to be loaded (safety margin for
-# the load to the GPU and measurement noise): load time <= margin x recompute time.
-PAYOFF_MARGIN = 0.9
-# Steps further apart than this are not counted as one busy stretch for the prefill rate.
-MAX_STEP_GAP_S = 0.5
-# After this many declined chunks of a tier, one is loaded anyway, so a tier that was slow for a
-# while (a busy disk) gets measured again instead of being written off for good.
-REPROBE_AFTER = 512
+from tiering.settings import (
+    ADVISOR_EWMA_WEIGHT,
+    ADVISOR_MAX_STEP_GAP_S,
+    ADVISOR_PAYOFF_MARGIN,
+    ADVISOR_REPROBE_AFTER,
+)
 
 
 class _Ewma:
@@ -43,7 +39,8 @@ class _Ewma:
         self.value: float | None = None
 
     def add(self, x: float) -> None:
-        self.value = x if self.value is None else (1 - EWMA_WEIGHT) * self.value + EWMA_WEIGHT * x
+        w = ADVISOR_EWMA_WEIGHT
+        self.value = x if self.value is None else (1 - w) * self.value + w * x
 
 
 class PromotionAdvisor:
@@ -71,7 +68,7 @@ class PromotionAdvisor:
         now = time.perf_counter() if now is None else now
         last, self._last_step_end = self._last_step_end, now
         tokens, self._step_tokens = self._step_tokens, 0
-        if last is not None and tokens and 0 < now - last <= MAX_STEP_GAP_S:
+        if last is not None and tokens and 0 < now - last <= ADVISOR_MAX_STEP_GAP_S:
             self._prefill.add(tokens / (now - last))
 
     # -- the decision --------------------------------------------------------------------------
@@ -86,10 +83,10 @@ class PromotionAdvisor:
         read, prefill = self.read_rate(tier), self.prefill_rate()
         if not read or not prefill:
             return True  # not measured yet: load (and measure)
-        if self.row_bytes / read <= PAYOFF_MARGIN * self.chunk_tokens / prefill:
+        if self.row_bytes / read <= ADVISOR_PAYOFF_MARGIN * self.chunk_tokens / prefill:
             return True
         self._declined[tier] += 1
-        if self._declined[tier] >= REPROBE_AFTER:
+        if self._declined[tier] >= ADVISOR_REPROBE_AFTER:
             self._declined[tier] = 0
             return True
         return False

@@ -13,7 +13,7 @@ tier's own ``store_threshold`` decides). A demoted row stays pinned until its wr
 Write-back (a file tier with ``demote: on_evict``): a READY row is only *owed* to that tier
 (``_owed``). Rows are written down when they come near the head of the CPU tier's eviction order:
 at each step's end enough of the next victims are written that free rows plus clean victims make
-a reserve (``WRITEBACK_RESERVE_FRACTION`` of the rows), and before a store needs evictions its
+a reserve (``tiering.settings.WRITEBACK_RESERVE_FRACTION`` of the rows), and before a store needs evictions its
 victims-to-be are. A row being written is pinned, so the CPU tier evicts around it
 and never waits for a write. A row evicted while still owed never reaches that tier (counted as
 ``writeback_misses``); a reset and the shutdown write every owed row first.
@@ -34,15 +34,10 @@ from dataclasses import dataclass
 from tiering.advisor import PromotionAdvisor
 from tiering.backends.file_tier import FileTier
 from tiering.cpu_tier import CpuTier
+from tiering.settings import WRITEBACK_RESERVE_FRACTION, WRITEBACK_RESERVE_MIN
 from tiering.tier import Completion, Lookup, Tier
 
 log = logging.getLogger(__name__)
-
-# Write-back tiers: rows kept clean (free, or next victims already written down) at each step's
-# end, as a fraction of the CPU rows (at least 2), so the next steps' stores evict without
-# waiting for a write.
-WRITEBACK_RESERVE_FRACTION = 1 / 8
-WRITEBACK_RESERVE_MIN = 2
 
 __all__ = ["Event", "Lookup", "TierChain"]
 

@@ -120,7 +120,8 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
 
 def check_sizes(cfg: TieredConfig, row_bytes: int, namespace_id: str | None = None) -> int:
     """Check sizes against the engine's row; returns the number of CPU rows. ``namespace_id``:
-    the engine's namespace, whose slabs already on disk count as space the tier owns."""
+    the engine's namespace, whose slabs already on disk count as space the tier owns (None: the
+    slabs of every namespace under each tier's path count)."""
     rows = cfg.cpu_bytes_to_use // row_bytes
     if rows < 1:
         raise ValueError(f"cpu_bytes_to_use: {cfg.cpu_bytes_to_use} bytes holds no row; one "

@@ -61,3 +61,16 @@ def is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def share_vllm_logging() -> None:
+    """Let our log lines appear where vLLM's do (same handlers, INFO and up). Called when vLLM
+    builds one of our classes, never on import: importing a library must not rewire logging."""
+    import logging
+
+    ours, theirs = logging.getLogger("tiering"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for h in theirs.handlers:
+            ours.addHandler(h)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False

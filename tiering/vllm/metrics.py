@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from tiering.chain import tier_label
+from tiering.settings import LATENCY_BUCKETS
 from tiering.stats import COUNTER_KEYS, METRICS, split_key
 
 PREFIX = "vllm:kv_tier_"
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 def definitions() -> dict[str, Any]:

@@ -35,6 +35,7 @@ from tiering.vllm.compat import (
     OffloadingEvent,
     ReqContext,
     RequestOffloadingContext,
+    share_vllm_logging,
 )
 from tiering.vllm.namespace import facts_from_config
 
@@ -56,6 +57,7 @@ class FileTier(SecondaryTierManager):
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, **tier_config: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        share_vllm_logging()
         where = f"secondary tier {tier_type!r}"
         self.locality = _parse_locality(tier_config.pop("locality", None), where)
         events = tier_config.pop("enable_kv_events", True)

@@ -25,7 +25,7 @@ from tiering.backends.staging import StagingRegion, remove_stale
 from tiering.chain import TierChain
 from tiering.config import check_sizes, parse
 from tiering.cpu_tier import CpuTier
-from tiering.vllm.compat import CanonicalKVCaches, OffloadingSpec
+from tiering.vllm.compat import CanonicalKVCaches, OffloadingSpec, share_vllm_logging
 from tiering.vllm.manager import TieredManager
 from tiering.vllm.metrics import TierMetrics, definitions
 from tiering.vllm.namespace import facts_from_config
@@ -42,6 +42,7 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config) -> None:
         super().__init__(config)
+        share_vllm_logging()
         self.cfg = parse(dict(self.extra_config))
         par = config.parallel
         self.world_size = max(1, par.world_size)
@@ -51,10 +52,10 @@ class TieredOffloadingSpec(OffloadingSpec):
         self.cell_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         raw_row = self.cell_bytes * copies
         self.row_bytes = -(-raw_row // PAGE) * PAGE
-        self.num_rows = 0
-        if raw_row:
-            facts, _ = facts_from_config(config, self.row_bytes)
-            self.num_rows = check_sizes(self.cfg, self.row_bytes, facts.namespace_id)
+        # Every process of the engine builds the spec; the namespace is only certain where the
+        # tiers open (get_manager), so here the slabs of every namespace under a tier's path
+        # count as its own; the tier's open checks its own namespace exactly.
+        self.num_rows = check_sizes(self.cfg, self.row_bytes) if raw_row else 0
         self._manager: TieredManager | None = None
         self._worker: TieredWorker | None = None
 
