@@ -128,6 +128,13 @@ class PendingMeta:
         with self._lock:
             self._stats[name] = self._stats.get(name, 0) + n
 
+    def give_back(self, stats: dict[str, int]) -> None:
+        """Counters whose transaction failed (a full disk): persisted with a later one.
+        (Access-stat records are not given back: a key dropped meanwhile must stay dropped.)"""
+        with self._lock:
+            for name, n in stats.items():
+                self._stats[name] = self._stats.get(name, 0) + n
+
     def take(self) -> tuple[list[tuple[bytes, bytes]], dict[str, int]]:
         with self._lock:
             records, stats = list(self._records.items()), self._stats
@@ -159,8 +166,9 @@ class Committer(threading.Thread):
                 if records or stats:
                     try:
                         self.index.publish(records, [], stat_delta=stats)
-                    except Exception:  # a full disk: keep serving, stats are best effort
+                    except Exception:  # a full disk: keep serving, counters go with a later txn
                         log.exception("file tier: persisting access stats failed")
+                        self.pending.give_back(stats)
                 continue
             if job is None:
                 return
@@ -183,6 +191,8 @@ class Committer(threading.Thread):
                     return  # was published, so the slots are free on the next open
                 reason = failure_reason(exc)
                 log.exception("file tier: batch commit failed (%s)", reason)
+                for j in batch:  # their counters are persisted with a later transaction
+                    self.pending.give_back(j.stats)
                 for j in batch:
                     for w in j.writes:
                         self.out.put(WriteResult(w.key, w.slot, False, reason=reason))

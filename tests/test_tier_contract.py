@@ -323,3 +323,29 @@ def test_every_registry_metric_is_documented_and_on_the_dashboard_or_rules():
     dash = (root / "examples/grafana/tiering-dashboard.json").read_text()
     used = set(__import__("re").findall(r"kv_tier_([a-z_]+?)(?:_total|_bucket)?\b", dash))
     assert used <= {m.name for m in METRICS}, used - {m.name for m in METRICS}
+
+
+def test_counters_survive_a_failed_index_commit(tmp_path):
+    """A commit that fails (full disk) must not lose the counters it carried."""
+    t = open_tier(tmp_path, slots=8)
+    real = t.index.publish
+    fails = {"n": 1}
+
+    def flaky(*a, **kw):
+        if fails["n"]:
+            fails["n"] -= 1
+            raise OSError(28, "No space left on device")
+        return real(*a, **kw)
+
+    t.index.publish = flaky
+    for i in range(3):
+        t.lookup(key(i))  # counted, pending
+    t.put([key(0)], [row_for(key(0))])  # this batch's commit fails, with the lookups' counts
+    done = t.wait_idle()
+    assert [d.reason for d in done] == ["full"]
+    assert t.stats["rejections:full"] == 1
+    t.flush()
+    t.close()
+    with open_tier(tmp_path, slots=8) as again:
+        persisted = again.index.read_stats()
+    assert persisted["lookups"] == 3 and persisted["rejections:full"] == 1
