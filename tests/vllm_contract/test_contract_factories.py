@@ -5,15 +5,18 @@ the sizing contract of vLLM's own specs.
 
 Origin: vLLM 0.33.0 source distribution, licence Apache-2.0 (the vLLM project's
 contributors): tests/v1/kv_offload/conftest.py (make_offloading_config),
-tests/v1/kv_offload/test_factory.py (spec factory and spec sizing tests) and
-tests/v1/kv_offload/cpu/policies/test_factory.py (cache-policy factory tests). Each test names
+tests/v1/kv_offload/test_factory.py (spec factory and spec sizing tests),
+tests/v1/kv_offload/cpu/policies/test_factory.py (cache-policy factory tests) and
+tests/v1/kv_offload/tiering/test_factory.py (secondary-tier factory tests). Each test names
 the original it comes from; changes are marked ADAPTED.
 
 NOT BROUGHT IN from test_factory.py: the tests of vLLM's own CPUOffloadingSpec and its
 CPUOffloadingInfo/config_info labels, SharedOffloadRegion worker wiring (monkeypatched
 platform checks), its registry's built-in entries and its CPU metric definitions: they test
 vLLM's classes, not the contract ours implement. From policies/test_factory.py: the registry
-tests of vLLM's built-in policies and of a dummy registered by name.
+tests of vLLM's built-in policies and of a dummy registered by name. From
+tiering/test_factory.py: the registry sentinel of vLLM's built-in tiers and the factory's own
+error paths (no tier of ours involved).
 """
 
 from typing import Any
@@ -234,3 +237,107 @@ def test_register_and_resolve_custom_policy(name, restore_cache_policy_registry)
 
     manager = CPUOffloadingManager(num_chunks=4, cache_policy="ours")
     assert isinstance(manager._policy, getattr(ours, name))
+
+
+# -- from tests/v1/kv_offload/tiering/test_factory.py -------------------------------------------
+
+
+@pytest.fixture
+def restore_tier_registry():
+    """Save and restore SecondaryTierFactory._registry between tests."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    original = dict(SecondaryTierFactory._registry)
+    yield
+    SecondaryTierFactory._registry = original
+
+
+def _tier_args(tmp_path):
+    """ADAPTED: vLLM passes MagicMocks (its example tier ignores both); ours opens its files,
+    so it gets a page-aligned primary view and a spec with a config."""
+    from unittest.mock import MagicMock
+
+    import numpy as np
+
+    buf = np.zeros(4 * PAGE + PAGE, dtype=np.uint8)
+    shift = (-buf.ctypes.data) % PAGE
+    view = memoryview(buf[shift:shift + 4 * PAGE].reshape(4, PAGE))
+    spec = MagicMock()
+    spec.config = make_offloading_config(worker_kv_bytes_per_block=PAGE)
+    spec.kv_events_config.enable_kv_cache_events = False
+    return view, spec
+
+
+def _our_tier_config(tmp_path, name: str) -> dict:
+    return {"path": str(tmp_path / name), "capacity": 8 * PAGE, "io": "posix"}
+
+
+def test_create_tier_from_module_path(tmp_path, restore_tier_registry):
+    """Full end-to-end: create_secondary_tier with module_path."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    primary_kv_view, offloading_spec = _tier_args(tmp_path)
+    tier_config = {
+        "type": "FileTier",
+        "module_path": "tiering.vllm",
+        **_our_tier_config(tmp_path, "kv"),
+    }
+
+    tier = SecondaryTierFactory.create_secondary_tier(
+        tier_config, primary_kv_view, offloading_spec
+    )
+    try:
+        assert isinstance(tier, ours.FileTier)
+        assert tier.tier_type == "FileTier"
+    finally:
+        tier.shutdown()
+
+
+def test_create_multiple_tiers(tmp_path, restore_tier_registry):
+    """Multiple tier configs can be created with correct tier_types."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    primary_kv_view, offloading_spec = _tier_args(tmp_path)
+    configs = [  # ADAPTED: two of ours, each with its own folder
+        {"type": "FileTier", "module_path": "tiering.vllm", **_our_tier_config(tmp_path, "a")},
+        {"type": "FileTier", "module_path": "tiering.vllm", **_our_tier_config(tmp_path, "b")},
+    ]
+
+    tiers = [
+        SecondaryTierFactory.create_secondary_tier(
+            cfg.copy(), primary_kv_view, offloading_spec
+        )
+        for cfg in configs
+    ]
+    try:
+        assert len(tiers) == 2
+        assert all(tier.tier_type == "FileTier" for tier in tiers)
+        assert all(isinstance(tier, ours.FileTier) for tier in tiers)
+    finally:
+        for tier in tiers:
+            tier.shutdown()
+
+
+@pytest.mark.parametrize("tier_type", ["custom_tier", "cpu", "nvme"])
+def test_register_new_tier_type(tmp_path, restore_tier_registry, tier_type):
+    """New tier types can be registered and created (how external projects add tiers)."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    # ADAPTED: our tier registered under the name instead of vLLM's example tier
+    SecondaryTierFactory.register_tier(tier_type, "tiering.vllm", "FileTier")
+
+    primary_kv_view, offloading_spec = _tier_args(tmp_path)
+    tier = SecondaryTierFactory.create_secondary_tier(
+        {"type": tier_type, **_our_tier_config(tmp_path, "kv")},
+        primary_kv_view,
+        offloading_spec,
+    )
+    try:
+        assert tier.tier_type == tier_type
+        assert isinstance(tier, ours.FileTier)
+        # Attribution follows the tier's medium, never its registration name.
+        # ADAPTED: ours is STORAGE, so DISK (vLLM's example tier is CPU, so HOST)
+        assert tier.cache_hit_source is CacheHitSource.DISK
+    finally:
+        tier.shutdown()
