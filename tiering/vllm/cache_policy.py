@@ -11,13 +11,16 @@ our pins, so ``evict`` never returns a chunk in use and stays all-or-nothing.
 Order within a request (vLLM's contract, which its 0.33 LRU keeps while a request runs and its
 ARC once the request finishes): a request's tail is evicted before its head, because a missing
 head chunk makes every later chunk of the prefix unreachable. vLLM calls ``insert`` once per
-chunk, head first; we collect the chunks of one ``prepare_store`` and hand them to our policy as
-one batch (``insert_many`` applies it tail first) before the next call that looks at the order.
-When a request stores over several steps (chunked prefill), vLLM 0.33 passes its context to
-``insert``, and all of the request's resident chunks are re-stamped in prefix order after each
-batch (``refresh_many``: recency only, no hit counted), so the later batch is still evicted
-first. At ``on_request_finished`` the request's chunks are ordered once more, reused ones
-counting as a hit; vLLM 0.32 (no context on ``insert``) gets the cross-batch order there.
+chunk; we collect the chunks of one ``prepare_store`` and hand them to our policy as one batch
+before the next call that looks at the order: by token position, tail first (``insert_many``),
+when vLLM 0.33 passes the request's context with positions; in arrival order when it passes a
+context without them (as vLLM's LRU does); tail first in listed order under vLLM 0.32, which
+passes no context and lists a request's chunks in prefix order. When a request stores over
+several steps (chunked prefill), all of its resident chunks are re-stamped in prefix order after
+each batch (``refresh_many``: recency only, no hit counted; one policy move per resident chunk
+of the request, each position looked up once), so the later batch is still evicted first. At
+``on_request_finished`` the request's chunks are ordered once more, reused ones counting as a
+hit; vLLM 0.32 gets the cross-batch order there.
 """
 
 from __future__ import annotations
@@ -161,7 +164,9 @@ class _AdaptedPolicy(CachePolicy):
                 self._policy.access(k)
             else:
                 self._policy.refresh(k)
-        self._request_chunks(req_context).keys.clear()
+        state = self._request_chunks(req_context)
+        state.keys.clear()
+        state.batches = 0
 
     def evict(self, n: int, protected: set) -> list[tuple[object, ChunkStatus]] | None:
         self._flush()

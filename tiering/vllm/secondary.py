@@ -9,11 +9,13 @@ setting (``FileTierConfig``); a wrong one fails the engine at start with the key
 ``locality`` (``"LOCAL"``/``"REMOTE"``, as for vLLM's ``fs`` tier) lets requests that name the
 tiers they may load from (``kv_load_tiers``) skip this one. KV events (a chunk stored, evicted
 or dropped) are emitted only while vLLM's KV events are on, unless ``enable_kv_events`` is
-false. vLLM's tiering manager owns the CPU rows,
-the cascade (write-through of every chunk stored to CPU) and promotions; this class adds what
-vLLM's own ``fs`` tier lacks: a capacity bound with a real eviction policy, admission by
-``store_threshold``, checksums, crash-safe group commits, and an index that survives restarts.
-All methods run on vLLM's scheduler thread and return without waiting for I/O.
+false.
+
+vLLM's tiering manager owns the CPU rows, the cascade (write-through of every chunk stored to
+CPU) and promotions; this class adds what vLLM's own ``fs`` tier lacks: a capacity bound with a
+real eviction policy, admission by ``store_threshold``, checksums, crash-safe group commits, and
+an index that survives restarts. All methods run on vLLM's scheduler thread and return without
+waiting for I/O; a bad job (chunk ids outside the primary tier) fails, it never raises.
 """
 
 from __future__ import annotations
