@@ -35,6 +35,19 @@ def extra(tmp_path, cpu_rows=8, cpu_threshold=0, disk_threshold=0) -> dict:
                        "io": "posix", "store_threshold": disk_threshold}]}
 
 
+@pytest.mark.parametrize("algo, restart_safe", [("sha256", True), ("xxhash", False)])
+def test_prefix_hash_algo_is_read_as_in_a_real_engine(model, tmp_path, algo, restart_safe):
+    """vLLM's EngineCore builds the scheduler (and so our manager) outside
+    set_current_vllm_config: the engine's hash algorithm must still be found and recorded."""
+    import json
+
+    h = Harness(model, extra(tmp_path), hash_algo=algo, config_context=False)
+    (meta_path,) = (tmp_path / "kv").glob("*/meta.json")
+    meta = json.loads(meta_path.read_text())
+    assert meta["hash_algo"] == algo and meta["restart_safe"] is restart_safe
+    h.manager.shutdown()
+
+
 def test_store_then_load_from_cpu(model, tmp_path):
     h = Harness(model, extra(tmp_path), delay=1)
     a = prompt(1)

@@ -11,13 +11,16 @@ our pins, so ``evict`` never returns a chunk in use and stays all-or-nothing.
 Order within a request (vLLM's contract, which its 0.33 LRU keeps while a request runs and its
 ARC once the request finishes): a request's tail is evicted before its head, because a missing
 head chunk makes every later chunk of the prefix unreachable. vLLM calls ``insert`` once per
-chunk, head first; we collect the chunks of one ``prepare_store`` and hand them to our policy as
-one batch (``insert_many`` applies it tail first) before the next call that looks at the order.
-When a request stores over several steps (chunked prefill), vLLM 0.33 passes its context to
-``insert``, and all of the request's resident chunks are re-stamped in prefix order after each
-batch (``refresh_many``: recency only, no hit counted), so the later batch is still evicted
-first. At ``on_request_finished`` the request's chunks are ordered once more, reused ones
-counting as a hit; vLLM 0.32 (no context on ``insert``) gets the cross-batch order there.
+chunk; we collect the chunks of one ``prepare_store`` and hand them to our policy as one batch
+before the next call that looks at the order: by token position, tail first (``insert_many``),
+when vLLM 0.33 passes the request's context with positions; in arrival order when it passes a
+context without them (as vLLM's LRU does); tail first in listed order under vLLM 0.32, which
+passes no context and lists a request's chunks in prefix order. When a request stores over
+several steps (chunked prefill), all of its resident chunks are re-stamped in prefix order after
+each batch (``refresh_many``: recency only, no hit counted; one policy move per resident chunk
+of the request, each position looked up once), so the later batch is still evicted first. At
+``on_request_finished`` the request's chunks are ordered once more, reused ones counting as a
+hit; vLLM 0.32 gets the cross-batch order there.
 """
 
 from __future__ import annotations
@@ -32,11 +35,28 @@ from tiering.policies import create
 
 @dataclass
 class _RequestChunks:
-    """The chunks one request stored or used in one policy instance (kept in its ReqContext)."""
+    """The chunks one request stored or used in one policy instance (kept in its ReqContext),
+    with their end-token positions (each looked up once)."""
 
     owner: object
     generation: int
-    keys: dict[bytes, None] = field(default_factory=dict)  # insertion-ordered set
+    keys: dict[bytes, int | None] = field(default_factory=dict)  # in arrival order
+    batches: int = 0
+
+    def learn(self, keys: list, ctx) -> list[int | None]:
+        known = self.keys
+        for k in keys:
+            if k not in known:
+                known[k] = ctx.get_offload_key_position(k)
+        self.batches += 1
+        return [known[k] for k in keys]
+
+
+def _by_position(keys: list, positions) -> list:
+    """Head to tail; ``positions`` maps each key (or parallels ``keys`` if a list)."""
+    if isinstance(positions, list):
+        return [k for _, k in sorted(zip(positions, keys, strict=True), key=lambda p: p[0])]
+    return sorted(keys, key=positions.__getitem__)
 
 
 class _AdaptedPolicy(CachePolicy):
@@ -49,9 +69,14 @@ class _AdaptedPolicy(CachePolicy):
         self._pending: list[tuple[bytes, object]] = []  # inserted, not yet given to the policy
         self._generation = 0  # bumped by clear(): request state from before is stale
 
+    @property
+    def policy(self):
+        """The tiering policy that orders the chunks (for inspection: ``policy.stats()``)."""
+        return self._policy
+
     # -- the batch of inserts of one prepare_store -------------------------------------------
     def _flush(self) -> None:
-        """Give pending inserts to the policy, one request's run at a time, tail first."""
+        """Give pending inserts to the policy, one request's run at a time."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
@@ -62,17 +87,23 @@ class _AdaptedPolicy(CachePolicy):
             while end < len(pending) and pending[end][1] is ctx:
                 end += 1
             keys = [k for k, _ in pending[start:end]]
-            self._policy.insert_many(self._prefix_order(keys, ctx))
+            if ctx is None:
+                # vLLM 0.32 gives no context; its manager passes a request's keys in prefix
+                # order, which insert_many applies tail first
+                self._policy.insert_many(keys)
+            else:
+                positions = self._request_chunks(ctx).learn(keys, ctx)
+                if None in positions:  # as vLLM 0.33's LRU: unpositioned chunks by arrival
+                    for k in keys:
+                        self._policy.insert(k)
+                else:
+                    self._policy.insert_many(_by_position(keys, positions))
             for k in keys:
                 if self._chunks[k].ref_cnt != 0:  # being written: evictable once marked so
                     self._policy.pin(k)
             if ctx is not None:
-                self._remember(ctx, keys)
+                self._restamp(ctx)
             start = end
-
-    @staticmethod
-    def _prefix_order(keys: list, ctx) -> list:
-        return keys if ctx is None else order_request_keys([keys], ctx)
 
     def _request_chunks(self, ctx) -> _RequestChunks:
         state = ctx.get_state(_RequestChunks)
@@ -81,15 +112,14 @@ class _AdaptedPolicy(CachePolicy):
             ctx.set_state(state)
         return state
 
-    def _remember(self, ctx, keys: Iterable) -> None:
-        """Add keys to the request's chunks; if it already had some, re-stamp all of them in
-        prefix order so the newest batch (its tail) stays first to go."""
+    def _restamp(self, ctx) -> None:
+        """Re-stamp the request's resident chunks in prefix order, so its newest batch (its
+        tail) stays first to go. Costs one policy move per resident chunk of the request."""
         state = self._request_chunks(ctx)
-        had_earlier = bool(state.keys)
-        state.keys.update(dict.fromkeys(keys))
-        if had_earlier:
-            resident = [k for k in state.keys if k in self._chunks]
-            self._policy.refresh_many(self._prefix_order(resident, ctx))
+        if state.batches < 2 or None in state.keys.values():
+            return
+        resident = [k for k in state.keys if k in self._chunks]
+        self._policy.refresh_many(_by_position(resident, state.keys))
 
     # -- CachePolicy ---------------------------------------------------------------------------
     def get(self, key) -> ChunkStatus | None:
@@ -117,7 +147,10 @@ class _AdaptedPolicy(CachePolicy):
     def on_request_access(self, keys: Iterable, req_context) -> None:
         # vLLM 0.33: chunks a running request loads or finds resident belong to its prefix
         self._flush()
-        self._remember(req_context, [k for k in keys if k in self._chunks])
+        resident = [k for k in keys if k in self._chunks]
+        if resident:
+            self._request_chunks(req_context).learn(resident, req_context)
+            self._restamp(req_context)
 
     def on_request_finished(self, key_groups: Sequence[Sequence], insertion_only_keys: set,
                             reused_keys: set, req_context) -> None:
@@ -131,7 +164,9 @@ class _AdaptedPolicy(CachePolicy):
                 self._policy.access(k)
             else:
                 self._policy.refresh(k)
-        self._request_chunks(req_context).keys.clear()
+        state = self._request_chunks(req_context)
+        state.keys.clear()
+        state.batches = 0
 
     def evict(self, n: int, protected: set) -> list[tuple[object, ChunkStatus]] | None:
         self._flush()

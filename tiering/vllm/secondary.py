@@ -9,11 +9,13 @@ setting (``FileTierConfig``); a wrong one fails the engine at start with the key
 ``locality`` (``"LOCAL"``/``"REMOTE"``, as for vLLM's ``fs`` tier) lets requests that name the
 tiers they may load from (``kv_load_tiers``) skip this one. KV events (a chunk stored, evicted
 or dropped) are emitted only while vLLM's KV events are on, unless ``enable_kv_events`` is
-false. vLLM's tiering manager owns the CPU rows,
-the cascade (write-through of every chunk stored to CPU) and promotions; this class adds what
-vLLM's own ``fs`` tier lacks: a capacity bound with a real eviction policy, admission by
-``store_threshold``, checksums, crash-safe group commits, and an index that survives restarts.
-All methods run on vLLM's scheduler thread and return without waiting for I/O.
+false.
+
+vLLM's tiering manager owns the CPU rows, the cascade (write-through of every chunk stored to
+CPU) and promotions; this class adds what vLLM's own ``fs`` tier lacks: a capacity bound with a
+real eviction policy, admission by ``store_threshold``, checksums, crash-safe group commits, and
+an index that survives restarts. All methods run on vLLM's scheduler thread and return without
+waiting for I/O; a bad job (chunk ids outside the primary tier) fails, it never raises.
 """
 
 from __future__ import annotations
@@ -44,11 +46,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Job:
-    keys: set[bytes]
+    keys: set[bytes]  # still in flight
+    order: dict[bytes, int]  # the job's keys, as vLLM listed them
     ok: list[bytes] = field(default_factory=list)
     failed: bool = False
     is_promotion: bool = False
     nbytes: int = 0
+
+    def ok_in_order(self) -> list[bytes]:
+        return sorted(self.ok, key=self.order.__getitem__)
 
 
 class FileTier(SecondaryTierManager):
@@ -80,6 +86,18 @@ class FileTier(SecondaryTierManager):
     def _row(self, chunk_id: int) -> memoryview:
         return self._rows[chunk_id * self._row_bytes:(chunk_id + 1) * self._row_bytes]
 
+    def _bad_chunk_ids(self, job_metadata: TransferJob) -> bool:
+        """Chunk ids outside the primary tier: the job fails (logged), nothing raises."""
+        n = len(self._rows) // self._row_bytes
+        bad = [int(c) for c in job_metadata.chunk_ids if not 0 <= int(c) < n]
+        if bad or len(job_metadata.chunk_ids) != len(job_metadata.keys):
+            log.error("file tier %s: job %d names chunk(s) %s outside the primary tier's %d "
+                      "rows (or keys and chunks differ in number); failing it", self.tier_type,
+                      job_metadata.job_id, bad[:4], n)
+            self._finished.append(JobResult(job_metadata.job_id, False))
+            return True
+        return False
+
     def _removed(self, keys: list[bytes]) -> None:
         self._events.append(OffloadingEvent(keys=list(keys), medium=Medium.STORAGE, removed=True,
                                             locality=self.locality))
@@ -94,17 +112,21 @@ class FileTier(SecondaryTierManager):
         return LookupResult.HIT if hit else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
+        if self._bad_chunk_ids(job_metadata):
+            return
         keys = [bytes(k) for k in job_metadata.keys]
         rows = [self._row(int(c)) for c in job_metadata.chunk_ids]
         accepted = self.tier.put(keys, rows).admitted
         if not accepted:  # nothing to write (present, not admitted, or full): done at once
             self._finished.append(JobResult(job_metadata.job_id, True))
             return
-        self._jobs[job_metadata.job_id] = _Job(set(accepted))
+        self._jobs[job_metadata.job_id] = _Job(set(accepted), {k: i for i, k in enumerate(keys)})
         for k in accepted:
             self._owner[k] = job_metadata.job_id
 
     def submit_load(self, job_metadata: TransferJob) -> None:
+        if self._bad_chunk_ids(job_metadata):
+            return
         items = [(bytes(k), self._row(int(c)), job_metadata.job_id)
                  for k, c in zip(job_metadata.keys, job_metadata.chunk_ids, strict=True)]
         if not items:  # nothing asked, nothing failed
@@ -112,9 +134,10 @@ class FileTier(SecondaryTierManager):
             return
         started = self.tier.get(items)
         job = _Job({k for (k, _, _), s in zip(items, started, strict=True) if s},
+                   {k: i for i, (k, _, _) in enumerate(items)},
                    is_promotion=True, failed=not all(started))
-        if not job.keys:
-            self._finished.append(JobResult(job_metadata.job_id, False, successful_keys=[]))
+        if not job.keys:  # none of them readable: all failed
+            self._finished.append(JobResult(job_metadata.job_id, False))
             return
         self._jobs[job_metadata.job_id] = job
 
@@ -138,9 +161,12 @@ class FileTier(SecondaryTierManager):
                 if self._events_on and job.ok and not job.is_promotion:
                     # one event per store job, for the chunks now on disk (a failed write
                     # left no entry and is not announced)
-                    self._events.append(OffloadingEvent(keys=job.ok, medium=Medium.STORAGE,
-                                                        removed=False, locality=self.locality))
-                partial = job.ok if (job.is_promotion and job.failed) else None
+                    self._events.append(OffloadingEvent(keys=job.ok_in_order(),
+                                                        medium=Medium.STORAGE, removed=False,
+                                                        locality=self.locality))
+                # a failed promotion names the chunks that did arrive (None: none did)
+                partial = (job.ok_in_order() or None) if (job.is_promotion and job.failed) \
+                    else None
                 self._finished.append(JobResult(job_id, not job.failed, successful_keys=partial,
                                                 transfer_bytes=job.nbytes))
 

@@ -76,10 +76,16 @@ class TieredOffloadingSpec(OffloadingSpec):
             region.close(unlink=True)
             raise
         if self.cfg.files:
-            log.info("vllm-tiering: namespace %s (%s); prefix hash %s: cached chunks %s "
-                     "survive a restart", facts.namespace_id, facts.model, info["hash_algo"],
-                     "DO" if info["restart_safe"] else "do NOT (use "
-                     "--prefix-caching-hash-algo sha256 to keep them)")
+            if info["hash_algo"] is None:
+                survive = ("may or may not survive a restart (the engine's config was not "
+                           "reachable; sha256 and sha256_cbor keep them)")
+            elif info["restart_safe"]:
+                survive = "survive a restart"
+            else:
+                survive = ("do NOT survive a restart (use --prefix-caching-hash-algo sha256 to "
+                           "keep them)")
+            log.info("vllm-tiering: namespace %s (%s); prefix hash %s: cached chunks %s",
+                     facts.namespace_id, facts.model, info["hash_algo"] or "unknown", survive)
         cpu = CpuTier(region, self.cfg.cpu.policy, self.cfg.cpu.store_threshold,
                       self.cfg.cpu.tracker_size)
         advisor = None
