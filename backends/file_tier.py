@@ -87,7 +87,7 @@ class FileTier:
         else:
             write_meta(self.folder, facts, {"element_bytes": cfg.element_bytes, **info})
             self.meta = read_meta(self.folder)
-        self.index = Index(self.folder, map_size=(64 << 20) + self.n_slots * 2048)
+        self.index = Index.open_for_writer(self.folder, map_size=(64 << 20) + self.n_slots * 2048)
         reclaimed = self.index.reclaim_reservations()
         if reclaimed:
             log.warning("%s: reclaimed %d slots reserved by a writer that died mid-write",

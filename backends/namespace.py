@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+# 2: slot checksums are seeded by key and namespace; meta.json records the slab layout.
+FORMAT_VERSION = 2
 META_FILE = "meta.json"
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tiering.backends.checksum import checksum_of
+from tiering.backends.checksum import checksum_of, namespace_seed
 from tiering.backends.index import Index
 from tiering.backends.namespace import META_FILE, list_namespaces, read_meta
 from tiering.backends.slab import slab_name
@@ -98,15 +98,14 @@ class NamespaceReader:
     def verify(self, progress: Callable[[int, int], None] | None = None) -> list[Corrupt]:
         """Checksum every published slot; returns the corrupt ones (re-checked, see above)."""
         keys, recs = self.index.load_all()
+        seed = namespace_seed(self.folder.name)
         bad: list[Corrupt] = []
         fds: dict[int, int] = {}
         try:
             for i, key in enumerate(keys):
                 r = recs[i]
                 slot, length, checksum = int(r["slot"]), int(r["length"]), int(r["checksum"])
-                data = self._read(fds, slot, length)
-                reason = ("short_read" if len(data) < length else
-                          "checksum" if checksum_of(data) != checksum else "")
+                reason = self._check_slot(fds, seed, key, slot, length, checksum)
                 if reason and self._still_same(key, r):
                     bad.append(Corrupt(key, slot, reason))
                 if progress:
@@ -115,6 +114,19 @@ class NamespaceReader:
             for fd in fds.values():
                 os.close(fd)
         return bad
+
+    def _check_slot(self, fds: dict[int, int], seed: int, key: bytes, slot: int, length: int,
+                    checksum: int) -> str:
+        """'' if the slot holds the bytes its record describes, else the reason."""
+        if not 0 < length <= self.row_bytes:  # a damaged record: never read past a slot
+            return "corrupt"
+        try:
+            data = self._read(fds, slot, length)
+        except OSError:
+            return "missing"  # its slab file is gone or unreadable
+        if len(data) < length:
+            return "short_read"
+        return "checksum" if checksum_of(seed, key, data) != checksum else ""
 
     def _still_same(self, key: bytes, r: np.void) -> bool:
         """True if the record is unchanged in a fresh snapshot (so the mismatch is real)."""

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tiering.backends.checksum import namespace_seed
 from tiering.backends.io_engines import IoEngine
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class SlabSet:
         self.slots_per_file = max(1, slab_file_bytes // slot_bytes)
         self.n_files = -(-n_slots // self.slots_per_file)
         self.sparse = False
+        self.seed = namespace_seed(folder.name)  # checksums bind bytes to key and namespace
         self._handles: list[Any] = []
 
     def file_slots(self, i: int) -> int:
