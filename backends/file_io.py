@@ -137,12 +137,19 @@ class Committer(threading.Thread):
         self.pid = os.getpid()
         self.busy = threading.Event()
 
+    # How often the committer looks for admin requests and dead readers while it is busy.
+    HOUSEKEEPING_SECONDS = 0.25
+
     def run(self) -> None:
+        next_housekeeping = 0.0
         while True:
+            now = time.monotonic()
+            if now >= next_housekeeping:  # bounded, however busy the writer is
+                next_housekeeping = now + self.HOUSEKEEPING_SECONDS
+                self._housekeeping()
             try:
                 job = self.jobs.get(timeout=1.0)
             except queue.Empty:  # idle for a second
-                self._take_requests()  # admin requests of tools
                 records, stats = self.pending.take()
                 if records or stats:
                     try:
@@ -179,6 +186,19 @@ class Committer(threading.Thread):
                         self._reply(*j.reply)
                     if j.done is not None:
                         j.done.set()
+
+    def _housekeeping(self) -> None:
+        """Between jobs: free the reader slots of killed tools (a dead reader pins LMDB's
+        oldest snapshot, so freed pages are never reused and the map fills up), then hand
+        the owner the tools' admin requests."""
+        try:
+            cleared = self.index.clear_stale_readers()
+            if cleared:
+                log.warning("file tier %s: cleared %d reader slot(s) of dead processes",
+                            self.index.path.parent, cleared)
+            self._take_requests()
+        except Exception:  # housekeeping must never stop the committer
+            log.exception("file tier: committer housekeeping failed")
 
     def _take_requests(self) -> None:
         req_dir = self.index.path.parent / "requests"
