@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tiering.backends.namespace import NamespaceFacts, read_meta, write_json
+from tiering.backends.namespace import facts_from_meta, read_meta, read_writer_info, write_json
 
 log = logging.getLogger(__name__)
 REQUESTS = "requests"
@@ -119,18 +119,29 @@ def submit_request(folder: Path, op: dict[str, Any], timeout: float = 30.0) -> d
 
 
 def run_offline(folder: Path, op: dict[str, Any]) -> dict[str, Any]:
-    """No live writer: open the namespace as its writer, apply, close."""
+    """No live writer: open the namespace as its writer, apply, close.
+
+    Everything comes from the namespace itself: its facts and slab layout from ``meta.json``
+    (checked against the folder's name), so the tool reopens it exactly as it was created and
+    refuses when the slab files do not match (a writer would resize them). The policy is a
+    registered name from ``writer.json`` or LRU: a tool never imports code a cache file names.
+    """
     from tiering.backends.file_tier import FileTier
+    from tiering.backends.slab import SlabSet
+    from tiering.policies import REGISTRY
 
     meta = read_meta(folder)
-    facts = NamespaceFacts(meta["model"], meta["dtype"], meta["layout"], int(meta["row_bytes"]),
-                           int(meta["chunk_tokens"]), meta.get("parallel", {}),
-                           meta.get("extra", {}))
-    slots = sum(p.stat().st_size for p in folder.glob("slab-*.dat")) // facts.row_bytes
-    writer = folder / "writer.json"
-    policy = json.loads(writer.read_text()).get("policy", "lru") if writer.exists() else "lru"
+    facts = facts_from_meta(meta)
+    slots = meta["slots"]
+    problem = SlabSet(folder, facts.row_bytes, slots, meta["slab_file_bytes"]).mismatch()
+    if problem:
+        raise RuntimeError(f"{folder}: {problem}; refusing to change this namespace offline "
+                           "(its server repairs it when it opens)")
+    policy = _recorded_policy(folder)
+    if policy not in REGISTRY:
+        policy = "lru"
     cfg = {"path": str(folder.parent), "capacity": slots * facts.row_bytes, "policy": policy,
-           "io": "posix", "io_threads": 2}
+           "io": "posix", "io_threads": 2, "slab_file_bytes": meta["slab_file_bytes"]}
     tier = FileTier(cfg, facts)
     try:
         reply = apply(tier, op)
@@ -138,6 +149,11 @@ def run_offline(folder: Path, op: dict[str, Any]) -> dict[str, Any]:
     finally:
         tier.close()
     return reply
+
+
+def _recorded_policy(folder: Path) -> str:
+    policy = read_writer_info(folder).get("policy", "lru")
+    return policy.lower() if isinstance(policy, str) else "lru"
 
 
 def run(folder: Path, op: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:

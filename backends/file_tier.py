@@ -54,7 +54,7 @@ from tiering.backends.file_state import (
 )
 from tiering.backends.index import MAX_KEY_BYTES, STAT_NAMES, Index, pack_record
 from tiering.backends.io_engines import make_engine
-from tiering.backends.namespace import NamespaceFacts, read_meta, write_meta
+from tiering.backends.namespace import NamespaceFacts, open_meta
 from tiering.backends.slab import SlabSet
 from tiering.policies import StoreThreshold, create
 
@@ -82,17 +82,14 @@ class FileTier:
             raise
 
     def _open(self, cfg, facts, info, nums) -> None:
-        if (self.folder / "meta.json").exists():
-            self.meta = read_meta(self.folder)
-        else:
-            write_meta(self.folder, facts, {"element_bytes": cfg.element_bytes, **info})
-            self.meta = read_meta(self.folder)
+        self.meta = open_meta(self.folder, facts, {"element_bytes": cfg.element_bytes, **info},
+                              nums["slab_file_bytes"], self.n_slots)
         self.index = Index.open_for_writer(self.folder, map_size=(64 << 20) + self.n_slots * 2048)
         reclaimed = self.index.reclaim_reservations()
         if reclaimed:
             log.warning("%s: reclaimed %d slots reserved by a writer that died mid-write",
                         self.folder, len(reclaimed))
-        self.slabs = SlabSet(self.folder, self.row_bytes, self.n_slots, nums["slab_file_bytes"])
+        self.slabs = SlabSet(self.folder, self.row_bytes, self.n_slots, self.meta["slab_file_bytes"])
         self.slabs.create_or_resize(cfg.preallocate)
         self.engine = make_engine(cfg.io, cfg.io_threads, direct=cfg.direct)
         self.slabs.open(self.engine)

@@ -4,14 +4,20 @@ Two engines may share bytes only if the model, dtype, KV layout, tokens per chun
 layout and row size all agree, and the on-disk format is the one this code writes. Those facts
 are hashed into the namespace id, which names the folder; ``meta.json`` keeps them readable.
 Opening with different facts lands in a different folder, so bytes of one namespace are never
-served to another. A folder whose ``meta.json`` disagrees with its own name, or that was
-written by another format version, is refused, never misread.
+served to another. A folder whose ``meta.json`` disagrees with its own name (or whose facts no
+longer hash to it: an edited file), or that was written by another format version, is refused,
+never misread.
+
+``meta.json`` also records the slab layout (``slab_file_bytes``, fixed when the namespace is
+created, and ``slots``, the writer's current capacity), so that tools reopen a namespace exactly
+as it was made and never resize it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,6 +27,7 @@ from typing import Any
 # 2: slot checksums are seeded by key and namespace; meta.json records the slab layout.
 FORMAT_VERSION = 2
 META_FILE = "meta.json"
+log = logging.getLogger(__name__)
 
 
 class NamespaceError(ValueError):
@@ -66,24 +73,90 @@ def write_meta(folder: Path, facts: NamespaceFacts, info: dict[str, Any]) -> Non
     write_json(folder / META_FILE, meta)
 
 
+def open_meta(folder: Path, facts: NamespaceFacts, info: dict[str, Any],
+              slab_file_bytes: int, slots: int) -> dict[str, Any]:
+    """The writer's ``meta.json``: written on first open; later opens keep the recorded slab
+    layout (moving slots between files would orphan every stored row) and record a changed
+    capacity. Only the lock holder calls this."""
+    path = folder / META_FILE
+    if not os.path.lexists(path):
+        write_meta(folder, facts, {**info, "slab_file_bytes": slab_file_bytes, "slots": slots})
+        return read_meta(folder)
+    meta = read_meta(folder)
+    if meta["slab_file_bytes"] != slab_file_bytes:
+        log.info("%s: keeping the slab files of %d bytes this namespace was created with "
+                 "(slab_file_bytes %d asked)", folder, meta["slab_file_bytes"], slab_file_bytes)
+    if meta["slots"] != slots:
+        meta["slots"] = slots
+        try:
+            write_json(path, meta)
+        except OSError as exc:  # a full disk must not stop a restart; tools see the mismatch
+            log.warning("%s: cannot record the new capacity (%s); tools will refuse to change "
+                        "this namespace until a writer records it", path, exc)
+    return meta
+
+
+def read_writer_info(folder: Path) -> dict[str, Any]:
+    """``writer.json`` (who writes the namespace, for display); {} if missing or unreadable.
+    Nothing in it is trusted: tools only show it, or use a registered policy name from it."""
+    try:
+        fd = os.open(folder / "writer.json", os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as fh:
+            info = json.loads(fh.read(1 << 20).decode("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def facts_from_meta(meta: dict[str, Any]) -> NamespaceFacts:
+    return NamespaceFacts(meta["model"], meta["dtype"], meta["layout"], meta["row_bytes"],
+                          meta["chunk_tokens"], meta.get("parallel") or {},
+                          meta.get("extra") or {})
+
+
+_META_TYPES = {"namespace": str, "model": str, "dtype": str, "layout": str, "row_bytes": int,
+               "chunk_tokens": int, "slab_file_bytes": int, "slots": int}
+
+
 def read_meta(folder: Path) -> dict[str, Any]:
     """Read and check a namespace's ``meta.json``; NamespaceError if it is not ours to read."""
     path = folder / META_FILE
     try:
-        meta = json.loads(path.read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as fh:
+            meta = json.loads(fh.read(1 << 20).decode("utf-8"))
     except FileNotFoundError:
         raise NamespaceError(f"{path}: missing; {folder} is not a vllm-tiering namespace") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise NamespaceError(f"{path}: unreadable ({exc})") from exc
+    except OSError as exc:
+        raise NamespaceError(f"{path}: unreadable ({exc.strerror or exc})") from None
+    except ValueError as exc:  # not UTF-8, not JSON
+        raise NamespaceError(f"{path}: not a JSON file ({exc})") from None
+    if not isinstance(meta, dict):
+        raise NamespaceError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
         raise NamespaceError(
             f"{path}: format version {version!r}, this vllm-tiering reads version "
             f"{FORMAT_VERSION}; refusing to read it (clear it with `tiering clear`, or open it "
             "with the version that wrote it)")
+    for name, kind in _META_TYPES.items():
+        value = meta.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise NamespaceError(f"{path}: {name!r} must be a {kind.__name__}, got {value!r}")
     if meta.get("namespace") != folder.name:
         raise NamespaceError(f"{path}: describes namespace {meta.get('namespace')!r} but lives "
                              f"in folder {folder.name!r}; refusing to read it")
+    if meta["row_bytes"] <= 0 or meta["row_bytes"] % 4096 or meta["slots"] < 0 \
+            or meta["slab_file_bytes"] < meta["row_bytes"]:
+        raise NamespaceError(f"{path}: row_bytes {meta['row_bytes']}, slab_file_bytes "
+                             f"{meta['slab_file_bytes']}, slots {meta['slots']} are not a "
+                             "slab layout")
+    if not isinstance(meta.get("parallel", {}), dict) or not isinstance(meta.get("extra", {}),
+                                                                        dict):
+        raise NamespaceError(f"{path}: 'parallel' and 'extra' must be objects")
+    if facts_from_meta(meta).namespace_id != folder.name:
+        raise NamespaceError(f"{path}: its facts do not hash to namespace {folder.name!r} "
+                             "(edited?); refusing to read it")
     return meta
 
 

@@ -8,7 +8,6 @@ mismatch is re-checked against a fresh snapshot before it is reported as corrupt
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +19,7 @@ import numpy as np
 
 from tiering.backends.checksum import checksum_of, namespace_seed
 from tiering.backends.index import Index
-from tiering.backends.namespace import META_FILE, list_namespaces, read_meta
+from tiering.backends.namespace import META_FILE, list_namespaces, read_meta, read_writer_info
 from tiering.backends.slab import slab_name
 
 HIT_BUCKETS = (0, 1, 2, 5, 10, 100)
@@ -40,10 +39,9 @@ class NamespaceReader:
         self.meta = read_meta(self.folder)
         self.row_bytes = int(self.meta["row_bytes"])
         self.index = Index(self.folder, map_size=0, readonly=True)
-        files = self.slab_files
-        self._per_file = max(1, files[0].stat().st_size // self.row_bytes) if files else 1
-        writer = self.folder / "writer.json"
-        self.writer = json.loads(writer.read_text()) if writer.exists() else {}
+        # the layout recorded at creation, never guessed from a (possibly damaged) file's size
+        self._per_file = max(1, int(self.meta["slab_file_bytes"]) // self.row_bytes)
+        self.writer = read_writer_info(self.folder)
 
     def close(self) -> None:
         self.index.close()
@@ -59,7 +57,7 @@ class NamespaceReader:
         return sorted(self.folder.glob("slab-*.dat"))
 
     def capacity_slots(self) -> int:
-        return sum(p.stat().st_size for p in self.slab_files) // self.row_bytes
+        return int(self.meta["slots"])
 
     def summary(self, now: float | None = None) -> dict[str, Any]:
         now = time.time() if now is None else now

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,25 @@ class SlabSet:
 
     def file_slots(self, i: int) -> int:
         return min(self.slots_per_file, self.n_slots - i * self.slots_per_file)
+
+    def mismatch(self) -> str | None:
+        """Why the slab files on disk are not exactly this layout, or None. Tools that open a
+        namespace as its writer check this first: a writer resizes to its layout, so a tool
+        must never open with a layout the files do not already have."""
+        for i in range(self.n_files):
+            path = self.folder / slab_name(i)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                return f"{path.name} is missing"
+            if not stat.S_ISREG(st.st_mode):
+                return f"{path.name} is not a regular file"
+            if st.st_size != self.file_slots(i) * self.slot_bytes:
+                return (f"{path.name} is {st.st_size} bytes, the layout says "
+                        f"{self.file_slots(i) * self.slot_bytes}")
+        if os.path.lexists(self.folder / slab_name(self.n_files)):
+            return f"{slab_name(self.n_files)} exists beyond the recorded {self.n_slots} slots"
+        return None
 
     def create_or_resize(self, preallocate: bool) -> None:
         """Make every slab file exactly as large as its slots; drop files beyond the capacity."""

@@ -383,13 +383,14 @@ def small_fs(tmp_path):
 
 
 def _fill(path: Path) -> None:
-    with open(path, "wb") as fh:
-        try:
-            while True:
-                fh.write(b"\0" * 4096)
-                fh.flush()
-        except OSError:
-            pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def test_writer_restarts_on_a_full_disk(small_fs):
