@@ -4,7 +4,8 @@ A namespace has one writer, and only the writer may change its index: its in-mem
 (policy, free slots, pins) must agree with LMDB. So a tool never edits a live namespace behind
 the writer's back. Instead:
 
-* if nobody holds ``writer.lock``, the tool becomes the writer for a moment (opens the
+* if nobody holds the writer lock (``file_state.writer_alive``), the tool becomes the writer
+  for a moment (opens the
   namespace, applies the operation through the normal eviction path, closes it);
 * if a server holds it, the tool drops a request file in ``<namespace>/requests/``; the writer's
   committer thread picks it up between batches, the owner thread applies it in ``poll()`` like
@@ -19,13 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from tiering.backends.file_state import writer_alive
 from tiering.backends.namespace import facts_from_meta, read_meta, read_writer_info, write_json
 
 log = logging.getLogger(__name__)
@@ -79,24 +80,6 @@ def apply_request(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
         reply = {"error": str(exc)}
     log.info("file tier %s: admin request %s -> %s", tier.folder, op, reply)
     return reply
-
-
-def writer_alive(folder: Path) -> bool:
-    import fcntl
-
-    path = folder / "writer.lock"
-    if not path.exists():
-        return False
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
 
 
 def submit_request(folder: Path, op: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:

@@ -202,7 +202,7 @@ class Committer(threading.Thread):
 
     def _take_requests(self) -> None:
         req_dir = self.index.path.parent / "requests"
-        if not req_dir.is_dir():
+        if os.path.islink(req_dir) or not req_dir.is_dir():  # never read requests via a link
             return
         for path in sorted(req_dir.glob("*.json")):
             try:

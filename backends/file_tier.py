@@ -54,7 +54,7 @@ from tiering.backends.file_state import (
 )
 from tiering.backends.index import MAX_KEY_BYTES, STAT_NAMES, Index, pack_record
 from tiering.backends.io_engines import make_engine
-from tiering.backends.namespace import NamespaceFacts, open_meta
+from tiering.backends.namespace import NamespaceFacts, check_folder, open_meta
 from tiering.backends.slab import SlabSet
 from tiering.policies import StoreThreshold, create
 
@@ -78,10 +78,30 @@ class FileTier:
         try:
             self._open(cfg, facts, info or {}, nums)
         except BaseException:
-            os.close(self._lock_fd)
+            self._abandon_open()
             raise
 
+    def _abandon_open(self) -> None:
+        """Undo a failed ``_open``: no thread, file or lock of a half-opened tier survives."""
+        OPEN_TIERS.discard(self)
+        committer = getattr(self, "committer", None)
+        if committer is not None and committer.is_alive():
+            committer.jobs.put(None)
+            committer.join(timeout=30)
+        for name, undo in (("engine", lambda e: e.shutdown()),
+                           ("slabs", lambda s: hasattr(self, "engine") and s.close(self.engine)),
+                           ("index", lambda i: i.close())):
+            part = getattr(self, name, None)
+            if part is not None:
+                try:
+                    undo(part)
+                except Exception:  # already failing: keep the first error
+                    log.exception("file tier %s: cleaning up %s after a failed open", self.folder,
+                                  name)
+        os.close(self._lock_fd)
+
     def _open(self, cfg, facts, info, nums) -> None:
+        check_folder(self.folder)  # no planted links, nothing of another user
         self.meta = open_meta(self.folder, facts, {"element_bytes": cfg.element_bytes, **info},
                               nums["slab_file_bytes"], self.n_slots)
         self.index = Index.open_for_writer(self.folder, map_size=(64 << 20) + self.n_slots * 2048)
@@ -91,6 +111,7 @@ class FileTier:
                         self.folder, len(reclaimed))
         self.slabs = SlabSet(self.folder, self.row_bytes, self.n_slots, self.meta["slab_file_bytes"])
         self.slabs.create_or_resize(cfg.preallocate)
+        self.index.reserve_headroom()  # after the slabs: they have the first claim on space
         self.engine = make_engine(cfg.io, cfg.io_threads, direct=cfg.direct)
         self.slabs.open(self.engine)
         self.codec = ZstdCodec(cfg.compression_level, int(self.meta.get("element_bytes", 2)))

@@ -30,6 +30,8 @@ sync where losing a transaction would matter (before reusing an evicted slot).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
 import os
 import stat
@@ -74,6 +76,19 @@ _LMDB_DATA_VERSION = 1
 _META_HEAD = struct.Struct("<IIQQ")  # at offset 16
 _META_PSIZE = struct.Struct("<I")  # at offset 40
 _META_TAIL = struct.Struct("<QQ")  # last page, txn id: at offset 136
+
+
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+def _fallocate_keep_size(fd: int, offset: int, length: int) -> int:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fallocate = libc.fallocate
+    except (OSError, AttributeError):
+        return -1
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length)
 
 
 def check_data_file(path: Path) -> str | None:
@@ -200,6 +215,29 @@ class Index:
         index.reset_reason = reason
         index.publish([], [], stat_delta={"index_resets": 1})
         return index
+
+    def reserve_headroom(self, extra: int = 16 << 20) -> None:
+        """Reserve disk blocks past the end of data.mdb without growing it (fallocate
+        KEEP_SIZE), so that the index can keep committing when the filesystem fills up (the
+        slabs are preallocated; LMDB grows its file page by page). Best effort."""
+        path = self.path / "data.mdb"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            return
+        try:
+            size = os.fstat(fd).st_size
+            want = min(max(extra, size // 4), max(0, self.env.info()["map_size"] - size))
+            while want >= 256 << 10:  # a nearly full disk: take what there is
+                if _fallocate_keep_size(fd, size, want) == 0:
+                    return
+                if ctypes.get_errno() != errno.ENOSPC:
+                    log.info("%s: cannot reserve headroom for the index (%s)", path,
+                             os.strerror(ctypes.get_errno()))
+                    return
+                want //= 2
+        finally:
+            os.close(fd)
 
     def _scan(self) -> tuple[list[bytes], list[bytes]]:
         """Read every entry of every table once; IndexDamaged on anything malformed."""

@@ -15,10 +15,12 @@ as it was made and never resize it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,14 +60,68 @@ class NamespaceFacts:
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
-    """Write a JSON file atomically (tmp file + fsync + rename), mode 0600."""
+    """Write a JSON file atomically (tmp file + fsync + rename), mode 0600. The tmp file is
+    created fresh (never through a planted link); the rename replaces a link, never follows it.
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# What each known entry of a namespace folder must be (a link is never acceptable).
+_ENTRY_KINDS = {"meta.json": stat.S_ISREG, "writer.json": stat.S_ISREG,
+                "writer.lock": stat.S_ISREG, "index.lmdb": stat.S_ISDIR,
+                "requests": stat.S_ISDIR}
+
+
+def check_folder(folder: Path) -> None:
+    """Refuse a namespace folder whose files are not what they should be.
+
+    The folder must be a real directory owned by this user; no entry in it (or in
+    ``index.lmdb/``) may be a symbolic link, and the known entries must be regular files or
+    directories as expected. A planted link would otherwise make the writer truncate, overwrite
+    or create files outside the cache. NamespaceError names the first offending entry.
+    """
+    uid = os.geteuid()
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise NamespaceError(f"{folder}: not a directory (a link or a file); refusing it")
+    if st.st_uid != uid:
+        raise NamespaceError(f"{folder}: owned by uid {st.st_uid}, not by this user ({uid}); "
+                             "refusing it")
+    entries = [(folder / e.name, e.name) for e in os.scandir(folder)]
+    index = folder / "index.lmdb"
+    if os.path.isdir(index) and not os.path.islink(index):
+        entries += [(index / e.name, "index.lmdb/" + e.name) for e in os.scandir(index)]
+    for path, name in entries:
+        try:
+            est = os.lstat(path)
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        if stat.S_ISLNK(est.st_mode):
+            raise NamespaceError(f"{path}: {name} is a symbolic link; refusing a cache folder "
+                                 "with links in it")
+        want = _ENTRY_KINDS.get(name) or (stat.S_ISREG if name.startswith("slab-") else None)
+        if want is not None and not want(est.st_mode):
+            raise NamespaceError(f"{path}: {name} is not a "
+                                 f"{'folder' if want is stat.S_ISDIR else 'regular file'}")
+        if est.st_uid != uid and want is not None:
+            raise NamespaceError(f"{path}: {name} is owned by uid {est.st_uid}, not by this "
+                                 f"user ({uid}); refusing it")
 
 
 def write_meta(folder: Path, facts: NamespaceFacts, info: dict[str, Any]) -> None:
@@ -164,4 +220,5 @@ def list_namespaces(root: Path) -> list[Path]:
     """Folders under ``root`` that look like namespaces (have a meta.json)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and (p / META_FILE).exists())
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and os.path.lexists(p / META_FILE))

@@ -19,7 +19,13 @@ import numpy as np
 
 from tiering.backends.checksum import checksum_of, namespace_seed
 from tiering.backends.index import Index
-from tiering.backends.namespace import META_FILE, list_namespaces, read_meta, read_writer_info
+from tiering.backends.namespace import (
+    META_FILE,
+    check_folder,
+    list_namespaces,
+    read_meta,
+    read_writer_info,
+)
 from tiering.backends.slab import slab_name
 
 HIT_BUCKETS = (0, 1, 2, 5, 10, 100)
@@ -36,6 +42,7 @@ class Corrupt:
 class NamespaceReader:
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
+        check_folder(self.folder)
         self.meta = read_meta(self.folder)
         self.row_bytes = int(self.meta["row_bytes"])
         self.index = Index(self.folder, map_size=0, readonly=True)
@@ -90,7 +97,7 @@ class NamespaceReader:
     def _read(self, fds: dict[int, int], slot: int, length: int) -> bytes:
         f, s = divmod(slot, self._per_file)
         if f not in fds:
-            fds[f] = os.open(self.folder / slab_name(f), os.O_RDONLY)
+            fds[f] = os.open(self.folder / slab_name(f), os.O_RDONLY | os.O_NOFOLLOW)
         return os.pread(fds[f], length, s * self.row_bytes)
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> list[Corrupt]:

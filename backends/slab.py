@@ -65,7 +65,7 @@ class SlabSet:
         for i in range(self.n_files):
             path = self.folder / slab_name(i)
             size = self.file_slots(i) * self.slot_bytes
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
                 current = os.fstat(fd).st_size
                 if current > size:
@@ -75,7 +75,7 @@ class SlabSet:
             finally:
                 os.close(fd)
         i = self.n_files
-        while (self.folder / slab_name(i)).exists():
+        while os.path.lexists(self.folder / slab_name(i)):
             (self.folder / slab_name(i)).unlink()
             i += 1
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -16,10 +15,10 @@ from pathlib import Path
 
 import lmdb
 import pytest
-from tierutil import ROW, facts, key, open_tier, read, row_for, store
+from tierutil import ROW, key, open_tier, read, row_for, store
 
 from tiering.backends import admin
-from tiering.backends.file_tier import FileTier, NamespaceLocked
+from tiering.backends.file_tier import NamespaceLocked
 from tiering.backends.namespace import NamespaceError
 from tiering.cli import main as cli_main
 
@@ -407,7 +406,9 @@ def test_writer_restarts_on_a_full_disk(small_fs):
             assert bytes(out) == bytes(row_for(k, row))
         more = [key(f"m{i}") for i in range(4)]  # slabs are preallocated: writes still land
         t.put(more, [row_for(k, row) for k in more])
-        t.wait_idle()
+        assert all(d.ok for d in t.wait_idle())
+        for k in more:
+            assert read(t, k)[0] == bytes(row_for(k, row))
 
 
 def test_cli_on_namespace_whose_writer_died_in_first_open(tmp_path):
