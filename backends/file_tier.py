@@ -56,7 +56,7 @@ from tiering.backends.index import MAX_KEY_BYTES, STAT_NAMES, Index, pack_record
 from tiering.backends.io_engines import make_engine
 from tiering.backends.namespace import NamespaceFacts, check_folder, open_meta
 from tiering.backends.slab import SlabSet
-from tiering.policies import StoreThreshold, create
+from tiering.policies import StoreThreshold, create, evict_or_none
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class FileTier:
                 self._count("rejected_threshold")
                 continue
             if not self._free:
-                victims = self.policy.evict(1, protected=keys)
+                victims = evict_or_none(self.policy, 1, protected=keys)
                 if victims is None:
                     self._count("rejected_full")
                     continue
@@ -374,7 +374,7 @@ class FileTier:
 
     def evict(self, n: int) -> list[bytes]:
         """Evict up to ``n`` keys by policy (e.g. to make room on request)."""
-        victims = self.policy.evict(min(n, self.policy.evictable_count())) or []
+        victims = evict_or_none(self.policy, min(n, self.policy.evictable_count())) or []
         self.drop(victims)  # already out of the policy: drop() forgets entries and slots
         self._count("evictions", len(victims))
         return victims

@@ -273,15 +273,19 @@ def test_s3fifo_evict_is_linear_with_many_pinned_small_keys():
 
     p = S3FifoPolicy(2000)
     keys = list(range(2000))
-    p.insert_many(keys)
+    for k in keys:
+        p.insert(k)
     for k in keys[:1800]:  # promote most of them to main with hits
         p.access(k)
     p.evict(10)  # move some to main
     for k in list(p.main):
         for _ in range(3):
             p.access(k)
-    for k in list(p.small):
+    for k in range(2000, 2300):  # new keys fill the small queue beyond its target ...
+        p.insert(k)
+    for k in list(p.small):  # ... and are all in flight
         p.pin(k)
+    assert len(p.small) >= p.small_target and len(p.main) >= 1000
     steps = 0
     orig_main, orig_small = p._step_main, p._step_small
 
@@ -449,3 +453,24 @@ def test_verify_uses_recorded_slab_layout(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     named = {bytes.fromhex(c["key"]) for c in report["namespaces"][0]["corrupt"]}
     assert named and named <= in_first, "verify named keys outside the damaged slab"
+
+
+class _BrokenPolicy(__import__("tiering.policies.lru", fromlist=["LruPolicy"]).LruPolicy):
+    name = "broken-for-test"
+
+    def _pick_victims(self, n, protected):
+        raise RuntimeError("policy bug")
+
+
+def test_a_policy_that_raises_is_a_counted_rejection(tmp_path):
+    from tiering.policies import REGISTRY, register
+
+    register(_BrokenPolicy)
+    try:
+        with open_tier(tmp_path, slots=4, policy="broken-for-test") as t:
+            store(t, [key(i) for i in range(4)])
+            assert t.put([key("x")], [row_for(key("x"))]) == []
+            assert t.evict(1) == []
+            assert t.counter("rejected_full") == 1 and len(t) == 4
+    finally:
+        REGISTRY.pop("broken-for-test", None)
