@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from tiering.backends.file_state import writer_alive
+from tiering.backends.file_state import lock_holder, writer_alive
 from tiering.backends.namespace import facts_from_meta, read_meta, read_writer_info, write_json
 
 log = logging.getLogger(__name__)
@@ -44,15 +45,25 @@ def parse_duration(text: str) -> float:
 
 
 def check_op(op: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(op, dict):
+        raise ValueError(f"admin request: expected a JSON object, got {op!r:.80}")
     kind = op.get("op")
-    if kind == "clear":
-        return {"op": "clear"}
-    if kind == "evict":
-        if "bytes" in op and int(op["bytes"]) > 0:
-            return {"op": "evict", "bytes": int(op["bytes"])}
-        if "older_than" in op and float(op["older_than"]) >= 0:
-            return {"op": "evict", "older_than": float(op["older_than"])}
-    raise ValueError(f"admin request: expected evict (bytes or older_than) or clear, got {op!r}")
+    out: dict[str, Any] | None = None
+    try:
+        if kind == "clear":
+            out = {"op": "clear"}
+        elif kind == "evict" and "bytes" in op and int(op["bytes"]) > 0:
+            out = {"op": "evict", "bytes": int(op["bytes"])}
+        elif kind == "evict" and "older_than" in op and 0 <= float(op["older_than"]) < 1e12:
+            out = {"op": "evict", "older_than": float(op["older_than"])}
+        if out is not None and "expires" in op:
+            out["expires"] = float(op["expires"])
+    except (TypeError, ValueError, OverflowError):
+        out = None
+    if out is None:
+        raise ValueError(f"admin request: expected evict (bytes or older_than) or clear, "
+                         f"got {op!r:.200}")
+    return out
 
 
 def apply(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
@@ -73,9 +84,17 @@ def apply(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_request(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
-    """A tool's request, applied by the writer's owner thread; errors become the reply."""
+    """A tool's request, applied by the writer's owner thread; errors become the reply.
+
+    A request carries the time its tool stops waiting (``expires``): later it is answered
+    with an error and not applied, so a tool that reported failure changed nothing.
+    """
     try:
-        reply = apply(tier, op)
+        expires = check_op(op).get("expires")
+        if expires is not None and time.time() > expires:
+            reply = {"error": "request expired before the writer reached it; nothing removed"}
+        else:
+            reply = apply(tier, op)
     except ValueError as exc:
         reply = {"error": str(exc)}
     log.info("file tier %s: admin request %s -> %s", tier.folder, op, reply)
@@ -83,22 +102,56 @@ def apply_request(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
 
 
 def submit_request(folder: Path, op: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
-    """Hand an operation to the live writer and wait for its reply."""
+    """Hand an operation to the live writer and wait for its reply.
+
+    On timeout the request is withdrawn if the writer has not taken it yet; one it took but
+    did not apply before ``expires`` is never applied (see ``apply_request``).
+    """
     op = check_op(op)
     req_dir = folder / REQUESTS
-    req_dir.mkdir(mode=0o700, exist_ok=True)
+    try:
+        req_dir.mkdir(mode=0o700, exist_ok=True)
+    except FileExistsError:
+        raise RuntimeError(f"{req_dir}: not a folder") from None
+    if req_dir.is_symlink():
+        raise RuntimeError(f"{req_dir}: is a symbolic link; refusing to write requests there")
     rid = uuid.uuid4().hex[:12]
-    write_json(req_dir / f"{rid}.json", op)
-    done = req_dir / f"{rid}.done"
+    request, done = req_dir / f"{rid}.json", req_dir / f"{rid}.done"
+    write_json(request, {**op, "expires": time.time() + timeout})
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if done.exists():
-            reply = json.loads(done.read_text())
-            done.unlink(missing_ok=True)
+    grace = deadline + min(timeout, 10.0)  # a request taken in time: its reply may follow
+    while True:
+        reply = _read_reply(done)
+        if reply is not None:
             return reply
-        time.sleep(0.1)
-    raise TimeoutError(f"{folder}: the writer (pid in writer.lock) did not answer request "
-                       f"{rid} within {timeout:.0f}s")
+        now = time.monotonic()
+        if now >= deadline:
+            try:
+                request.unlink()
+                raise TimeoutError(f"{folder}: the writer (pid {lock_holder(folder)}) did not "
+                                   f"take request {rid} within {timeout:g}s; withdrawn, nothing "
+                                   "was changed")
+            except FileNotFoundError:  # taken: wait a little for its reply
+                if now >= grace:
+                    raise TimeoutError(f"{folder}: the writer (pid {lock_holder(folder)}) took "
+                                       f"request {rid} but did not answer within {timeout:g}s; "
+                                       "it is not applied after that") from None
+        time.sleep(0.05)
+
+
+def _read_reply(done: Path) -> dict[str, Any] | None:
+    try:
+        fd = os.open(done, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            reply = json.loads(fh.read(1 << 20))
+    except ValueError:
+        return None  # never half-written (atomic rename), but never trust it either
+    finally:
+        done.unlink(missing_ok=True)
+    return reply if isinstance(reply, dict) else {"error": f"malformed reply {reply!r:.80}"}
 
 
 def run_offline(folder: Path, op: dict[str, Any]) -> dict[str, Any]:
