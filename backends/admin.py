@@ -32,16 +32,20 @@ from tiering.backends.namespace import facts_from_meta, read_meta, read_writer_i
 
 log = logging.getLogger(__name__)
 REQUESTS = "requests"
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_DURATION = re.compile(r"^\s*(\d{1,12}(?:\.\d{1,9})?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+MAX_DURATION = 100 * 365 * 86400.0
 
 
 def parse_duration(text: str) -> float:
     m = _DURATION.match(str(text))
-    if not m:
-        raise ValueError(f"--older-than: expected a duration like 90s, 30m, 12h or 7d, "
-                         f"got {text!r}")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    seconds = float(m.group(1)) * _UNITS[m.group(2)] if m else -1.0
+    if not 0 <= seconds <= MAX_DURATION:
+        raise ValueError(f"--older-than: expected a duration like 90s, 30m, 12h or 7d (at most "
+                         f"100 years), got {text!r:.40}")
+    return seconds
 
 
 def check_op(op: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tiering.backends.codec import ZstdCodec
-from tiering.backends.file_config import FileTierConfig, validate
+from tiering.backends.file_config import FileTierConfig, check_types, validate
 from tiering.backends.file_io import (
     AdminRequest,
     Committer,
@@ -67,6 +67,7 @@ class FileTier:
         cfg = FileTierConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
         self.cfg, self.facts = cfg, facts
         self.row_bytes = facts.row_bytes
+        check_types(cfg)  # before the path is used at all
         self.folder = Path(cfg.path) / facts.namespace_id
         existing = sum(p.stat().st_blocks * 512 for p in self.folder.glob("slab-*.dat"))
         nums = validate(cfg, self.row_bytes, existing)  # raises before anything is created

@@ -159,7 +159,8 @@ class Index:
         if not readonly:
             self.path.mkdir(mode=0o700, exist_ok=True)
         elif not self.path.is_dir():
-            raise FileNotFoundError(f"{self.path}: no index (not a vllm-tiering namespace?)")
+            raise IndexDamaged(f"{self.path}: no index yet (its writer died during its first "
+                               "open?); open it with a writer to start it")
         for name in ("data.mdb", "lock.mdb"):
             if os.path.islink(self.path / name):
                 raise IndexDamaged(f"{self.path / name}: is a link; refusing it")

@@ -78,12 +78,12 @@ CLI_CASES = [
     (["simulate", "--policies", ","], "--policies"),
     (["simulate", "--policies", "os:system"], "--policies"),
     (["simulate", "--trace", "{t}/missing.trace", "--capacity", "10"], "--trace"),
-    (["simulate", "--trace", "{t}/missing.trace"], "--capacity"),
+    (["simulate", "--trace", "{f}"], "--capacity"),
     (["simulate", "--seed", "-1"], "--seed"),
     (["config", "--cpu", HUGE], "--cpu"),
     (["config", "--cpu", "0"], "--cpu"),
-    (["config", "--cpu", "1GiB", "--threshold", "-1"], "store_threshold"),
-    (["config", "--cpu", "1GiB", "--io-threads", "0"], "io_threads"),
+    (["config", "--cpu", "1GiB", "--threshold", "-1"], "--threshold"),
+    (["config", "--cpu", "1GiB", "--io-threads", "0"], "--io-threads"),
     (["config", "--cpu", "1GiB", "--disk", "{t}/x:" + HUGE], "capacity"),
     (["config", "--cpu", "1GiB", "--disk", ":1GiB"], "--disk"),
     (["config", "--cpu", "1GiB", "--disk", "{t}/x:1GiB", "--compression", "lz4"], "compression"),
@@ -97,7 +97,7 @@ CLI_CASES = [
                          if isinstance(v, list) else None)
 def test_bad_cli_input_is_exit_2_one_line_nothing_touched(cache, tmp_path, capsys, argv, words):
     before = snapshot(cache)
-    args = [a.format(c=cache, t=tmp_path) for a in argv]
+    args = [a.format(c=cache, t=tmp_path, f=__file__) for a in argv]
     try:
         rc = main(args)
     except SystemExit as exc:  # argparse's own errors
