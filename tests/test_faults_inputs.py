@@ -90,6 +90,40 @@ CLI_CASES = [
     (["config", "--cpu", "1GiB", "--disk", "{t}/x:1GiB", "--cpu-policy", "a:b"], "policy"),
     (["nosuchcommand"], "command"),
     (["inspect"], "path"),
+    (["-v"], "COMMAND"),
+    (["evict", "{c}"], "exactly one of --bytes"),
+    (["evict", "{c}", "--bytes", "1", "--older-than", "1d"], "exactly one of --bytes"),
+    (["evict", "{c}", "--bytes", ""], "--bytes"),
+    (["evict", "{c}", "--bytes", "0x10"], "--bytes"),
+    (["evict", "{c}", "--bytes", "1e3"], "--bytes"),
+    (["evict", "{c}", "--bytes", "1 GiB GiB"], "--bytes"),
+    (["evict", "{c}", "--older-than", ""], "--older-than"),
+    (["evict", "{c}", "--older-than", "1.5.5d"], "--older-than"),
+    (["evict", "{c}", "--older-than", "nan"], "--older-than"),
+    (["verify", "{c}", "--bogus"], "--bogus"),
+    (["inspect", "{c}", "--json", "extra"], "extra"),
+    (["export", "{c}", "--namespace", "ZZZZ"], "--namespace"),
+    (["stats", "{c}", "--namespace", "0123456789abcdef0"], "--namespace"),
+    (["simulate", "--workload", "nope"], "--workload"),
+    (["simulate", "--trace", "{c}"], "--trace"),
+    (["simulate", "--capacity", "1.5"], "--capacity"),
+    (["simulate", "--capacity", "-3"], "--capacity"),
+    (["simulate", "--thresholds", "1,,x"], "--thresholds"),
+    (["bench", "{t}/bench", "--row-bytes", "-4096"], "--row-bytes"),
+    (["bench", "{t}/bench", "--row-bytes", "2GiB"], "--row-bytes"),
+    (["bench", "{t}/bench", "--row-bytes", "1MiB", "--total", "4KiB"], "--total"),
+    (["bench", "{t}/bench", "--only", "fio"], "--only"),
+    (["watch", "http://127.0.0.1:1/metrics", "--interval", "-5"], "--interval"),
+    (["watch", "http://127.0.0.1:1/metrics", "--interval", "inf"], "--interval"),
+    (["watch", "http://127.0.0.1:1/metrics", "--count", "x"], "--count"),
+    (["watch", "not a url"], "url"),
+    (["config", "--cpu", "1GiB", "--disk", "{t}/x:0"], "capacity"),
+    (["config", "--cpu", "1GiB", "--disk", "{t}/x:lots"], "capacity"),
+    (["config", "--cpu", "1GiB", "--disk", "{t}/x:1GiB", "--policy", "os:system"], "policy"),
+    (["config", "--cpu", "-1GiB"], "--cpu"),
+    (["config", "--cpu", "1GiB", "--cpu-threshold", "x"], "--cpu-threshold"),
+    (["config", "--cpu", "1GiB", "--disk", "{f}:1GiB"], "path"),
+    (["config"], "--cpu"),
 ]
 
 
@@ -137,6 +171,52 @@ CONFIG_CASES = [
     ({"io": None}, "io"),
     ({"tracker_size": 0}, "tracker_size"),
 ]
+
+
+EXTRA_CASES = [  # kv_connector_extra_config, as vllm serve passes it
+    ({"cpu_bytes_to_use": HUGE}, "cpu_bytes_to_use"),
+    ({"cpu_bytes_to_use": "1GiB", "tiers": "x"}, "tiers"),
+    ({"cpu_bytes_to_use": "1GiB", "tiers": [5]}, "tiers[0]"),
+    ({"cpu_bytes_to_use": "1GiB", "tiers": [{"medium": "file"}]}, "tiers[0].medium"),
+    ({"cpu_bytes_to_use": "1GiB", "bogus": 1}, "bogus"),
+    ({"cpu_bytes_to_use": "1GiB", "tiers": [{"medium": "cpu", "policy": "os:system"}]},
+     "tiers[0].policy"),
+    ({"cpu_bytes_to_use": "1GiB", "tiers": [{"medium": "cpu", "store_threshold": -1}]},
+     "tiers[0].store_threshold"),
+    ({"cpu_bytes_to_use": "1GiB", "tiers": [{"medium": "cpu"}, {"medium": "file", "path": "",
+                                                                 "capacity": "1GiB"}]},
+     "tiers[1].path"),
+    ({"cpu_bytes_to_use": "1GiB", "tiers": [{"medium": "cpu"}, {
+        "medium": "file", "path": "{t}/x", "capacity": HUGE}]}, "tiers[1]"),
+    ({"cpu_bytes_to_use": "1GiB", "tiers": [{"medium": "cpu"}, {
+        "medium": "file", "path": "{t}/x", "capacity": "1GiB", "io_threads": 0}]}, "io_threads"),
+    ({"cpu_bytes_to_use": "1GiB", "tiers": [{"medium": "cpu"}, {
+        "medium": "file", "path": "{t}/x", "capacity": "1GiB", "verify": "no"}]}, "verify"),
+    ({"cpu_bytes_to_use": "1GiB", "tiers": [{"medium": "cpu"}, {
+        "medium": "file", "path": "{t}/x", "capacity": "1GiB", "flavour": 1}]}, "flavour"),
+    ({"cpu_bytes_to_use": "1GiB", "tiers": [{"medium": "cpu"}] + [{
+        "medium": "file", "path": "{t}/x", "capacity": "1GiB"}] * 2}, "share one path"),
+]
+
+
+def _fill_in(value, tmp):
+    if isinstance(value, str):
+        return value.replace("{t}", str(tmp))
+    if isinstance(value, list):
+        return [_fill_in(v, tmp) for v in value]
+    if isinstance(value, dict):
+        return {k: _fill_in(v, tmp) for k, v in value.items()}
+    return value
+
+
+@pytest.mark.parametrize("extra, words", EXTRA_CASES, ids=lambda v: repr(v)[:40])
+def test_bad_extra_config_is_one_error_naming_the_key(tmp_path, extra, words):
+    from tiering.config import parse
+
+    with pytest.raises(ValueError) as exc:
+        parse(_fill_in(extra, tmp_path))
+    assert words in str(exc.value) and "\n" not in str(exc.value)
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("override, words", CONFIG_CASES, ids=lambda v: repr(v)[:40])
