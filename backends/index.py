@@ -3,8 +3,8 @@
 Databases inside ``index.lmdb/``:
 
 * ``records``  — chunk key (bytes) -> :data:`RECORD` (44 bytes, little-endian, fixed layout):
-  slot, stored length, codec, flags, checksum (xxh3-64 of the stored bytes), created, last access,
-  hit count. Never pickle: a record is plain numbers, so a hostile cache folder cannot make us
+  slot, stored length, codec, flags, checksum (xxh3-64 of the stored bytes, seeded by key and
+  namespace: ``checksum.py``), created, last access, hit count. Never pickle: a record is plain numbers, so a hostile cache folder cannot make us
   run code.
 * ``reserved`` — slot (u64 big-endian) -> owner pid (u32): slots being written and not yet
   published. A crash leaves them here; the next writer reclaims those of dead owners.
@@ -13,14 +13,16 @@ Databases inside ``index.lmdb/``:
 LMDB gives us crash-safe transactions and MVCC: read-only openers (the CLI) see a consistent
 snapshot and never block the writer. A killed reader leaves its slot in LMDB's reader table and
 would pin its snapshot forever (every page freed since then stays unusable until the map is
-full); the writer clears dead readers when it opens and then periodically (``clear_stale_readers``).
+full); the writer clears dead readers when it opens and then periodically
+(``clear_stale_readers``).
 
 The index is rebuildable state, and LMDB trusts its files: a data.mdb shorter than the pages
 its meta pages reference is a SIGBUS on first touch, a damaged tree an ``lmdb.Error``.
 So ``check_data_file`` validates the meta pages against the file size before anything is
 mapped, every LMDB error is turned into :class:`IndexDamaged`, and the writer
-(``Index.open_for_writer``) scans the whole index once at open; a damaged one is set aside
-(``index.lmdb.damaged-<time>``) and the tier starts empty, with one log line and the
+(``Index.open_for_writer``) scans the whole index once at open and rewrites it into a fresh
+environment (so damage the scan cannot see never survives an open); a damaged one is set aside
+(``index.lmdb.damaged-<time>-<pid>``) and the tier starts empty, with one log line and the
 ``index_resets`` counter. Slot checksums are bound to their key, so no damage to the index can
 make a key read another key's bytes. The env is opened with ``metasync=False``: a system crash
 may lose the last committed transaction but never corrupts the tree; the writer forces a full
