@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from tiering.backends.file_state import lock_holder, writer_alive
-from tiering.backends.namespace import facts_from_meta, read_meta, read_writer_info, write_json
+from tiering.backends.namespace import (
+    OtherFormatVersion,
+    check_folder,
+    facts_from_meta,
+    read_meta,
+    read_writer_info,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 REQUESTS = "requests"
@@ -199,4 +206,33 @@ def _recorded_policy(folder: Path) -> str:
 def run(folder: Path, op: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
     if writer_alive(folder):
         return {**submit_request(folder, op, timeout), "via": "live writer"}
-    return {**run_offline(folder, op), "via": "offline"}
+    try:
+        return {**run_offline(folder, op), "via": "offline"}
+    except OtherFormatVersion:
+        if op.get("op") != "clear":
+            raise
+        return {**remove_other_format(folder), "via": "offline"}
+
+
+def remove_other_format(folder: Path) -> dict[str, Any]:
+    """``clear`` of a namespace written by another format version: nothing in it can be read
+    by this version, so the whole folder goes (its writer, if any, would hold the folder lock
+    or, before version 2, the flock on ``writer.lock``)."""
+    import fcntl
+    import shutil
+
+    check_folder(folder)
+    lock = folder / "writer.lock"
+    if os.path.lexists(lock):
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"{folder}: a writer of another version holds it; stop it "
+                               "first") from None
+        finally:
+            os.close(fd)
+    shutil.rmtree(folder)
+    log.warning("%s: removed a namespace of another format version", folder)
+    return {"removed_entries": 0, "removed_bytes": 0, "entries": 0,
+            "note": "namespace of another format version removed"}

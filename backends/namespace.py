@@ -36,6 +36,11 @@ class NamespaceError(ValueError):
     """A namespace folder cannot be used as asked (wrong format, mismatched facts)."""
 
 
+class OtherFormatVersion(NamespaceError):
+    """The namespace was written by another on-disk format version (``tiering clear`` removes
+    it when no writer holds it)."""
+
+
 @dataclass(frozen=True)
 class NamespaceFacts:
     """Everything that decides whether stored bytes can be served to an engine."""
@@ -191,7 +196,7 @@ def read_meta(folder: Path) -> dict[str, Any]:
         raise NamespaceError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
-        raise NamespaceError(
+        raise OtherFormatVersion(
             f"{path}: format version {version!r}, this vllm-tiering reads version "
             f"{FORMAT_VERSION}; refusing to read it (clear it with `tiering clear`, or open it "
             "with the version that wrote it)")

@@ -474,3 +474,16 @@ def test_a_policy_that_raises_is_a_counted_rejection(tmp_path):
             assert t.counter("rejected_full") == 1 and len(t) == 4
     finally:
         REGISTRY.pop("broken-for-test", None)
+
+
+def test_clear_removes_a_namespace_of_an_older_format(tmp_path, capsys):
+    with open_tier(tmp_path) as t:
+        store(t, [key(0)])
+        folder = t.folder
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["format_version"] = 1
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert cli_main(["inspect", str(tmp_path)]) == 2  # refused, with the way out
+    assert "tiering clear" in capsys.readouterr().err
+    assert cli_main(["clear", str(tmp_path)]) == 0
+    assert not folder.exists()
