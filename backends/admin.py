@@ -4,7 +4,8 @@ A namespace has one writer, and only the writer may change its index: its in-mem
 (policy, free slots, pins) must agree with LMDB. So a tool never edits a live namespace behind
 the writer's back. Instead:
 
-* if nobody holds ``writer.lock``, the tool becomes the writer for a moment (opens the
+* if nobody holds the writer lock (``file_state.writer_alive``), the tool becomes the writer
+  for a moment (opens the
   namespace, applies the operation through the normal eviction path, closes it);
 * if a server holds it, the tool drops a request file in ``<namespace>/requests/``; the writer's
   committer thread picks it up between batches, the owner thread applies it in ``poll()`` like
@@ -26,32 +27,54 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tiering.backends.namespace import NamespaceFacts, read_meta, write_json
+from tiering.backends.file_state import lock_holder, writer_alive
+from tiering.backends.namespace import (
+    OtherFormatVersion,
+    check_folder,
+    facts_from_meta,
+    read_meta,
+    read_writer_info,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 REQUESTS = "requests"
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_DURATION = re.compile(r"^\s*(\d{1,12}(?:\.\d{1,9})?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+MAX_DURATION = 100 * 365 * 86400.0
 
 
 def parse_duration(text: str) -> float:
     m = _DURATION.match(str(text))
-    if not m:
-        raise ValueError(f"--older-than: expected a duration like 90s, 30m, 12h or 7d, "
-                         f"got {text!r}")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    seconds = float(m.group(1)) * _UNITS[m.group(2)] if m else -1.0
+    if not 0 <= seconds <= MAX_DURATION:
+        raise ValueError(f"--older-than: expected a duration like 90s, 30m, 12h or 7d (at most "
+                         f"100 years), got {text!r:.40}")
+    return seconds
 
 
 def check_op(op: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(op, dict):
+        raise ValueError(f"admin request: expected a JSON object, got {op!r:.80}")
     kind = op.get("op")
-    if kind == "clear":
-        return {"op": "clear"}
-    if kind == "evict":
-        if "bytes" in op and int(op["bytes"]) > 0:
-            return {"op": "evict", "bytes": int(op["bytes"])}
-        if "older_than" in op and float(op["older_than"]) >= 0:
-            return {"op": "evict", "older_than": float(op["older_than"])}
-    raise ValueError(f"admin request: expected evict (bytes or older_than) or clear, got {op!r}")
+    out: dict[str, Any] | None = None
+    try:
+        if kind == "clear":
+            out = {"op": "clear"}
+        elif kind == "evict" and "bytes" in op and int(op["bytes"]) > 0:
+            out = {"op": "evict", "bytes": int(op["bytes"])}
+        elif kind == "evict" and "older_than" in op and 0 <= float(op["older_than"]) < 1e12:
+            out = {"op": "evict", "older_than": float(op["older_than"])}
+        if out is not None and "expires" in op:
+            out["expires"] = float(op["expires"])
+    except (TypeError, ValueError, OverflowError):
+        out = None
+    if out is None:
+        raise ValueError(f"admin request: expected evict (bytes or older_than) or clear, "
+                         f"got {op!r:.200}")
+    return out
 
 
 def apply(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
@@ -69,65 +92,100 @@ def apply(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_request(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
-    """A tool's request, applied by the writer's owner thread; errors become the reply."""
+    """A tool's request, applied by the writer's owner thread; errors become the reply.
+
+    A request carries the time its tool stops waiting (``expires``): later it is answered
+    with an error and not applied, so a tool that reported failure changed nothing.
+    """
     try:
-        reply = apply(tier, op)
+        expires = check_op(op).get("expires")
+        if expires is not None and time.time() > expires:
+            reply = {"error": "request expired before the writer reached it; nothing removed"}
+        else:
+            reply = apply(tier, op)
     except ValueError as exc:
         reply = {"error": str(exc)}
     log.info("file tier %s: admin request %s -> %s", tier.folder, op, reply)
     return reply
 
 
-def writer_alive(folder: Path) -> bool:
-    import fcntl
-
-    path = folder / "writer.lock"
-    if not path.exists():
-        return False
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
-
-
 def submit_request(folder: Path, op: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
-    """Hand an operation to the live writer and wait for its reply."""
+    """Hand an operation to the live writer and wait for its reply.
+
+    On timeout the request is withdrawn if the writer has not taken it yet; one it took but
+    did not apply before ``expires`` is never applied (see ``apply_request``).
+    """
     op = check_op(op)
     req_dir = folder / REQUESTS
-    req_dir.mkdir(mode=0o700, exist_ok=True)
+    try:
+        req_dir.mkdir(mode=0o700, exist_ok=True)
+    except FileExistsError:
+        raise RuntimeError(f"{req_dir}: not a folder") from None
+    if req_dir.is_symlink():
+        raise RuntimeError(f"{req_dir}: is a symbolic link; refusing to write requests there")
     rid = uuid.uuid4().hex[:12]
-    write_json(req_dir / f"{rid}.json", op)
-    done = req_dir / f"{rid}.done"
+    request, done = req_dir / f"{rid}.json", req_dir / f"{rid}.done"
+    write_json(request, {**op, "expires": time.time() + timeout})
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if done.exists():
-            reply = json.loads(done.read_text())
-            done.unlink(missing_ok=True)
+    grace = deadline + min(timeout, 10.0)  # a request taken in time: its reply may follow
+    while True:
+        reply = _read_reply(done)
+        if reply is not None:
             return reply
-        time.sleep(0.1)
-    raise TimeoutError(f"{folder}: the writer (pid in writer.lock) did not answer request "
-                       f"{rid} within {timeout:.0f}s")
+        now = time.monotonic()
+        if now >= deadline:
+            try:
+                request.unlink()
+                raise TimeoutError(f"{folder}: the writer (pid {lock_holder(folder)}) did not "
+                                   f"take request {rid} within {timeout:g}s; withdrawn, nothing "
+                                   "was changed")
+            except FileNotFoundError:  # taken: wait a little for its reply
+                if now >= grace:
+                    raise TimeoutError(f"{folder}: the writer (pid {lock_holder(folder)}) took "
+                                       f"request {rid} but did not answer within {timeout:g}s; "
+                                       "it is not applied after that") from None
+        time.sleep(0.05)
+
+
+def _read_reply(done: Path) -> dict[str, Any] | None:
+    try:
+        fd = os.open(done, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            reply = json.loads(fh.read(1 << 20))
+    except ValueError:
+        return None  # never half-written (atomic rename), but never trust it either
+    finally:
+        done.unlink(missing_ok=True)
+    return reply if isinstance(reply, dict) else {"error": f"malformed reply {reply!r:.80}"}
 
 
 def run_offline(folder: Path, op: dict[str, Any]) -> dict[str, Any]:
-    """No live writer: open the namespace as its writer, apply, close."""
+    """No live writer: open the namespace as its writer, apply, close.
+
+    Everything comes from the namespace itself: its facts and slab layout from ``meta.json``
+    (checked against the folder's name), so the tool reopens it exactly as it was created and
+    refuses when the slab files do not match (a writer would resize them). The policy is a
+    registered name from ``writer.json`` or LRU: a tool never imports code a cache file names.
+    """
     from tiering.backends.file_tier import FileTier
+    from tiering.backends.slab import SlabSet
+    from tiering.policies import REGISTRY
 
     meta = read_meta(folder)
-    facts = NamespaceFacts(meta["model"], meta["dtype"], meta["layout"], int(meta["row_bytes"]),
-                           int(meta["chunk_tokens"]), meta.get("parallel", {}),
-                           meta.get("extra", {}))
-    slots = sum(p.stat().st_size for p in folder.glob("slab-*.dat")) // facts.row_bytes
-    writer = folder / "writer.json"
-    policy = json.loads(writer.read_text()).get("policy", "lru") if writer.exists() else "lru"
+    facts = facts_from_meta(meta)
+    slots = meta["slots"]
+    problem = SlabSet(folder, facts.row_bytes, slots, meta["slab_file_bytes"]).mismatch()
+    if problem:
+        raise RuntimeError(f"{folder}: {problem}; refusing to change this namespace offline "
+                           "(its server repairs it when it opens)")
+    policy = _recorded_policy(folder)
+    if policy not in REGISTRY:
+        policy = "lru"
     cfg = {"path": str(folder.parent), "capacity": slots * facts.row_bytes, "policy": policy,
-           "io": "posix", "io_threads": 2}
+           "io": "posix", "io_threads": 2, "slab_file_bytes": meta["slab_file_bytes"]}
     tier = FileTier(cfg, facts)
     try:
         reply = apply(tier, op)
@@ -137,7 +195,41 @@ def run_offline(folder: Path, op: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
+def _recorded_policy(folder: Path) -> str:
+    policy = read_writer_info(folder).get("policy", "lru")
+    return policy.lower() if isinstance(policy, str) else "lru"
+
+
 def run(folder: Path, op: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
     if writer_alive(folder):
         return {**submit_request(folder, op, timeout), "via": "live writer"}
-    return {**run_offline(folder, op), "via": "offline"}
+    try:
+        return {**run_offline(folder, op), "via": "offline"}
+    except OtherFormatVersion:
+        if op.get("op") != "clear":
+            raise
+        return {**remove_other_format(folder), "via": "offline"}
+
+
+def remove_other_format(folder: Path) -> dict[str, Any]:
+    """``clear`` of a namespace written by another format version: nothing in it can be read
+    by this version, so the whole folder goes (its writer, if any, would hold the folder lock
+    or, before version 2, the flock on ``writer.lock``)."""
+    import fcntl
+    import shutil
+
+    check_folder(folder)
+    lock = folder / "writer.lock"
+    if os.path.lexists(lock):
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"{folder}: a writer of another version holds it; stop it "
+                               "first") from None
+        finally:
+            os.close(fd)
+    shutil.rmtree(folder)
+    log.warning("%s: removed a namespace of another format version", folder)
+    return {"removed_entries": 0, "removed_bytes": 0, "entries": 0,
+            "note": "namespace of another format version removed"}

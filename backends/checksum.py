@@ -1,9 +1,14 @@
-"""Slot checksums: xxh3-64 of the stored bytes.
+"""Slot checksums: xxh3-64 of the stored bytes, seeded by the key and its namespace.
 
 xxh3 hashes at memory speed (tens of GB/s on one core, against ~7 GB/s for zlib's crc32 on the
 build machine), so verifying every read costs little of the CPU the tier shares with vLLM's
 scheduler. It is not cryptographic: it catches torn writes, bit rot and misdirected I/O, which is
 what a local cache needs; the namespace folder is private (0700) against tampering.
+
+The seed binds a slot's bytes to the key (and namespace) they were written for: the seed is the
+xxh3-64 of the key, itself seeded by the namespace id. A damaged index that points a key at
+another key's slot (swapped records, a flipped byte that makes a phantom key, a record copied
+from another namespace) then fails the check and is a miss, never another key's KV.
 """
 
 from __future__ import annotations
@@ -11,5 +16,14 @@ from __future__ import annotations
 from xxhash import xxh3_64_intdigest
 
 
-def checksum_of(data: bytes | memoryview) -> int:
-    return xxh3_64_intdigest(data)
+def namespace_seed(namespace_id: str) -> int:
+    """The 64-bit seed of a namespace (its id is 16 hex digits; anything else is hashed)."""
+    try:
+        return int(namespace_id, 16) & 0xFFFF_FFFF_FFFF_FFFF
+    except ValueError:
+        return xxh3_64_intdigest(namespace_id.encode())
+
+
+def checksum_of(seed: int, key: bytes, data: bytes | memoryview) -> int:
+    """Checksum of ``data`` stored for ``key`` in the namespace whose seed is ``seed``."""
+    return xxh3_64_intdigest(data, seed=xxh3_64_intdigest(key, seed=seed))

@@ -55,6 +55,27 @@ class FileTierConfig:
         return cls(**d)
 
 
+# name -> (low, high) of the integer settings
+_INT_RANGES = {"store_threshold": (0, 10**6), "tracker_size": (1, 10**9), "io_threads": (1, 1024),
+               "max_batch": (0, 10**6), "compression_level": (1, 22)}
+
+
+def check_types(cfg: FileTierConfig) -> None:
+    """Types and ranges of the plain settings; ValueError naming the first bad one."""
+    if not isinstance(cfg.path, str | os.PathLike) or not str(cfg.path):
+        raise ValueError(f"path: expected a folder path, got {cfg.path!r:.80}")
+    for name, (low, high) in _INT_RANGES.items():
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+            raise ValueError(f"{name}: expected an integer from {low} to {high}, got {v!r:.40}")
+    if cfg.element_bytes not in (1, 2, 4, 8) or isinstance(cfg.element_bytes, bool):
+        raise ValueError(f"element_bytes: expected 1, 2, 4 or 8 (bytes per KV element), got "
+                         f"{cfg.element_bytes!r:.40}")
+    for name in ("verify", "preallocate", "direct"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{name}: expected true or false, got {getattr(cfg, name)!r:.40}")
+
+
 def _nearest_existing(path: Path) -> Path:
     p = path
     while not p.exists():
@@ -104,13 +125,7 @@ def validate(cfg: FileTierConfig, row_bytes: int, namespace_id: str | None = Non
     if cfg.demote not in DEMOTE_MODES:
         raise ValueError(f"demote: expected one of {', '.join(DEMOTE_MODES)}, got {cfg.demote!r}")
     resolve(cfg.policy)
-    for name in ("store_threshold", "tracker_size", "io_threads", "max_batch", "element_bytes"):
-        v = getattr(cfg, name)
-        low = 0 if name in ("store_threshold", "max_batch") else 1
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
-            raise ValueError(f"{name}: expected an integer >= {low}, got {v!r}")
-    if not isinstance(cfg.path, str | os.PathLike) or not str(cfg.path):
-        raise ValueError(f"path: expected a folder path, got {cfg.path!r}")
+    check_types(cfg)
     root = Path(cfg.path)
     if root.exists() and not root.is_dir():
         raise ValueError(f"path: {root} exists and is not a folder")

@@ -5,7 +5,8 @@ Write protocol (one batch = all jobs queued since the last one, up to ``max_batc
 1. **reserve** — one LMDB txn deletes the keys this batch evicts or drops and marks the batch's
    slots reserved (owner pid). If a slot is being reused, that txn is synced to disk first: the
    old key must be gone from the index before its slot holds other bytes.
-2. **write** — each row is encoded (optional zstd), checksummed (xxh3-64) and written to its slot
+2. **write** — each row is encoded (optional zstd), checksummed (xxh3-64 seeded by its key and
+   namespace, so a record pointing at another key's slot fails the check) and written to its slot
    on the engine's worker threads, in parallel.
 3. **sync** — one ``fdatasync`` per slab file the batch touched.
 4. **publish** — one LMDB txn adds the records of the rows that were written, clears the
@@ -156,12 +157,19 @@ class Committer(threading.Thread):
         self.pid = os.getpid()
         self.busy = threading.Event()
 
+    # How often the committer looks for admin requests and dead readers while it is busy.
+    HOUSEKEEPING_SECONDS = 0.25
+
     def run(self) -> None:
+        next_housekeeping = 0.0
         while True:
+            now = time.monotonic()
+            if now >= next_housekeeping:  # bounded, however busy the writer is
+                next_housekeeping = now + self.HOUSEKEEPING_SECONDS
+                self._housekeeping()
             try:
                 job = self.jobs.get(timeout=1.0)
             except queue.Empty:  # idle for a second
-                self._take_requests()  # admin requests of tools
                 records, stats = self.pending.take()
                 if records or stats:
                     try:
@@ -203,9 +211,22 @@ class Committer(threading.Thread):
                     if j.done is not None:
                         j.done.set()
 
+    def _housekeeping(self) -> None:
+        """Between jobs: free the reader slots of killed tools (a dead reader pins LMDB's
+        oldest snapshot, so freed pages are never reused and the map fills up), then hand
+        the owner the tools' admin requests."""
+        try:
+            cleared = self.index.clear_stale_readers()
+            if cleared:
+                log.warning("file tier %s: cleared %d reader slot(s) of dead processes",
+                            self.index.path.parent, cleared)
+            self._take_requests()
+        except Exception:  # housekeeping must never stop the committer
+            log.exception("file tier: committer housekeeping failed")
+
     def _take_requests(self) -> None:
         req_dir = self.index.path.parent / "requests"
-        if not req_dir.is_dir():
+        if os.path.islink(req_dir) or not req_dir.is_dir():  # never read requests via a link
             return
         for path in sorted(req_dir.glob("*.json")):
             try:
@@ -277,7 +298,7 @@ class Committer(threading.Thread):
                 packed = self.codec.encode(w.row)
                 if len(packed) < len(w.row) - ALIGN:  # worth it only if it saves a page
                     codec, payload = 1, memoryview(packed)
-            staged.append((w, codec, payload, checksum_of(payload)))
+            staged.append((w, codec, payload, checksum_of(self.slabs.seed, w.key, payload)))
         results = []
         i = 0
         while i < len(staged):
@@ -319,38 +340,42 @@ def adjacent_runs(items: list, slabs: SlabSet, max_rows: int, slot_of) -> list[l
     return runs
 
 
-def read_slot(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec | None, slot: int,
-              length: int, codec_id: int, checksum: int, out: memoryview, verify: bool
-              ) -> str:
-    """Read one slot into ``out``; returns '' on success or the miss reason."""
-    handle, offset, _ = slabs.locate(slot)
+def read_slot(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec | None, it: ReadItem,
+              verify: bool) -> str:
+    """Read one slot into ``it.out``; returns '' on success or the miss reason."""
+    handle, offset, _ = slabs.locate(it.slot)
+    length, out = it.length, it.out
+    if not 0 < length <= slabs.slot_bytes:  # a damaged record: never read past the slot
+        return "corrupt"
     try:
-        if codec_id == 0:
+        if it.codec == 0:
             if length != len(out):
                 return "corrupt"
             n = engine.read_into(handle, out, offset)
             if n < length:
                 return "short_read"
-            if verify and checksum_of(out) != checksum:
+            if verify and checksum_of(slabs.seed, it.key, out) != it.checksum:
                 return "checksum"
             return ""
+        if it.codec != 1:
+            return "corrupt"
         padded = -(-length // ALIGN) * ALIGN
         buf = aligned_buffer(padded)
         n = engine.read_into(handle, buf, offset)
         if n < length:
             return "short_read"
         payload = buf[:length]
-        if verify and checksum_of(payload) != checksum:
+        if verify and checksum_of(slabs.seed, it.key, payload) != it.checksum:
             return "checksum"
         if codec is None:
             codec = ZstdCodec()
         codec.decode(payload, out)
         return ""
     except OSError as exc:
-        log.warning("file tier: read of slot %d failed: %s", slot, exc)
+        log.warning("file tier: read of slot %d failed: %s", it.slot, exc)
         return "error"
     except Exception as exc:  # a corrupt compressed payload
-        log.warning("file tier: decoding slot %d failed: %s", slot, exc)
+        log.warning("file tier: decoding slot %d failed: %s", it.slot, exc)
         return "corrupt"
 
 
@@ -369,8 +394,7 @@ def read_run(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, run: list[ReadI
              verify: bool) -> list[tuple[ReadItem, str]]:
     """Read a run of consecutive slots (one vectored call when all are raw rows)."""
     if len(run) == 1 or any(it.codec or it.length != len(it.out) for it in run):
-        return [(it, read_slot(engine, slabs, codec, it.slot, it.length, it.codec, it.checksum,
-                               it.out, verify)) for it in run]
+        return [(it, read_slot(engine, slabs, codec, it, verify)) for it in run]
     handle, offset, _ = slabs.locate(run[0].slot)
     try:
         n = engine.readv(handle, [it.out for it in run], offset)
@@ -381,7 +405,7 @@ def read_run(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, run: list[ReadI
     for it in run:
         if n < it.length:
             out.append((it, "short_read"))
-        elif verify and checksum_of(it.out) != it.checksum:
+        elif verify and checksum_of(slabs.seed, it.key, it.out) != it.checksum:
             out.append((it, "checksum"))
         else:
             out.append((it, ""))

@@ -1,7 +1,7 @@
 """The file tier's in-memory state around its index: rebuilt at open, guarded by a lock file.
 
-* ``acquire_writer_lock`` — the one-writer rule (an ``flock`` the kernel drops if the writer
-  dies), with the holder's pid in the file for the error message.
+* ``acquire_writer_lock`` — the one-writer rule (an ``flock`` on the namespace folder that the
+  kernel drops if the writer dies), with the holder's pid in ``writer.lock`` for messages.
 * ``load_slot_state`` — the whole index read in one snapshot and turned into the owner's
   tables: key → slot, per-slot record fields (plain lists: a million small objects would make
   reopening slow), free slots, and keys oldest-access-first for the policy. Records beyond a
@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import logging
@@ -22,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tiering.backends.index import Index
+from tiering.backends.namespace import NamespaceError
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,18 @@ class Entry(NamedTuple):
 
 
 def acquire_writer_lock(folder: Path) -> int:
-    fd = os.open(folder / "writer.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    """Become the one writer of ``folder``; returns the fd to close when done.
+
+    The lock is an ``flock`` on the namespace folder itself: a folder cannot be unlinked
+    while it holds files, so removing ``writer.lock`` (or planting a link there) cannot let a
+    second writer in. ``writer.lock`` only tells other processes who holds the lock; failing to
+    write it (a full disk) is logged, never fatal. Nothing is opened through a link.
+    """
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise NamespaceError(f"{folder}: cannot open the namespace folder ({exc.strerror}); "
+                             "it must be a real folder, not a link") from None
     for attempt in range(10):  # a tool may hold the lock for a moment to test it: retry briefly
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -52,16 +65,65 @@ def acquire_writer_lock(folder: Path) -> int:
             if attempt < 9:
                 time.sleep(0.1)
     else:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise NamespaceLocked(f"{folder}: namespace is already open for writing by pid {holder}; "
-                              "one writer per namespace (read-only tools may run alongside)"
-                              ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        raise NamespaceLocked(f"{folder}: namespace is already open for writing by pid "
+                              f"{lock_holder(folder)}; one writer per namespace (read-only tools "
+                              "may run alongside)") from None
+    try:
+        _write_holder(folder)
+    except NamespaceError:
+        os.close(fd)
+        raise
     return fd
 
 
+def _write_holder(folder: Path) -> None:
+    path = folder / "writer.lock"
+    try:
+        lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NamespaceError(f"{path}: writer.lock is a symbolic link; refusing a cache "
+                                 "folder with links in it") from None
+        log.warning("%s: cannot record the writer's pid (%s)", path, exc)
+        return
+    try:
+        os.ftruncate(lock, 0)
+        os.pwrite(lock, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:  # a full disk: the pid is only for messages
+        log.warning("%s: cannot record the writer's pid (%s)", path, exc)
+    finally:
+        os.close(lock)
+
+
+def lock_holder(folder: Path) -> str:
+    """The pid recorded in ``writer.lock`` (for messages), or 'unknown'."""
+    try:
+        fd = os.open(folder / "writer.lock", os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        finally:
+            os.close(fd)
+    except OSError:
+        text = ""
+    return text or "unknown"
+
+
+def writer_alive(folder: Path) -> bool:
+    """True if a process holds the namespace's writer lock (tested without keeping it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -127,11 +189,14 @@ def announce(tier: Any) -> None:
     from tiering.backends.namespace import write_json
 
     cfg = tier.cfg
-    write_json(tier.folder / "writer.json", {
-        "pid": os.getpid(), "opened": time.time(), "engine": tier.engine.describe(),
-        "capacity_bytes": tier.capacity, "slots": tier.n_slots, "policy": cfg.policy,
-        "store_threshold": cfg.store_threshold, "compression": cfg.compression,
-        "verify": cfg.verify, "sparse_slabs": tier.slabs.sparse})
+    try:
+        write_json(tier.folder / "writer.json", {
+            "pid": os.getpid(), "opened": time.time(), "engine": tier.engine.describe(),
+            "capacity_bytes": tier.capacity, "slots": tier.n_slots, "policy": cfg.policy,
+            "store_threshold": cfg.store_threshold, "compression": cfg.compression,
+            "verify": cfg.verify, "sparse_slabs": tier.slabs.sparse})
+    except OSError as exc:  # a full disk must not stop a restart: it is only for display
+        log.warning("%s: cannot write writer.json (%s)", tier.folder, exc)
     log.info("file tier %s: %d slots of %d bytes, %d resident, engine %s, policy %s, "
              "store_threshold %d", tier.folder, tier.n_slots, tier.row_bytes,
              len(tier.entries), tier.engine.describe(), cfg.policy, cfg.store_threshold)

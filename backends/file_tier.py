@@ -12,7 +12,7 @@ State of a key: absent → *writing* (``put`` accepted it; pinned, not readable)
 (``poll`` saw its publish) → absent again (evicted, dropped, failed checksum). A key is
 readable (``contains``) only when ready.
 
-Failure rules: a failed or short write leaves no index entry (counted ``rejected_error``); a read
+Failure rules: a failed or short write leaves no index entry (counted ``rejections{reason}``); a read
 that fails, comes back short or fails its checksum is a miss — the key is dropped from the index
 before its slot is reused, and counted. Nothing raises into the owner's thread on I/O faults.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tiering.backends.codec import ZstdCodec
-from tiering.backends.file_config import FileTierConfig, validate
+from tiering.backends.file_config import FileTierConfig, check_types, validate
 from tiering.backends.file_io import (
     AdminRequest,
     Committer,
@@ -51,9 +51,9 @@ from tiering.backends.file_state import (
 )
 from tiering.backends.index import MAX_KEY_BYTES, Index, pack_record
 from tiering.backends.io_engines import make_engine
-from tiering.backends.namespace import NamespaceFacts, read_meta, write_meta
+from tiering.backends.namespace import NamespaceFacts, check_folder, open_meta
 from tiering.backends.slab import SlabSet
-from tiering.policies import StoreThreshold, create
+from tiering.policies import StoreThreshold, create, evict_or_none
 from tiering.stats import TierStats
 from tiering.tier import Completion, Lookup, PutOutcome, Tier
 
@@ -70,6 +70,7 @@ class FileTier(Tier):
         self.cfg, self.facts = cfg, facts
         self.row_bytes = facts.row_bytes
         self.policy_spec = cfg.policy
+        check_types(cfg)  # before the path is used at all
         self.folder = Path(cfg.path) / facts.namespace_id
         # raises before anything is created; counts what this namespace already holds as ours
         nums = validate(cfg, self.row_bytes, facts.namespace_id)
@@ -81,22 +82,39 @@ class FileTier(Tier):
         try:
             self._open(cfg, facts, info or {}, nums)
         except BaseException:
-            os.close(self._lock_fd)
+            self._abandon_open()
             raise
 
+    def _abandon_open(self) -> None:
+        """Undo a failed ``_open``: no thread, file or lock of a half-opened tier survives."""
+        committer = getattr(self, "committer", None)
+        if committer is not None and committer.is_alive():
+            committer.jobs.put(None)
+            committer.join(timeout=30)
+        for name, undo in (("engine", lambda e: e.shutdown()),
+                           ("slabs", lambda s: hasattr(self, "engine") and s.close(self.engine)),
+                           ("index", lambda i: i.close())):
+            part = getattr(self, name, None)
+            if part is not None:
+                try:
+                    undo(part)
+                except Exception:  # already failing: keep the first error
+                    log.exception("file tier %s: cleaning up %s after a failed open", self.folder,
+                                  name)
+        os.close(self._lock_fd)
+
     def _open(self, cfg, facts, info, nums) -> None:
-        if (self.folder / "meta.json").exists():
-            self.meta = read_meta(self.folder)
-        else:
-            write_meta(self.folder, facts, {"element_bytes": cfg.element_bytes, **info})
-            self.meta = read_meta(self.folder)
-        self.index = Index(self.folder, map_size=(64 << 20) + self.n_slots * 2048)
+        check_folder(self.folder)  # no planted links, nothing of another user
+        self.meta = open_meta(self.folder, facts, {"element_bytes": cfg.element_bytes, **info},
+                              nums["slab_file_bytes"], self.n_slots)
+        self.index = Index.open_for_writer(self.folder, map_size=(64 << 20) + self.n_slots * 2048)
         reclaimed = self.index.reclaim_reservations()
         if reclaimed:
             log.warning("%s: reclaimed %d slots reserved by a writer that died mid-write",
                         self.folder, len(reclaimed))
-        self.slabs = SlabSet(self.folder, self.row_bytes, self.n_slots, nums["slab_file_bytes"])
+        self.slabs = SlabSet(self.folder, self.row_bytes, self.n_slots, self.meta["slab_file_bytes"])
         self.slabs.create_or_resize(cfg.preallocate)
+        self.index.reserve_headroom()  # after the slabs: they have the first claim on space
         self.engine = make_engine(cfg.io, cfg.io_threads, direct=cfg.direct)
         self.slabs.open(self.engine)
         self.codec = ZstdCodec(cfg.compression_level, int(self.meta.get("element_bytes", 2)))
@@ -197,7 +215,7 @@ class FileTier(Tier):
                 self.stats.reject("threshold")
                 continue
             if not self._free:
-                victims = self.policy.evict(1, protected=keys)
+                victims = evict_or_none(self.policy, 1, protected=keys)
                 if victims is None:
                     out.rejected[key] = "full"
                     self.stats.reject("full")
@@ -378,7 +396,7 @@ class FileTier(Tier):
 
     def evict(self, n: int) -> list[bytes]:
         """Evict up to ``n`` keys by policy (e.g. to make room on request)."""
-        victims = self.policy.evict(min(n, self.policy.evictable_count())) or []
+        victims = evict_or_none(self.policy, min(n, self.policy.evictable_count())) or []
         self.drop(victims)  # already out of the policy: drop() forgets entries and slots
         self.stats.add("evictions", len(victims))
         return victims

@@ -3,22 +3,43 @@
 Databases inside ``index.lmdb/``:
 
 * ``records``  — chunk key (bytes) -> :data:`RECORD` (44 bytes, little-endian, fixed layout):
-  slot, stored length, codec, flags, checksum (xxh3-64 of the stored bytes), created, last access,
-  hit count. Never pickle: a record is plain numbers, so a hostile cache folder cannot make us
+  slot, stored length, codec, flags, checksum (xxh3-64 of the stored bytes, seeded by key and
+  namespace: ``checksum.py``), created, last access, hit count. Never pickle: a record is plain numbers, so a hostile cache folder cannot make us
   run code.
 * ``reserved`` — slot (u64 big-endian) -> owner pid (u32): slots being written and not yet
   published. A crash leaves them here; the next writer reclaims those of dead owners.
 * ``stats``    — counter name -> u64, persisted so ``tiering stats`` can read them offline.
 
 LMDB gives us crash-safe transactions and MVCC: read-only openers (the CLI) see a consistent
-snapshot and never block the writer. The env is opened with ``metasync=False``: a system crash
+snapshot and never block the writer. A killed reader leaves its slot in LMDB's reader table and
+would pin its snapshot forever (every page freed since then stays unusable until the map is
+full); the writer clears dead readers when it opens and then periodically
+(``clear_stale_readers``).
+
+The index is rebuildable state, and LMDB trusts its files: a data.mdb shorter than the pages
+its meta pages reference is a SIGBUS on first touch, a damaged tree an ``lmdb.Error``.
+So ``check_data_file`` validates the meta pages against the file size before anything is
+mapped, every LMDB error is turned into :class:`IndexDamaged`, and the writer
+(``Index.open_for_writer``) scans the whole index once at open and rewrites it into a fresh
+environment (so damage the scan cannot see never survives an open); a damaged one is set aside
+(``index.lmdb.damaged-<time>-<pid>``) and the tier starts empty, with one log line and the
+``index_resets`` counter. Slot checksums are bound to their key, so no damage to the index can
+make a key read another key's bytes. The env is opened with ``metasync=False``: a system crash
 may lose the last committed transaction but never corrupts the tree; the writer forces a full
 sync where losing a transaction would matter (before reusing an evicted slot).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import stat
 import struct
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -34,6 +55,79 @@ _RECORD = struct.Struct("<QIBBHQddI")
 assert _RECORD.size == RECORD_SIZE
 MAX_KEY_BYTES = 511  # LMDB's default key limit
 
+log = logging.getLogger(__name__)
+
+INDEX_DIR = "index.lmdb"
+
+
+class IndexDamaged(RuntimeError):
+    """The index cannot be used as it is (damaged, truncated, half-created, not ours).
+
+    The writer sets it aside and starts empty; read-only tools report it (CLI exit 1)."""
+
+
+# LMDB's meta pages (pages 0 and 1): a 16-byte page header, then MDB_meta: magic u32,
+# version u32, address, map size, two MDB_db of 48 bytes (the first one's leading u32 holds the
+# page size), last used page number, transaction id.
+_LMDB_MAGIC = 0xBEEFC0DE
+_LMDB_DATA_VERSION = 1
+_META_HEAD = struct.Struct("<IIQQ")  # at offset 16
+_META_PSIZE = struct.Struct("<I")  # at offset 40
+_META_TAIL = struct.Struct("<QQ")  # last page, txn id: at offset 136
+
+
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+def _fallocate_keep_size(fd: int, offset: int, length: int) -> int:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fallocate = libc.fallocate
+    except (OSError, AttributeError):
+        return -1
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length)
+
+
+def check_data_file(path: Path) -> str | None:
+    """Why ``data.mdb`` cannot be mapped safely, or None (also None when it does not exist).
+
+    LMDB maps the file and touches pages its meta pages name: a file shorter than that is a
+    SIGBUS in whatever process reads it, which no ``except`` can catch. Checked before opening.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path.name} is not a regular file"
+    if st.st_size == 0:
+        return f"{path.name} is empty (no meta pages)"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            first = os.pread(fd, 4096, 0)
+            if len(first) < 152:
+                return f"{path.name} is {st.st_size} bytes, shorter than a meta page"
+            psize = _META_PSIZE.unpack_from(first, 40)[0]
+            if psize < 512 or psize > 65536 or psize & (psize - 1):
+                return f"{path.name}: meta page 0 names page size {psize}"
+            pages = [first, os.pread(fd, 4096, psize)]
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"{path.name}: unreadable ({exc})"
+    for i, page in enumerate(pages):
+        if len(page) < 152:
+            return f"{path.name} is {st.st_size} bytes, shorter than its two meta pages"
+        magic, version, _, _ = _META_HEAD.unpack_from(page, 16)
+        if magic != _LMDB_MAGIC or version != _LMDB_DATA_VERSION:
+            return f"{path.name}: meta page {i} is not an LMDB meta page"
+        last_page, _ = _META_TAIL.unpack_from(page, 136)
+        if (last_page + 1) * psize > st.st_size:
+            return (f"{path.name} is {st.st_size} bytes but meta page {i} uses pages up to "
+                    f"{last_page} of {psize} bytes (truncated)")
+    return None
 
 
 def pack_record(slot: int, length: int, codec: int, checksum: int, created: float,
@@ -47,6 +141,72 @@ def unpack_record(value: bytes) -> tuple:
     return slot, length, codec, flags, checksum, created, last_access, hits
 
 
+LOCK_FILE_BYTES = 64 << 10  # LMDB needs ~8 KiB for 126 reader slots; it never shrinks it
+
+
+def prepare_lock_file(env_dir: Path) -> None:
+    """Create LMDB's lock file with its blocks allocated. LMDB writes it through a shared
+    mapping: on a full filesystem a sparse lock file is a SIGBUS, not an error. OSError
+    (ENOSPC) here instead."""
+    path = env_dir / "lock.mdb"
+    if os.path.lexists(path):
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, LOCK_FILE_BYTES)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+
+
+def _finish_swap(folder: Path) -> None:
+    """Complete or undo a rebuild that a crash interrupted (see ``_rebuild``)."""
+    path, new, old = folder / INDEX_DIR, folder / f"{INDEX_DIR}.new", folder / f"{INDEX_DIR}.old"
+    if os.path.isdir(new) and not os.path.islink(new):
+        if os.path.lexists(path):
+            shutil.rmtree(new)  # the swap had not started: the old index is current
+        else:
+            os.rename(new, path)
+    for stale in folder.glob(f"{INDEX_DIR}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if os.path.isdir(old) and not os.path.islink(old):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _rebuild(folder: Path, map_size: int, tables: dict[str, tuple[list[bytes], list[bytes]]]
+             ) -> None:
+    """Write ``tables`` into a fresh environment and make it the index.
+
+    Built in ``index.lmdb.tmp-<pid>``, synced, renamed to ``index.lmdb.new``; then the old one
+    moves to ``index.lmdb.old`` and the new one into place. ``_finish_swap`` completes a swap
+    that a crash cut short, so there is always exactly one index.
+    """
+    tmp = folder / f"{INDEX_DIR}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    try:
+        prepare_lock_file(tmp)
+        env = lmdb.open(str(tmp), map_size=map_size, max_dbs=4, metasync=False, sync=False,
+                        mode=0o600, subdir=True, lock=True)
+        try:
+            with env.begin(write=True) as txn:
+                for name, (keys, values) in tables.items():
+                    db = env.open_db(name.encode(), txn=txn, create=True)
+                    txn.cursor(db=db).putmulti(zip(keys, values, strict=True), append=True)
+            env.sync(True)
+        finally:
+            env.close()
+        os.rename(tmp, folder / f"{INDEX_DIR}.new")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.rename(folder / INDEX_DIR, folder / f"{INDEX_DIR}.old")
+    os.rename(folder / f"{INDEX_DIR}.new", folder / INDEX_DIR)
+    shutil.rmtree(folder / f"{INDEX_DIR}.old", ignore_errors=True)
+
+
 def _slot_key(slot: int) -> bytes:
     return slot.to_bytes(8, "big")
 
@@ -55,16 +215,153 @@ class Index:
     """One LMDB environment. Writes come from one thread (the tier's committer)."""
 
     def __init__(self, folder: Path, map_size: int, readonly: bool = False) -> None:
-        self.path = folder / "index.lmdb"
+        self.path = folder / INDEX_DIR
+        self.reset_reason = ""  # why the writer started from an empty index (see open_for_writer)
+        self._snapshot: tuple[list[bytes], list[bytes]] | None = None
+        if os.path.islink(self.path) or (self.path.exists() and not self.path.is_dir()):
+            raise IndexDamaged(f"{self.path}: not a folder (a link or a file); refusing it")
         if not readonly:
             self.path.mkdir(mode=0o700, exist_ok=True)
         elif not self.path.is_dir():
-            raise FileNotFoundError(f"{self.path}: no index (not a vllm-tiering namespace?)")
-        self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=4, readonly=readonly,
-                             metasync=False, mode=0o600, subdir=True, lock=True)
-        self.records = self.env.open_db(b"records", create=not readonly)
-        self.reserved = self.env.open_db(b"reserved", create=not readonly)
-        self.stats = self.env.open_db(b"stats", create=not readonly)
+            raise IndexDamaged(f"{self.path}: no index yet (its writer died during its first "
+                               "open?); open it with a writer to start it")
+        for name in ("data.mdb", "lock.mdb"):
+            if os.path.islink(self.path / name):
+                raise IndexDamaged(f"{self.path / name}: is a link; refusing it")
+        problem = check_data_file(self.path / "data.mdb")
+        if problem:
+            raise IndexDamaged(f"{self.path}: {problem}")
+        try:
+            prepare_lock_file(self.path)
+        except FileExistsError:
+            pass  # another process created it meanwhile
+        except OSError as exc:
+            raise OSError(exc.errno, f"{self.path}: cannot create the index lock file "
+                          f"({exc.strerror})") from None
+        try:
+            self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=4,
+                                 readonly=readonly, metasync=False, mode=0o600, subdir=True,
+                                 lock=True)
+        except lmdb.Error as exc:
+            raise IndexDamaged(f"{self.path}: cannot open ({exc})") from None
+        try:
+            self.records = self.env.open_db(b"records", create=not readonly)
+            self.reserved = self.env.open_db(b"reserved", create=not readonly)
+            self.stats = self.env.open_db(b"stats", create=not readonly)
+        except lmdb.NotFoundError:
+            self.env.close()
+            raise IndexDamaged(f"{self.path}: has no tables yet (its writer died during its "
+                               "first open?); open it with a writer to start it") from None
+        except lmdb.Error as exc:
+            self.env.close()
+            raise IndexDamaged(f"{self.path}: damaged ({exc})") from None
+
+    @classmethod
+    def open_for_writer(cls, folder: Path, map_size: int) -> Index:
+        """The writer's index, checked end to end and rebuilt; a damaged one is set aside.
+
+        Only the lock holder calls this. The scan reads every record, reservation and counter
+        (the records are kept for the first ``load_all``), so damage in the trees shows up
+        here. LMDB keeps no page checksums, so damage the scan cannot see (its free-page list,
+        page headers) would surface later, in a commit or as an LMDB assertion that aborts the
+        process; so the scanned entries are written into a fresh environment that replaces the
+        old one (sorted appends: ~0.4 s per million entries). If that cannot be done (a full
+        disk), the scanned index is used as it is.
+        """
+        _finish_swap(folder)
+        try:
+            index = cls(folder, map_size)
+        except IndexDamaged as exc:
+            reason = str(exc)
+        else:
+            try:
+                tables = index._scan()
+                index.close()
+                try:
+                    _rebuild(folder, map_size, tables)
+                except (OSError, lmdb.Error) as exc:
+                    if isinstance(exc, lmdb.KeyExistsError):  # keys out of order: damaged
+                        raise IndexDamaged(f"{folder / INDEX_DIR}: keys out of order") from None
+                    log.warning("%s: cannot rebuild the index (%s); using it as it is",
+                                folder, exc)
+                index = cls(folder, map_size)
+                index._snapshot = tables["records"]
+                index.clear_stale_readers()
+                return index
+            except IndexDamaged as exc:
+                with contextlib.suppress(lmdb.Error):
+                    index.close()
+                reason = str(exc)
+        path = folder / INDEX_DIR
+        aside = folder / f"{INDEX_DIR}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        if os.path.lexists(path):
+            os.rename(path, aside)
+        log.warning("%s: index damaged (%s); set aside as %s and starting with an empty index "
+                    "(stored rows become unreachable and their slots are reused)",
+                    folder, reason, aside.name)
+        index = cls(folder, map_size)
+        index.reset_reason = reason
+        index.publish([], [], stat_delta={"index_resets": 1})
+        return index
+
+    def reserve_headroom(self, extra: int = 16 << 20) -> None:
+        """Reserve disk blocks past the end of data.mdb without growing it (fallocate
+        KEEP_SIZE), so that the index can keep committing when the filesystem fills up (the
+        slabs are preallocated; LMDB grows its file page by page). Best effort."""
+        path = self.path / "data.mdb"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            return
+        try:
+            size = os.fstat(fd).st_size
+            want = min(max(extra, size // 4), max(0, self.env.info()["map_size"] - size))
+            while want >= 256 << 10:  # a nearly full disk: take what there is
+                if _fallocate_keep_size(fd, size, want) == 0:
+                    return
+                if ctypes.get_errno() != errno.ENOSPC:
+                    log.info("%s: cannot reserve headroom for the index (%s)", path,
+                             os.strerror(ctypes.get_errno()))
+                    return
+                want //= 2
+        finally:
+            os.close(fd)
+
+    def _scan(self) -> dict[str, tuple[list[bytes], list[bytes]]]:
+        """Read every entry of every table once; IndexDamaged on anything malformed."""
+        tables = {}
+        with self._reading(), self.env.begin(buffers=False) as txn:
+            for name, db in (("records", self.records), ("reserved", self.reserved),
+                             ("stats", self.stats)):
+                keys = list(txn.cursor(db=db).iternext(keys=True, values=False))
+                values = list(txn.cursor(db=db).iternext(keys=False, values=True))
+                tables[name] = (keys, values)
+        keys, values = tables["records"]
+        if len(keys) != len(values) or (values and set(map(len, values)) != {RECORD_SIZE}):
+            raise IndexDamaged(f"{self.path}: records of the wrong size")
+        keys, values = tables["reserved"]
+        if any(len(k) != 8 for k in keys) or any(len(v) != 4 for v in values):
+            raise IndexDamaged(f"{self.path}: a malformed reservation")
+        keys, values = tables["stats"]
+        if any(len(v) != 8 for v in values) or not all(k.isascii() for k in keys):
+            raise IndexDamaged(f"{self.path}: a malformed counter")
+        return tables
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Any LMDB error while reading means the index is damaged: say which index."""
+        try:
+            yield
+        except lmdb.Error as exc:
+            raise IndexDamaged(f"{self.path}: damaged ({exc})") from None
+
+    def clear_stale_readers(self) -> int:
+        """Free reader slots of dead processes (a tool killed mid-read); returns how many."""
+        try:
+            return self.env.reader_check()
+        except lmdb.Error as exc:
+            log.warning("%s: clearing stale readers failed: %s", self.path, exc)
+            return 0
 
     def close(self) -> None:
         self.env.close()
@@ -72,29 +369,38 @@ class Index:
     # -- reads -------------------------------------------------------------------------------
     def load_all(self) -> tuple[list[bytes], np.ndarray]:
         """Every (key, record) in one snapshot; records as a structured array (fast reopen)."""
-        with self.env.begin(db=self.records, buffers=False) as txn:  # one snapshot, two passes
-            keys = list(txn.cursor().iternext(keys=True, values=False))
-            values = list(txn.cursor().iternext(keys=False, values=True))
+        if self._snapshot is not None:  # the writer's open scan already read them
+            (keys, values), self._snapshot = self._snapshot, None
+        else:
+            with self._reading(), self.env.begin(db=self.records, buffers=False) as txn:
+                keys = list(txn.cursor().iternext(keys=True, values=False))
+                values = list(txn.cursor().iternext(keys=False, values=True))
+            if values and set(map(len, values)) != {RECORD_SIZE}:
+                raise IndexDamaged(f"{self.path}: records of the wrong size")
         if not keys:
             return [], np.empty(0, RECORD)
         return keys, np.frombuffer(b"".join(values), dtype=RECORD)
 
     def get(self, key: bytes) -> tuple | None:
-        with self.env.begin(db=self.records) as txn:
+        with self._reading(), self.env.begin(db=self.records) as txn:
             v = txn.get(key)
-        return unpack_record(v) if v is not None else None
+            if v is not None and len(v) != RECORD_SIZE:
+                raise IndexDamaged(f"{self.path}: a record of the wrong size")
+            return unpack_record(v) if v is not None else None
 
     def iter_records(self) -> Iterator[tuple[bytes, tuple]]:
-        with self.env.begin(db=self.records) as txn:
+        with self._reading(), self.env.begin(db=self.records) as txn:
             for k, v in txn.cursor():
+                if len(v) != RECORD_SIZE:
+                    raise IndexDamaged(f"{self.path}: a record of the wrong size")
                 yield k, unpack_record(v)
 
     def count(self) -> int:
-        with self.env.begin(db=self.records) as txn:
+        with self._reading(), self.env.begin(db=self.records) as txn:
             return txn.stat(self.records)["entries"]
 
     def reservations(self) -> dict[int, int]:
-        with self.env.begin(db=self.reserved) as txn:
+        with self._reading(), self.env.begin(db=self.reserved) as txn:
             return {int.from_bytes(k, "big"): int.from_bytes(v, "little") for k, v in txn.cursor()}
 
     def read_stats(self) -> dict[str, int]:
@@ -102,7 +408,7 @@ class Index:
         from tiering.stats import from_persisted
 
         out: dict[str, int] = {}
-        with self.env.begin(db=self.stats) as txn:
+        with self._reading(), self.env.begin(db=self.stats) as txn:
             for k, v in txn.cursor():
                 out[k.decode(errors="replace")] = int.from_bytes(v, "little")
         return from_persisted(out)

@@ -105,13 +105,13 @@ class PosixEngine(IoEngine):
     def open(self, path: str) -> tuple[int, bool]:
         if self.want_direct and hasattr(os, "O_DIRECT"):
             try:
-                fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+                fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW)
                 self.direct_files += 1
                 return fd, True
             except OSError as exc:
                 log.info("%s: O_DIRECT refused (%s); using buffered I/O", path, exc)
         self.buffered_files += 1
-        return os.open(path, os.O_RDWR), False
+        return os.open(path, os.O_RDWR | os.O_NOFOLLOW), False
 
     def close(self, handle: tuple[int, bool]) -> None:
         os.close(handle[0])

@@ -8,7 +8,6 @@ mismatch is re-checked against a fresh snapshot before it is reported as corrupt
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -18,9 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from tiering.backends.checksum import checksum_of
+from tiering.backends.checksum import checksum_of, namespace_seed
 from tiering.backends.index import Index
-from tiering.backends.namespace import META_FILE, list_namespaces, read_meta
+from tiering.backends.namespace import (
+    META_FILE,
+    check_folder,
+    list_namespaces,
+    read_meta,
+    read_writer_info,
+)
 from tiering.backends.slab import slab_name
 
 HIT_BUCKETS = (0, 1, 2, 5, 10, 100)
@@ -37,13 +42,13 @@ class Corrupt:
 class NamespaceReader:
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
+        check_folder(self.folder)
         self.meta = read_meta(self.folder)
         self.row_bytes = int(self.meta["row_bytes"])
         self.index = Index(self.folder, map_size=0, readonly=True)
-        files = self.slab_files
-        self._per_file = max(1, files[0].stat().st_size // self.row_bytes) if files else 1
-        writer = self.folder / "writer.json"
-        self.writer = json.loads(writer.read_text()) if writer.exists() else {}
+        # the layout recorded at creation, never guessed from a (possibly damaged) file's size
+        self._per_file = max(1, int(self.meta["slab_file_bytes"]) // self.row_bytes)
+        self.writer = read_writer_info(self.folder)
 
     def close(self) -> None:
         self.index.close()
@@ -59,7 +64,7 @@ class NamespaceReader:
         return sorted(self.folder.glob("slab-*.dat"))
 
     def capacity_slots(self) -> int:
-        return sum(p.stat().st_size for p in self.slab_files) // self.row_bytes
+        return int(self.meta["slots"])
 
     def summary(self, now: float | None = None) -> dict[str, Any]:
         now = time.time() if now is None else now
@@ -92,21 +97,20 @@ class NamespaceReader:
     def _read(self, fds: dict[int, int], slot: int, length: int) -> bytes:
         f, s = divmod(slot, self._per_file)
         if f not in fds:
-            fds[f] = os.open(self.folder / slab_name(f), os.O_RDONLY)
+            fds[f] = os.open(self.folder / slab_name(f), os.O_RDONLY | os.O_NOFOLLOW)
         return os.pread(fds[f], length, s * self.row_bytes)
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> list[Corrupt]:
         """Checksum every published slot; returns the corrupt ones (re-checked, see above)."""
         keys, recs = self.index.load_all()
+        seed = namespace_seed(self.folder.name)
         bad: list[Corrupt] = []
         fds: dict[int, int] = {}
         try:
             for i, key in enumerate(keys):
                 r = recs[i]
                 slot, length, checksum = int(r["slot"]), int(r["length"]), int(r["checksum"])
-                data = self._read(fds, slot, length)
-                reason = ("short_read" if len(data) < length else
-                          "checksum" if checksum_of(data) != checksum else "")
+                reason = self._check_slot(fds, seed, key, slot, length, checksum)
                 if reason and self._still_same(key, r):
                     bad.append(Corrupt(key, slot, reason))
                 if progress:
@@ -115,6 +119,19 @@ class NamespaceReader:
             for fd in fds.values():
                 os.close(fd)
         return bad
+
+    def _check_slot(self, fds: dict[int, int], seed: int, key: bytes, slot: int, length: int,
+                    checksum: int) -> str:
+        """'' if the slot holds the bytes its record describes, else the reason."""
+        if not 0 < length <= self.row_bytes:  # a damaged record: never read past a slot
+            return "corrupt"
+        try:
+            data = self._read(fds, slot, length)
+        except OSError:
+            return "missing"  # its slab file is gone or unreadable
+        if len(data) < length:
+            return "short_read"
+        return "checksum" if checksum_of(seed, key, data) != checksum else ""
 
     def _still_same(self, key: bytes, r: np.void) -> bool:
         """True if the record is unchanged in a fresh snapshot (so the mismatch is real)."""

@@ -13,9 +13,11 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
+from tiering.backends.checksum import namespace_seed
 from tiering.backends.io_engines import IoEngine
 
 log = logging.getLogger(__name__)
@@ -33,17 +35,37 @@ class SlabSet:
         self.slots_per_file = max(1, slab_file_bytes // slot_bytes)
         self.n_files = -(-n_slots // self.slots_per_file)
         self.sparse = False
+        self.seed = namespace_seed(folder.name)  # checksums bind bytes to key and namespace
         self._handles: list[Any] = []
 
     def file_slots(self, i: int) -> int:
         return min(self.slots_per_file, self.n_slots - i * self.slots_per_file)
+
+    def mismatch(self) -> str | None:
+        """Why the slab files on disk are not exactly this layout, or None. Tools that open a
+        namespace as its writer check this first: a writer resizes to its layout, so a tool
+        must never open with a layout the files do not already have."""
+        for i in range(self.n_files):
+            path = self.folder / slab_name(i)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                return f"{path.name} is missing"
+            if not stat.S_ISREG(st.st_mode):
+                return f"{path.name} is not a regular file"
+            if st.st_size != self.file_slots(i) * self.slot_bytes:
+                return (f"{path.name} is {st.st_size} bytes, the layout says "
+                        f"{self.file_slots(i) * self.slot_bytes}")
+        if os.path.lexists(self.folder / slab_name(self.n_files)):
+            return f"{slab_name(self.n_files)} exists beyond the recorded {self.n_slots} slots"
+        return None
 
     def create_or_resize(self, preallocate: bool) -> None:
         """Make every slab file exactly as large as its slots; drop files beyond the capacity."""
         for i in range(self.n_files):
             path = self.folder / slab_name(i)
             size = self.file_slots(i) * self.slot_bytes
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
                 current = os.fstat(fd).st_size
                 if current > size:
@@ -53,7 +75,7 @@ class SlabSet:
             finally:
                 os.close(fd)
         i = self.n_files
-        while (self.folder / slab_name(i)).exists():
+        while os.path.lexists(self.folder / slab_name(i)):
             (self.folder / slab_name(i)).unlink()
             i += 1
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from tiering.policies.admission import StoreThreshold
 from tiering.policies.arc import ArcPolicy
-from tiering.policies.base import EvictionPolicy, Key
+from tiering.policies.base import EvictionPolicy, Key, evict_or_none
 from tiering.policies.lru import LruPolicy
 from tiering.policies.s3fifo import S3FifoPolicy
 
@@ -20,7 +20,7 @@ REGISTRY: dict[str, type[EvictionPolicy]] = {
 }
 
 __all__ = ["REGISTRY", "ArcPolicy", "EvictionPolicy", "Key", "LruPolicy", "S3FifoPolicy",
-           "StoreThreshold", "create", "resolve", "register"]
+           "StoreThreshold", "create", "evict_or_none", "resolve", "register"]
 
 
 def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:

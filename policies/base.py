@@ -27,11 +27,13 @@ after it useless, while a missing suffix chunk costs only itself).
 from __future__ import annotations
 
 import itertools
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Hashable, Iterable, Iterator
 from typing import ClassVar
 
 Key = Hashable
+log = logging.getLogger(__name__)
 
 
 class EvictionPolicy(ABC):
@@ -170,3 +172,15 @@ class EvictionPolicy(ABC):
     def stats(self) -> dict[str, float]:
         """Policy-internal numbers for inspection (queue sizes, adaptation target)."""
         return {"resident": len(self), "pinned": len(self._pins)}
+
+
+def evict_or_none(policy: EvictionPolicy, n: int, protected: Collection[Key] = ()
+                  ) -> list[Key] | None:
+    """``policy.evict`` for code running on vLLM's scheduler thread: a policy that raises (an
+    out-of-tree one, a bug) is logged and treated as "no victim", which the tier counts as a
+    rejection. Nothing a policy does may raise into the engine."""
+    try:
+        return policy.evict(n, protected)
+    except Exception:
+        log.exception("eviction policy %s failed; treating it as no victim", policy.name)
+        return None

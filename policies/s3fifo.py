@@ -7,8 +7,10 @@ only). A key stored again while it is in G goes straight to M. M is a CLOCK-like
 its tail with a non-zero hit counter is reinserted at the head with the counter decremented.
 Hit counters saturate at 3. Everything is a FIFO, so each operation is O(1).
 
-Pinned or protected keys reaching a tail are rotated to the head of their queue unchanged and
-counted against a step budget, so a queue full of pinned keys cannot loop forever.
+Pinned or protected keys reaching a tail are rotated to the head of their queue unchanged; a
+queue whose every key is blocked is skipped until it changes, so eviction is linear in the keys
+it steps over and never fails while an evictable key exists (it returns None otherwise, through
+``EvictionPolicy.evict``).
 """
 
 from __future__ import annotations
@@ -81,58 +83,73 @@ class S3FifoPolicy(EvictionPolicy):
 
     def _pick_victims(self, n: int, protected: Collection[Key]) -> list[Key]:
         victims: list[Key] = []
-        # Consecutive blocked keys seen at each tail: once a whole queue has rotated without
-        # progress, the other queue is used even if the size rule points elsewhere.
-        stuck = {"small": 0, "main": 0}
-        budget = (len(self) + 1) * (_MAX_FREQ + 2) * n
+        # Blocked (pinned or protected) keys met in a row at each tail. Once a queue's count
+        # reaches its length, every key in it is blocked: it is skipped until a key enters or
+        # leaves it. A step that makes progress elsewhere does not reset it, so a small queue
+        # full of in-flight keys is rotated once per call, not once per main-queue step (that
+        # was O(n^2) and ran out of its step budget).
+        blocked = {"small": 0, "main": 0}
+        budget = (len(self) + 1) * (_MAX_FREQ + 3) + 2 * n  # never reached: a safety net
         while len(victims) < n:
+            small_open = bool(self.small) and blocked["small"] < len(self.small)
+            main_open = bool(self.main) and blocked["main"] < len(self.main)
             budget -= 1
-            if budget < 0:  # pragma: no cover - evict() checked the count beforehand
-                raise RuntimeError("S3-FIFO could not find an evictable key")
-            use_small = bool(self.small) and (len(self.small) >= self.small_target or not self.main)
-            if use_small and stuck["small"] >= len(self.small) and self.main:
-                use_small = False
-            elif not use_small and self.small and stuck["main"] >= len(self.main):
-                use_small = True
-            queue = "small" if use_small else "main"
-            step = self._step_small if use_small else self._step_main
-            if step(victims, protected):
-                stuck[queue] += 1
+            if budget < 0 or not (small_open or main_open):
+                break
+            use_small = small_open and (len(self.small) >= self.small_target or not main_open)
+            if use_small:
+                outcome = self._step_small(victims, protected)
+                if outcome == "blocked":
+                    blocked["small"] += 1
+                else:
+                    blocked["small"] = 0
+                    if outcome == "promoted":
+                        blocked["main"] = 0  # a new key in main may be evictable
             else:
-                stuck = {"small": 0, "main": 0}
+                blocked["main"] = blocked["main"] + 1 if self._step_main(
+                    victims, protected) == "blocked" else 0
+        if len(victims) < n:  # cannot happen (evict() counted the evictable keys): stay safe
+            victims += self._any_unblocked(n - len(victims), protected)
         return victims
 
-    def _step_small(self, victims: list[Key], protected: Collection[Key]) -> bool:
-        """Process the tail of S; True when it was blocked and only rotated."""
+    def _any_unblocked(self, n: int, protected: Collection[Key]) -> list[Key]:
+        """Oldest unblocked keys of S, then of M, regardless of hit counts (O(resident))."""
+        out = [k for k in [*self.small, *self.main] if not self._blocked(k, protected)][:n]
+        for key in out:
+            self._discard(key)
+        return out
+
+    def _step_small(self, victims: list[Key], protected: Collection[Key]) -> str:
+        """Process the tail of S: 'blocked' (rotated), 'promoted' (to M) or 'evicted'."""
         key, _ = self.small.popitem(last=False)
         if self._blocked(key, protected):
             self.small[key] = None
-            return True
+            return "blocked"
         if self.freq[key] >= self.promote_hits:
             self.freq[key] = 0
             self.main[key] = None
-            return False
+            return "promoted"
         del self.freq[key]
         self.ghost[key] = None
         if len(self.ghost) > self.ghost_capacity:
             self.ghost.popitem(last=False)
         victims.append(key)
-        return False
+        return "evicted"
 
-    def _step_main(self, victims: list[Key], protected: Collection[Key]) -> bool:
-        """Process the tail of M; True when it was blocked and only rotated."""
+    def _step_main(self, victims: list[Key], protected: Collection[Key]) -> str:
+        """Process the tail of M: 'blocked' (rotated), 'decremented' or 'evicted'."""
         key, _ = self.main.popitem(last=False)
         if self._blocked(key, protected):
             self.main[key] = None
-            return True
+            return "blocked"
         f = self.freq[key]
         if f > 0:
             self.freq[key] = f - 1
             self.main[key] = None
-            return False
+            return "decremented"
         del self.freq[key]
         victims.append(key)
-        return False
+        return "evicted"
 
     def bulk_load(self, keys: list[Key], reused: list[bool]) -> None:
         """Reused keys go to the main queue (freq 1), the others to the small queue."""

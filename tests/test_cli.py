@@ -8,6 +8,7 @@ import time
 import pytest
 from tierutil import ROW, key, open_tier, store
 
+from tiering.backends.namespace import FORMAT_VERSION
 from tiering.cli import build_parser, main
 from tiering.config import parse
 from tiering.serving import metric, parse_metrics
@@ -46,7 +47,7 @@ def test_inspect_json(cache, capsys):
     assert ns["hit_histogram"][">=0"] == 8 and ns["hit_histogram"][">=1"] == 1
     assert ns["hit_histogram"][">=2"] == 1  # key 0 was touched twice
     assert ns["age_histogram"]["<60s"] == 10
-    assert ns["model"] == "tiny" and ns["format_version"] == 1
+    assert ns["model"] == "tiny" and ns["format_version"] == FORMAT_VERSION
     assert main(["inspect", str(cache)]) == 0
     assert "entries 10" in capsys.readouterr().out
 

@@ -182,9 +182,9 @@ def test_older_format_version_is_refused(tmp_path):
         store(t, [key(0)])
         meta_path = t.folder / "meta.json"
     meta = json.loads(meta_path.read_text())
-    meta["format_version"] = FORMAT_VERSION - 1 if FORMAT_VERSION > 1 else 0
+    meta["format_version"] = FORMAT_VERSION - 1
     meta_path.write_text(json.dumps(meta))
-    with pytest.raises(NamespaceError, match="format version 0.*refusing"):
+    with pytest.raises(NamespaceError, match=f"format version {FORMAT_VERSION - 1}.*refusing"):
         open_tier(tmp_path)
 
 

@@ -29,8 +29,8 @@ TESTS = Path(__file__).parent
     ({"io": "spdk"}, "io: unknown I/O engine 'spdk'"),
     ({"compression": "lz4"}, "compression: unknown codec 'lz4'"),
     ({"policy": "mru"}, "unknown policy 'mru'"),
-    ({"store_threshold": -1}, "store_threshold: expected an integer >= 0"),
-    ({"io_threads": 0}, "io_threads: expected an integer >= 1"),
+    ({"store_threshold": -1}, "store_threshold: expected an integer from 0"),
+    ({"io_threads": 0}, "io_threads: expected an integer from 1"),
     ({"colour": "red"}, "unknown key.*'colour'"),
 ])
 def test_bad_config_is_one_clear_error_and_creates_nothing(tmp_path, override, message):

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from tiering import cli_args
 from tiering.backends.io_engines import aligned_buffer
-from tiering.backends.sizes import parse_size
 
 
 def _cpu() -> float:
@@ -315,9 +315,11 @@ def _print_table(r: dict[str, Any]) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    r = bench(args.path, parse_size(args.row_bytes, "--row-bytes"),
-              parse_size(args.total, "--total"), args.threads, args.repeat, args.only, args.io,
-              args.index_entries)
+    if args.total < args.row_bytes:
+        raise ValueError(f"--total: {args.total} bytes holds no row of --row-bytes "
+                         f"{args.row_bytes}")
+    r = bench(args.path, args.row_bytes, args.total, args.threads, args.repeat, args.only,
+              args.io, args.index_entries)
     print(json.dumps(r, indent=2)) if args.json else _print_table(r)
     bad = r.get("tier_bad_rows", 0) or r.get("vllm_fs_bad_rows", 0)
     return 1 if bad else 0
@@ -327,13 +329,17 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="file tier vs fio vs vLLM's fs tier on the same disk",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", help="a folder on the filesystem to measure (scratch data goes here)")
-    p.add_argument("--row-bytes", default="2MiB")
-    p.add_argument("--total", default="4GiB")
-    p.add_argument("--threads", type=int, default=8, help="I/O threads = I/Os in flight")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--io", default="auto", help="tier I/O engine (auto, posix, kvikio)")
+    p.add_argument("--row-bytes", type=cli_args.size(4096, 1 << 30, multiple=4096),
+                   default="2MiB", help="row size, a multiple of 4096 (default 2MiB)")
+    p.add_argument("--total", type=cli_args.size(4096, 1 << 44), default="4GiB",
+                   help="bytes written and read per system (default 4GiB)")
+    p.add_argument("--threads", type=cli_args.integer(1, 1024), default=8,
+                   help="I/O threads = I/Os in flight")
+    p.add_argument("--repeat", type=cli_args.integer(1, 1000), default=3)
+    p.add_argument("--io", default="auto", choices=["auto", "posix", "kvikio"],
+                   help="tier I/O engine (auto, posix, kvikio)")
     p.add_argument("--only", choices=["tier"], help="run the tier part alone")
-    p.add_argument("--index-entries", type=int, default=0,
+    p.add_argument("--index-entries", type=cli_args.integer(0, 10**9), default=0,
                    help="also measure reopen time and lookups/s with this many index entries")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_bench)

@@ -12,6 +12,9 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
+
+from tiering import cli_args
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +26,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.trace:
         source, capacity = args.trace, args.capacity
         if capacity is None:
-            raise SystemExit("tiering simulate: --capacity is required with --trace")
+            raise ValueError("--capacity: required with --trace (tier capacity in chunks)")
 
         def requests():  # re-read per run: a trace may not fit in memory twice
             return from_trace(args.trace)
@@ -35,11 +38,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         def requests():
             return iter(cached)
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    thresholds = [int(t) for t in args.thresholds.split(",") if t.strip()]
     if args.cpu_capacity is not None:
-        return _simulate_demotion(args, requests, source, capacity, policies, thresholds)
-    results = [simulate(requests(), p, capacity, t) for p in policies for t in thresholds]
+        return _simulate_demotion(args, requests, source, capacity)
+    results = [simulate(requests(), p, capacity, t) for p in args.policies
+               for t in args.thresholds]
     if args.json:
         print(json.dumps({"workload": source, "capacity": capacity, "seed": args.seed,
                           "results": [r.as_dict() for r in results]}, indent=2))
@@ -49,14 +51,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate_demotion(args, requests, source, capacity, policies, thresholds) -> int:
+def _simulate_demotion(args, requests, source, capacity) -> int:
     from tiering.simulate import format_demotion_table, simulate_demotion
 
-    if args.cpu_capacity < 1:
-        raise ValueError(f"--cpu-capacity: expected a positive number of chunks, got "
-                         f"{args.cpu_capacity}")
     results = [simulate_demotion(requests(), p, args.cpu_capacity, capacity, t, mode)
-               for p in policies for t in thresholds for mode in ("on_store", "on_evict")]
+               for p in args.policies for t in args.thresholds
+               for mode in ("on_store", "on_evict")]
     if args.json:
         print(json.dumps({"workload": source, "cpu_capacity": args.cpu_capacity,
                           "disk_capacity": capacity, "seed": args.seed,
@@ -68,8 +68,20 @@ def _simulate_demotion(args, requests, source, capacity, policies, thresholds) -
     return 0
 
 
+class UsageError(Exception):
+    """A bad command line (argparse's error), reported by ``main`` as one line, exit 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with usage errors as one line naming the command and the argument (exit 2);
+    ``--help`` still prints the full usage."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="tiering", description="Inspect, verify, benchmark and tune vllm-tiering caches.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -80,15 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     src = sim.add_mutually_exclusive_group()
     src.add_argument("--workload", choices=["zipf", "scan", "chat", "rag"], default="zipf",
                      help="built-in synthetic workload (default: zipf)")
-    src.add_argument("--trace", help="trace file: one 'key [request_id]' per line")
-    sim.add_argument("--capacity", type=int, help="tier capacity in chunks "
-                     "(default: the workload's own)")
-    sim.add_argument("--policies", default="lru,arc,s3fifo", help="comma-separated policy names")
-    sim.add_argument("--thresholds", default="0,2", help="comma-separated store_threshold values")
-    sim.add_argument("--cpu-capacity", type=int, metavar="CHUNKS",
+    src.add_argument("--trace", type=cli_args.readable_file,
+                     help="trace file: one 'key [request_id]' per line")
+    sim.add_argument("--capacity", type=cli_args.integer(1, 10**9), help="tier capacity in "
+                     "chunks (default: the workload's own)")
+    sim.add_argument("--policies", type=cli_args.policy_list, default="lru,arc,s3fifo",
+                     help="comma-separated policy names")
+    sim.add_argument("--thresholds", type=cli_args.int_list(0, 1000), default="0,2",
+                     help="comma-separated store_threshold values")
+    sim.add_argument("--cpu-capacity", type=cli_args.integer(1, 10**9), metavar="CHUNKS",
                      help="simulate a CPU tier of this many chunks over the tier (--capacity) "
                      "and compare write-through (demote on_store) with write-back (on_evict)")
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--seed", type=cli_args.integer(0, 2**32 - 1), default=0)
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.set_defaults(func=_cmd_simulate)
 
@@ -101,17 +116,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        print(_one_line(exc), file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, PermissionError) as exc:
-        print(f"tiering {args.command}: {exc}", file=sys.stderr)
+        print(f"tiering {args.command}: {_one_line(exc)}", file=sys.stderr)
         return 2
     except (TimeoutError, OSError, RuntimeError) as exc:  # e.g. a live writer did not answer
-        print(f"tiering {args.command}: {exc}", file=sys.stderr)
+        print(f"tiering {args.command}: {_one_line(exc)}", file=sys.stderr)
         return 1
+    except Exception as exc:  # a bug: still one line (the traceback with -v)
+        log.debug("tiering %s failed", args.command, exc_info=True)
+        print(f"tiering {args.command}: unexpected {type(exc).__name__}: {_one_line(exc)} "
+              "(run with -v for details)", file=sys.stderr)
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from tiering.backends.sizes import format_size, parse_size
+from tiering import cli_args
+from tiering.backends.sizes import format_size
 from tiering.stats import COUNTER_KEYS
 
 
@@ -69,12 +70,10 @@ def _admin(args: argparse.Namespace, op: dict) -> int:
 
 
 def _cmd_evict(args: argparse.Namespace) -> int:
-    from tiering.backends.admin import parse_duration
-
     if (args.bytes is None) == (args.older_than is None):
         raise ValueError("evict: give exactly one of --bytes N or --older-than DURATION")
-    op = ({"op": "evict", "bytes": parse_size(args.bytes, "--bytes")} if args.bytes else
-          {"op": "evict", "older_than": parse_duration(args.older_than)})
+    op = ({"op": "evict", "bytes": args.bytes} if args.bytes is not None else
+          {"op": "evict", "older_than": args.older_than})
     return _admin(args, op)
 
 
@@ -86,7 +85,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from tiering.exporter import render
 
     text = render(_namespaces(args))
-    if args.output:
+    if args.output is not None:
         tmp = Path(args.output + ".tmp")
         tmp.write_text(text)
         tmp.replace(args.output)  # node-exporter reads whole files only
@@ -119,7 +118,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     def with_path(name: str, help_: str, desc: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=desc)
         p.add_argument("path", help="cache root (the tier's path) or one namespace folder")
-        p.add_argument("--namespace", help="only this namespace id")
+        p.add_argument("--namespace", type=cli_args.namespace, help="only this namespace id")
         p.add_argument("--json", action="store_true", help="print one JSON object")
         return p
 
@@ -134,45 +133,51 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
             ("clear", _cmd_clear, "Remove every entry (the namespace stays). Safe on a live "
              "cache, like evict.")):
         p = with_path(name, desc.split(".")[0].lower(), desc)
-        p.add_argument("--timeout", type=float, default=30.0,
+        p.add_argument("--timeout", type=cli_args.seconds(0, 86400), default=30.0,
                        help="seconds to wait for a live server's reply (default 30)")
         if name == "evict":
-            p.add_argument("--bytes", help="free at least this much, e.g. 100GiB")
-            p.add_argument("--older-than", help="drop entries not used for e.g. 7d, 12h, 30m")
+            p.add_argument("--bytes", type=cli_args.size(low=1),
+                           help="free at least this much, e.g. 100GiB")
+            p.add_argument("--older-than", type=cli_args.duration,
+                           help="drop entries not used for e.g. 7d, 12h, 30m")
         p.set_defaults(func=func)
 
     p = sub.add_parser("export", help="Prometheus textfile (node-exporter) for a cache",
                        description="Write the cache's gauges and counters in Prometheus text "
                        "format, for node-exporter's textfile collector (read-only).")
     p.add_argument("path")
-    p.add_argument("--namespace")
+    p.add_argument("--namespace", type=cli_args.namespace)
     p.add_argument("--prometheus", action="store_true", default=True,
                    help="Prometheus text format (the only format; accepted for clarity)")
-    p.add_argument("-o", "--output", help="write atomically to this file instead of stdout")
+    p.add_argument("-o", "--output", type=cli_args.output_file,
+                   help="write atomically to this file instead of stdout")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("watch", help="live per-tier hit rates from a vLLM /metrics URL",
                        description="Refreshing table of per-tier hit rates, usage and "
                        "throughput, read from a vLLM server's /metrics endpoint.")
-    p.add_argument("url", help="e.g. http://127.0.0.1:8000/metrics")
-    p.add_argument("--interval", type=float, default=2.0)
-    p.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    p.add_argument("url", type=cli_args.metrics_url, help="e.g. http://127.0.0.1:8000/metrics")
+    p.add_argument("--interval", type=cli_args.seconds(0.049, 86400), default=2.0,
+                   help="seconds between refreshes (0.05 to 86400, default 2)")
+    p.add_argument("--count", type=cli_args.integer(0, 10**9), default=0,
+                   help="stop after N refreshes (0: never)")
     p.add_argument("--json", action="store_true", help="one JSON object per refresh")
     p.set_defaults(func=_cmd_watch)
 
     p = sub.add_parser("config", help="print a validated --kv-transfer-config",
                        description="Build the TieredOffloadingSpec config from flags, validated "
                        "the way the engine validates it at start.")
-    p.add_argument("--cpu", required=True, help="CPU staging memory, e.g. 16GiB")
+    p.add_argument("--cpu", required=True, type=cli_args.size(low=4096),
+                   help="CPU staging memory, e.g. 16GiB")
     p.add_argument("--disk", action="append", default=[], metavar="PATH:CAPACITY",
                    help="a file tier, e.g. /mnt/nvme/kv:1TiB (repeatable)")
     p.add_argument("--policy", default="arc", help="file-tier eviction policy (default arc)")
     p.add_argument("--cpu-policy", default="lru", help="CPU-tier eviction policy (default lru)")
-    p.add_argument("--threshold", type=int, default=2,
+    p.add_argument("--threshold", type=cli_args.integer(0, 1000), default=2,
                    help="file-tier store_threshold (default 2)")
-    p.add_argument("--cpu-threshold", type=int, default=0)
+    p.add_argument("--cpu-threshold", type=cli_args.integer(0, 1000), default=0)
     p.add_argument("--io", default="auto")
-    p.add_argument("--io-threads", type=int, default=16)
+    p.add_argument("--io-threads", type=cli_args.integer(1, 1024), default=16)
     p.add_argument("--compression", default="none")
     p.add_argument("--model", default="MODEL", help="model name for the printed vllm serve line")
     p.add_argument("--json", action="store_true", help="print the JSON only, indented")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiering.backends.file_config import FileTierConfig, validate
+from tiering.backends.file_config import FileTierConfig, check_types, validate
 from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
 
@@ -106,6 +106,7 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
             raise ValueError(f"{where}.path: required (a folder on the NVMe/filesystem tier)")
         try:
             fcfg = FileTierConfig.from_dict(body, where)
+            check_types(fcfg)
             parse_size(fcfg.capacity, "capacity")
             resolve(fcfg.policy)
         except ValueError as exc:

@@ -25,7 +25,7 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from tiering.backends.staging import StagingRegion
-from tiering.policies import StoreThreshold, create
+from tiering.policies import StoreThreshold, create, evict_or_none
 from tiering.stats import TierStats
 from tiering.tier import Completion, Lookup, PutOutcome, Tier
 
@@ -178,7 +178,7 @@ class CpuTier(Tier):
         need = n - len(self.free_rows)
         victims: list[bytes] = []
         if need > 0:
-            got = self.policy.evict(need, protected=protected)
+            got = evict_or_none(self.policy, need, protected)
             if got is None:
                 return "pinned" if any(r.pins for r in self.rows) else "full"
             victims = got
@@ -325,7 +325,7 @@ class CpuTier(Tier):
         return done
 
     def evict(self, n: int) -> list[bytes]:
-        victims = self.policy.evict(min(n, self.policy.evictable_count())) or []
+        victims = evict_or_none(self.policy, min(n, self.policy.evictable_count())) or []
         for v in victims:
             self._free(self.key_row.pop(v))
         self.stats.add("evictions", len(victims))

@@ -50,6 +50,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("writeback_misses", "counter", "Chunks a write-back tier (demote: on_evict) never "
            "got: the CPU tier evicted them before they were written down."),
     Metric("io_errors", "counter", "Failed reads and writes of this tier."),
+    Metric("index_resets", "counter", "Times a file tier found its index damaged at open and "
+           "rebuilt it from what it could verify (or set it aside and started empty)."),
     Metric("checksum_failures", "counter", "Reads whose checksum did not match (served as "
            "misses)."),
     Metric("usage_bytes", "gauge", "Bytes held by this tier."),
