@@ -10,4 +10,4 @@ nvidia-smi -L || true
 xml=()
 [ -n "${OUT:-}" ] && xml=(--junitxml "$OUT/gpu_tests.xml")
 # -P: the source folder tiering/ in the current directory must not shadow build-gpu/tiering
-exec python3 -P -m pytest -m gpu -q -ra -p no:cacheprovider "${xml[@]}" tests "$@"
+exec python3 -P -m pytest -m gpu -q -ra -p no:cacheprovider "${xml[@]}" tests/test_gpu_*.py "$@"
