@@ -60,14 +60,16 @@ class StagedPlan(NamedTuple):
 
 
 def plan_staged(layout: CopyLayout, dev: np.ndarray, host: np.ndarray, size: np.ndarray,
-                rows_per_buffer: int, buffer_addresses: Sequence[int], first_buffer: int
-                ) -> StagedPlan:
+                slot: np.ndarray, rows_per_buffer: int, buffer_addresses: Sequence[int],
+                first_buffer: int) -> StagedPlan:
     """Lay a job's pages out in staging buffers like the rows they belong to.
 
-    Pages are grouped by row (rows in host-address order); row ``k`` of the job goes into slot
-    ``k % rows_per_buffer`` of piece ``k // rows_per_buffer``, at the same offset it has in the
-    row's cell, so each piece reaches the host as one copy per run of whole cells. Pieces take
-    the buffers in turn, starting with ``first_buffer``.
+    ``slot[i]``: the index of page ``i``'s row among the job's rows (``CopyLayout.page_rows``).
+    Row ``k`` of the job goes into slot ``k % rows_per_buffer`` of piece
+    ``k // rows_per_buffer``, each page at the offset it has in its row's cell, so a row that
+    the job covers whole reaches the host as one copy (rows covered in part: one copy per run
+    of pages). Pieces take the buffers in turn, starting with ``first_buffer``. Cheap on
+    purpose (no sort of the pages' addresses): it runs before the first byte moves.
     """
     cell = layout.cell_bytes
     rel = host - layout.row_base
@@ -75,24 +77,43 @@ def plan_staged(layout: CopyLayout, dev: np.ndarray, host: np.ndarray, size: np.
     in_cell = rel - row * layout.row_bytes
     if len(size) and (int(in_cell.min()) < 0 or int((in_cell + size).max()) > cell):
         raise ValueError("a page lies outside its row's cell")
-    order = np.lexsort((in_cell, row))
-    dev, host, size, row, in_cell = (a[order] for a in (dev, host, size, row, in_cell))
-    first_of_row = np.ones(len(row), dtype=bool)
-    first_of_row[1:] = row[1:] != row[:-1]
-    slot = np.cumsum(first_of_row) - 1
+    n_slots = int(slot.max()) + 1 if len(slot) else 0
     piece = slot // rows_per_buffer
+    order = np.argsort(piece.astype(np.int32), kind="stable")  # radix sort: O(n)
+    dev, host, size, slot, row, in_cell, piece = (
+        a[order] for a in (dev, host, size, slot, row, in_cell, piece))
     n_pieces = int(piece[-1]) + 1 if len(piece) else 0
     nbuf = len(buffer_addresses)
     buf_of_piece = (np.arange(n_pieces) + first_buffer) % nbuf
     base = np.asarray(buffer_addresses, dtype=np.int64)
-    staged = base[buf_of_piece[piece]] + (slot % rows_per_buffer) * cell + in_cell
+    slot_addr = base[buf_of_piece[np.arange(n_slots) // rows_per_buffer]] + \
+        (np.arange(n_slots) % rows_per_buffer) * cell
+    staged = slot_addr[slot] + in_cell
+    # rows covered whole: one copy each; the others: their pages, merged where they touch
+    covered = np.bincount(slot, weights=size, minlength=n_slots)
+    whole = covered == cell
+    row_of_slot = np.zeros(n_slots, dtype=np.int64)
+    row_of_slot[slot] = row
     bounds = np.searchsorted(piece, np.arange(n_pieces + 1))
+    whole_slots = np.flatnonzero(whole)
+    whole_bounds = np.searchsorted(whole_slots // rows_per_buffer, np.arange(n_pieces + 1))
     pieces = []
     for p in range(n_pieces):
         lo, hi = int(bounds[p]), int(bounds[p + 1])
-        runs = merge_runs(staged[lo:hi], host[lo:hi], size[lo:hi], by="dst")
+        ws = whole_slots[whole_bounds[p]:whole_bounds[p + 1]]
+        src = [slot_addr[ws]]
+        dst = [layout.row_base + row_of_slot[ws] * layout.row_bytes]
+        n = [np.full(len(ws), cell, dtype=np.int64)]
+        part = ~whole[slot[lo:hi]]
+        if part.any():
+            s, d, k = merge_runs(staged[lo:hi][part], host[lo:hi][part], size[lo:hi][part],
+                                 by="dst")
+            src.append(s)
+            dst.append(d)
+            n.append(k)
         pieces.append((lo, hi, int(buf_of_piece[p]),
-                       tuple(np.ascontiguousarray(a, dtype=np.uint64) for a in runs)))
+                       tuple(np.ascontiguousarray(np.concatenate(a), dtype=np.uint64)
+                             for a in (src, dst, n))))
     return StagedPlan(dev, staged, size, pieces)
 
 
@@ -142,7 +163,7 @@ class CudaCopyEngine:
 
     def __init__(self, host_base: int, host_bytes: int, device: object = None,
                  api: str = "auto", batch_max: int = BATCH_MAX, order: str = "host",
-                 copy: str = "auto", staging_bytes: int = 64 << 20,
+                 copy: str = "auto", staging_bytes: int = 128 << 20,
                  small_page_bytes: int = 256 << 10) -> None:
         import torch
         from cuda.bindings import runtime as rt
@@ -284,7 +305,8 @@ class CudaCopyEngine:
         if path != "dma":
             try:
                 if path == "staged":
-                    self._staged_job(job_id, layout, dev, host, size, direction)
+                    slot = layout.page_rows(group_sizes, block_indices)
+                    self._staged_job(job_id, layout, dev, host, size, slot, direction)
                 else:
                     self._direct_job(job_id, dev, host, size, direction)
                 self.jobs_by_path[path] += 1
@@ -343,7 +365,7 @@ class CudaCopyEngine:
         self._jobs.append((job_id, int(size.sum()), start, end))
 
     def _staged_job(self, job_id: int, layout: CopyLayout, dev: np.ndarray, host: np.ndarray,
-                    size: np.ndarray, direction: str) -> None:
+                    size: np.ndarray, slot: np.ndarray, direction: str) -> None:
         """Pages grouped by the row they belong to; a piece is as many rows as one buffer holds.
         Store, per piece: kernel gathers into buffer b, then one batched copy of its rows to
         host. Load: rows to buffer b, then the kernel scatters. Buffer b is refilled only after
@@ -359,10 +381,10 @@ class CudaCopyEngine:
         kern, copy = self.streams[direction], self._copy_stream(direction)
         free = self._free.setdefault(direction, [None, None])
         b0 = self._next_buffer.get(direction, 0)
-        plan = plan_staged(layout, dev, host, size, per_piece,
+        plan = plan_staged(layout, dev, host, size, slot, per_piece,
                            [b.data_ptr() for b in bufs], b0)
         n_pieces = len(plan.pieces)
-        src, dst = (dev, plan.staged) if store else (plan.staged, dev)
+        src, dst = (plan.dev, plan.staged) if store else (plan.staged, plan.dev)
         size = plan.size
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)

@@ -30,10 +30,10 @@ def build(pages=(512, 1024, 512), num_blocks=40, bpc=1, rows=24, rank=0, world=1
     return tensors, region, layout
 
 
-def run_plan(layout, dev, host, size, rows_per_buffer, store, nbuf=2, first=0):
+def run_plan(layout, dev, host, size, rows_per_buffer, store, nbuf=2, first=0, slot=None):
     bufs = [np.full(rows_per_buffer * layout.cell_bytes, 0xEE, dtype=np.uint8)
             for _ in range(nbuf)]
-    plan = plan_staged(layout, dev, host, size, rows_per_buffer,
+    plan = plan_staged(layout, dev, host, size, slot, rows_per_buffer,
                        [b.ctypes.data for b in bufs], first)
     assert sorted(plan.size.tolist()) == sorted(size.tolist())
     seen_bufs = []
@@ -66,7 +66,8 @@ def test_store_then_load_round_trips_through_the_plan(rows_per_buffer, bpc, rank
     blocks = rng.choice(20, n_rows * bpc, replace=False)
     rows = rng.choice(24, n_rows, replace=False)
     dev, host, size = layout.descriptors(blocks, [len(blocks)], [0], rows)
-    run_plan(layout, dev, host, size, rows_per_buffer, store=True)
+    slot = layout.page_rows([len(blocks)], [0])
+    run_plan(layout, dev, host, size, rows_per_buffer, store=True, slot=slot)
     # each row holds its chunk's pages in the row layout (tensor after tensor, block by block)
     cell = layout.cell_bytes
     for r_i, r in enumerate(rows):
@@ -85,7 +86,7 @@ def test_store_then_load_round_trips_through_the_plan(rows_per_buffer, bpc, rank
     targets = 20 + rng.choice(20, n_rows * bpc, replace=False)
     before = [t[blocks].copy() for t in tensors]
     dev, host, size = layout.descriptors(targets, [len(targets)], [0], rows)
-    run_plan(layout, dev, host, size, rows_per_buffer, store=False, first=1)
+    run_plan(layout, dev, host, size, rows_per_buffer, store=False, first=1, slot=slot)
     for t, b in zip(tensors, before, strict=True):
         assert np.array_equal(t[targets], b)
 
@@ -98,16 +99,18 @@ def test_partial_first_chunk_writes_only_its_pages():
     blocks = np.array([3, 9, 11, 17, 19], dtype=np.int64)  # 1 partial chunk (skip 3) + 1 whole
     rows = np.array([6, 2], dtype=np.int64)
     dev, host, size = layout.descriptors(blocks, [5], [3], rows)
-    plan = run_plan(layout, dev, host, size, 2, store=True)
+    plan = run_plan(layout, dev, host, size, 2, store=True, slot=layout.page_rows([5], [3]))
     cell = layout.cell_bytes
     row6 = region[6 * layout.row_bytes:6 * layout.row_bytes + cell]
     page0 = tensors[0].shape[1]
     # positions 0..2 of tensor 0 in row 6 were not part of the job
     assert np.all(row6[:3 * page0] == 0x5A)
     assert np.array_equal(row6[3 * page0:4 * page0], tensors[0][3])
-    # the row copies of the partial row are runs inside the cell, not the whole cell
+    # the row copies move exactly the job's bytes: the partial row as runs inside its cell,
+    # the whole row as one copy
     _, host_addr, n = plan.pieces[0][3]
     assert int(n.sum()) == int(size.sum())
+    assert len(n) == 1 + len(tensors)  # row 2 whole; row 6: one run per tensor (position 3)
 
 
 def test_page_outside_its_cell_is_refused():
@@ -115,4 +118,5 @@ def test_page_outside_its_cell_is_refused():
     dev = np.array([0], dtype=np.int64)
     host = np.array([layout.row_base + layout.cell_bytes - 16], dtype=np.int64)
     with pytest.raises(ValueError, match="outside its row's cell"):
-        plan_staged(layout, dev, host, np.array([32], dtype=np.int64), 2, [0, 0], 0)
+        plan_staged(layout, dev, host, np.array([32], dtype=np.int64), np.zeros(1, np.int64), 2,
+                    [0, 0], 0)

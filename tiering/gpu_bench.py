@@ -78,6 +78,9 @@ def parse() -> argparse.Namespace:
                     help="throughput: CPU tier / working set")
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--gpu-copy", default="auto", help="ours: gpu_copy (auto, dma, staged, direct)")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="skip the steps (a config's phases or throughput) that would start after "
+                         "this many seconds (0: no limit)")
     ap.add_argument("--scratch", default=os.environ.get("TIERING_BENCH_DIR", "/tmp/tiering-gpu-bench"))
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--tag", default="h200")
@@ -483,42 +486,68 @@ def main() -> None:
             "configs": a.configs, "phases": a.phases, "kv_bytes_per_token": kvb,
             "cpu_gib": a.cpu_gib, "gpu_kv_tokens": gpu_blocks * block_size,
             "max_tokens": a.max_tokens, "argv": sys.argv[1:]}
+    # no CUDA call in this process: vLLM then forks its engine processes instead of spawning
+    # them (an engine start without re-importing vLLM)
     try:
+        import subprocess
+
         import torch
 
         info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name()
+        info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
+                                      "--format=csv,noheader"], capture_output=True,
+                                     text=True, timeout=20).stdout.strip()
     except Exception:  # noqa: BLE001
         pass
     print(f"[bench] {json.dumps(info)}", flush=True)
     rows: list[dict] = []
     tp_rows: list[dict] = []
     timings: dict[str, dict] = {}
-    for config in a.configs:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"gpu_bench_{a.tag}_{a.shape}"
+
+    def save() -> None:  # after every step: a run cut short still leaves its results
+        info["total_s"] = time.perf_counter() - t0
+        (out / f"{stem}.json").write_text(json.dumps(
+            {"info": info, "timings": timings, "phases": rows, "throughput": tp_rows}, indent=1))
+
+    def over_budget(what: str, config: str) -> bool:
+        if a.budget_s and time.perf_counter() - t0 > a.budget_s:
+            print(f"[bench] {config}: {what} skipped (--budget-s {a.budget_s} spent)", flush=True)
+            timings.setdefault(config, {})[f"{what}_skipped"] = "budget"
+            return True
+        return False
+
+    # all configs' phases first, then all configs' throughput: a budget cut loses whole steps
+    steps = []
+    if any(p in a.phases for p in PHASES if p != "throughput"):
+        steps += [("phases", c) for c in a.configs]
+    if "throughput" in a.phases:
+        steps += [("throughput", c) for c in a.configs]
+    for what, config in steps:
+        if over_budget(what, config):
+            continue
         t = time.perf_counter()
         try:
-            if any(p in a.phases for p in PHASES if p != "throughput"):
-                timings[config] = phases_for(a, model, config, scratch, rows, lengths_prompts,
-                                             kvb, max_len, gpu_blocks)
-            if "throughput" in a.phases:
+            if what == "phases":
+                timings.setdefault(config, {}).update(phases_for(
+                    a, model, config, scratch, rows, lengths_prompts, kvb, max_len, gpu_blocks))
+            else:
                 tp_rows.append(throughput_for(a, model, config, scratch, kvb, block_size))
         except Exception as exc:  # report and go on with the next config
             import traceback
 
             traceback.print_exc()
-            timings.setdefault(config, {})["error"] = f"{type(exc).__name__}: {exc}"[:1000]
-        timings.setdefault(config, {})["wall_s"] = time.perf_counter() - t
+            timings.setdefault(config, {})[f"{what}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
+        timings.setdefault(config, {})[f"{what}_wall_s"] = time.perf_counter() - t
         for d in (scratch / config, scratch / "tp" / config):
             shutil.rmtree(d, ignore_errors=True)
-        print(f"[bench] {config} done in {time.perf_counter() - t:.0f}s", flush=True)
+        print(f"[bench] {config} {what} done in {time.perf_counter() - t:.0f}s", flush=True)
+        compare(rows, tp_rows)
+        save()
     compare(rows, tp_rows)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"gpu_bench_{a.tag}_{a.shape}"
-    info["total_s"] = time.perf_counter() - t0
-    (out / f"{stem}.json").write_text(json.dumps(
-        {"info": info, "timings": timings, "phases": rows, "throughput": tp_rows}, indent=1))
+    save()
     text = table(rows, tp_rows, a.configs)
     (out / f"{stem}.md").write_text(text + "\n")
     plot(rows, a.configs, out / f"{stem}.png")
