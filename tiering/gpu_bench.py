@@ -161,7 +161,7 @@ class Engine:
     """One ``LLM`` (its own engine-core process) and the phase measurements taken on it."""
 
     def __init__(self, a, model: Path, config: str, kvt: dict | None, gpu_blocks: int,
-                 max_len: int, warm_tokens: int = 64) -> None:
+                 max_len: int, warm_tokens: int | list[int] = 64) -> None:
         from vllm import LLM
 
         kw = dict(model=str(model), skip_tokenizer_init=True, load_format="dummy",
@@ -187,13 +187,14 @@ class Engine:
         self.weights_s = time.perf_counter() - t
         self.warm_up(warm_tokens)
 
-    def warm_up(self, n_tokens: int) -> None:
-        """Build the kernels before anything is timed: a short prompt and one of ``n_tokens``
-        (tokens no measured prompt uses)."""
+    def warm_up(self, n_tokens: int | list[int]) -> None:
+        """Build the kernels before anything is timed: a short prompt and one of each measured
+        length (tokens no measured prompt uses)."""
         from vllm import SamplingParams
 
         sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
-        for n in sorted({64, max(64, n_tokens)}):
+        lengths = n_tokens if isinstance(n_tokens, list) else [n_tokens]
+        for n in sorted({64, *(max(64, x) for x in lengths)}):
             self.llm.generate([{"prompt_token_ids": [50 + (i % 40) for i in range(n)]}], sp,
                               use_tqdm=False)
         self.settle()
@@ -289,7 +290,7 @@ def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, g
     cpu_bytes = int(a.cpu_gib * 2**30)
     kvt = transfer_config(config, scratch, cpu_bytes, a.disk_gib, a.gpu_copy)
     timings = {}
-    warm = min(a.lengths)
+    warm = list(a.lengths)
     eng = Engine(a, model, config, kvt, gpu_blocks, max_len, warm)
     timings["init_s"], timings["weights_s"] = eng.init_s, eng.weights_s
     try:
