@@ -195,7 +195,7 @@ class Engine:
         sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
         lengths = n_tokens if isinstance(n_tokens, list) else [n_tokens]
         for n in sorted({64, *(max(64, x) for x in lengths)}):
-            self.llm.generate([{"prompt_token_ids": [50 + (i % 40) for i in range(n)]}], sp,
+            self.llm.generate([{"prompt_token_ids": [50 + (i + n) % 45 for i in range(n)]}], sp,
                               use_tqdm=False)
         self.settle()
 
