@@ -192,7 +192,9 @@ class Engine:
         length (tokens no measured prompt uses)."""
         from vllm import SamplingParams
 
-        sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
+        # the same sampling settings as the measured requests (logprobs: its first use is slow)
+        sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, detokenize=False,
+                            logprobs=1)
         lengths = n_tokens if isinstance(n_tokens, list) else [n_tokens]
         for n in sorted({64, *(max(64, x) for x in lengths)}):
             self.llm.generate([{"prompt_token_ids": [50 + (i + n) % 45 for i in range(n)]}], sp,
