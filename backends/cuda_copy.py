@@ -16,9 +16,12 @@ How a job's bytes move (``copy``; chosen per job by page size):
   per direction: the kernel for piece k+1 runs while piece k crosses PCIe.
 * ``direct`` — for small pages: one kernel launch reads or writes the registered host rows
   directly (no DMA descriptors, no device buffer; uses SMs for the whole transfer).
-* ``auto`` (default) — ``staged`` for jobs whose pages are all smaller than
-  ``small_page_bytes`` and 16-byte aligned, ``dma`` for everything else; ``dma`` alone when
-  Triton is missing or its kernel fails to build (logged once).
+* ``auto`` (default) — ``dma``: on the H200 (docs/benchmarks.md) the descriptor path moved
+  per-layer pages faster in one direction than either kernel path, whose extra work (a gather
+  or scatter pass, or SM-driven PCIe traffic) did not pay for itself there; ``staged`` only
+  overlapped both directions better. ``staged``/``direct`` apply to jobs whose pages are all
+  smaller than ``small_page_bytes`` and 16-byte aligned (others take ``dma``); when Triton is
+  missing or its kernel fails its self-check, asking for them is an error.
 
 Torch, Triton and cuda-bindings are imported when the engine is built, never at module import.
 The engine never reports a failed job (vLLM asserts on failures): a copy API error raises at
@@ -219,7 +222,7 @@ class CudaCopyEngine:
         self.jobs_by_path = {"dma": 0, "staged": 0, "direct": 0}
 
     def _choose_copy(self, copy: str) -> str:
-        if copy == "dma":
+        if copy in ("dma", "auto"):
             return "dma"
         if copy == "direct" and (self.register_failures or not self._mapped_same_address):
             raise ValueError("copy: 'direct' needs every staging row registered with CUDA and "
@@ -228,20 +231,14 @@ class CudaCopyEngine:
         try:
             from tiering.backends import gpu_kernels
         except ImportError as exc:
-            if copy != "auto":
-                raise ValueError(f"copy: {copy!r} needs Triton ({exc})") from None
-            log.info("Triton unavailable (%s): small pages copy as DMA descriptors", exc)
-            return "dma"
+            raise ValueError(f"copy: {copy!r} needs Triton ({exc})") from None
         self._kernels = gpu_kernels
         try:
             self._check_kernel()
         except _KernelUnavailable as exc:
-            if copy != "auto":
-                raise ValueError(f"copy: {copy!r}: the copy kernel does not work here "
-                                 f"({exc})") from None
-            log.warning("copy kernel unavailable (%s): small pages copy as DMA descriptors", exc)
-            return "dma"
-        return "staged" if copy == "auto" else copy
+            raise ValueError(f"copy: {copy!r}: the copy kernel does not work here "
+                             f"({exc})") from None
+        return copy
 
     def _check_kernel(self) -> None:
         """Build the kernel now (not in the first job) and check that it moves bytes exactly:

@@ -137,8 +137,8 @@ def test_store_then_load_is_byte_exact(path, layout):
             assert torch.equal(t[torch.as_tensor(dst, device="cuda")], b)
         if layout == "unaligned" or layout == "packed":
             assert s.engine.jobs_by_path["dma"] == 2  # kernels take only small aligned pages
-        elif path != "dma":
-            expect = "staged" if path == "auto" else path
+        else:
+            expect = "dma" if path == "auto" else path
             assert s.engine.jobs_by_path[expect] == 2, s.engine.jobs_by_path
     finally:
         s.close()
@@ -221,11 +221,11 @@ def test_load_is_complete_when_reported_finished(path):
     s = Setup(path, [16384] * 32, num_blocks=600, rows=520)
     try:
         rng = np.random.default_rng(5)
-        src = rng.choice(250, 256, replace=False)
+        src = rng.choice(280, 256, replace=False)
         rows = rng.choice(520, 256, replace=False)
         s.finish([s.submit(src, [256], [0], rows, "store")])
         snap = [t[torch.as_tensor(src, device="cuda")].clone() for t in s.tensors]
-        dst = 300 + rng.choice(250, 256, replace=False)
+        dst = 300 + rng.choice(280, 256, replace=False)
         j = s.submit(dst, [256], [0], rows, "load")
         while not any(f.job_id == j for f in s.engine.get_finished()):
             pass

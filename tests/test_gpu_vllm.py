@@ -17,15 +17,28 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 from types import SimpleNamespace
 
 import pytest
 
 pytestmark = pytest.mark.gpu
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
+
+
+def _gpu_listed() -> bool:
+    """Asked of nvidia-smi, not of CUDA: a CUDA call here would keep vLLM from forking its
+    engine processes (a forked child cannot use CUDA the parent initialized)."""
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                              timeout=30).stdout.startswith("GPU")
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+if not _gpu_listed():
     pytest.skip("needs an NVIDIA GPU (run scripts/gpu_tests.sh on a GPU machine)",
                 allow_module_level=True)
+pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from tiering.gpu_bench import Engine, transfer_config, write_model  # noqa: E402

@@ -116,16 +116,23 @@ def kv_bytes_per_token(shape: str, dtype: str) -> int:
 
 
 def randomize_weights(model) -> int:
-    """Random-normal weights from fixed seeds (norm weights 1): the same in every engine."""
+    """Random-normal weights from fixed seeds (norm weights 1): the same in every engine.
+
+    The output projection gets std 4/sqrt(hidden), so logits spread over ~4 units and the
+    greedy choice is not a near-tie: with std 0.02 there too, the next-token distribution is
+    almost flat and bf16 rounding differences between a full prefill and a cache hit (other
+    matrix shapes, same KV) flip tokens, which would hide whether the KV itself was right."""
     import torch
 
     n = 0
     with torch.no_grad():
-        for i, (_, p) in enumerate(sorted(model.named_parameters(), key=lambda x: x[0])):
+        for i, (name, p) in enumerate(sorted(model.named_parameters(), key=lambda x: x[0])):
             g = torch.Generator(device=p.device)
             g.manual_seed(12345 + i)
             if p.dim() == 1:
                 p.fill_(1.0)
+            elif "lm_head" in name:
+                p.normal_(0.0, 4.0 / p.shape[-1] ** 0.5, generator=g)
             else:
                 p.normal_(0.0, 0.02, generator=g)
             n += p.numel()
