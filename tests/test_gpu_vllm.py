@@ -1,14 +1,22 @@
-"""Our spec inside real (CUDA) vLLM on a GPU, with concurrent forward passes.
+"""Our spec inside real (CUDA) vLLM on a GPU, with transfers running next to forward passes.
 
 A Llama-shaped model with random-normal weights (drawn on the GPU from fixed seeds in every
-engine, ``tiering.gpu_bench``), greedy decoding, prompts given as token ids. Several requests run
-in one batch, so stores of some requests overlap the forward passes of others and loads must be
-complete before the request that needs them is computed. The greedy tokens must equal those of
-an engine without offloading:
+engine, ``tiering.gpu_bench``), greedy decoding with the sampled tokens' logprobs, prompts given
+as token ids.
 
-* after ``reset_prefix_cache`` the prompts are served from our CPU tier (counted by vLLM's
-  ``prompt_tokens_cached_by_source``), with new prompts computed in the same batch;
-* after an engine restart (a new engine process, same disk folder) they come from disk.
+What is compared, bitwise (tokens and logprobs): single requests run one at a time, so that the
+matrix shapes are the same in both runs (vLLM is not batch-invariant: a batch of other
+requests, or a cache hit against a full prefill, changes bf16 rounding). The transfers under
+test happen in between, in concurrent batches:
+
+* cold runs with offloading equal cold runs without it (stores do not disturb the compute);
+* a batch loads old prompts from our CPU tier while new prompts are computed and stored; a GPU
+  hit on the loaded KV then equals the GPU hit on the KV as first computed (loads are complete
+  and exact);
+* the new prompts, served from the CPU tier alone, equal their GPU hit (stores that ran next
+  to other forward passes copied the blocks after they were written);
+* after an engine restart (new engine process, same disk folder) the prompts come from disk and
+  equal the first engine's GPU hit.
 
 GPU only (marker ``gpu``; ``scripts/gpu_tests.sh``); skipped, never passed, elsewhere.
 """
@@ -67,38 +75,49 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    """Greedy tokens without offloading: cold, then (for the new prompts) in a mixed batch."""
+    """Cold outputs without offloading, one request at a time."""
     eng = Engine(OPTS, model, "none", None, GPU_BLOCKS, MAX_LEN)
     try:
-        _, _, cold = eng.generate(PROMPTS, MAX_TOKENS)
-        eng.settle()
-        _, _, mixed = eng.generate(PROMPTS + NEW, MAX_TOKENS)
+        outs, _ = one_by_one(eng, PROMPTS + NEW)
     finally:
         eng.close()
-    return [r["token_ids"] for r in cold], [r["token_ids"] for r in mixed]
+    return outs
 
 
-def ids(res):
-    return [r["token_ids"] for r in res]
+def one_by_one(eng, prompts):
+    """Run each prompt alone: (tokens, logprobs) per prompt, and the summed hit sources."""
+    outs, total = [], {"device": 0.0, "host": 0.0, "disk": 0.0}
+    for p in prompts:
+        _, src, res = eng.generate([p], MAX_TOKENS)
+        outs.append((res[0]["token_ids"], res[0]["logprobs"]))
+        for k in total:
+            total[k] += src[k]
+    return outs, total
 
 
 @pytest.mark.parametrize("gpu_copy", ["dma", "staged"])
-def test_outputs_identical_when_served_from_the_cpu_tier_and_after_restart(
+def test_tier_hits_are_bitwise_equal_to_gpu_hits_with_transfers_next_to_compute(
         model, reference, tmp_path, gpu_copy):
-    ref_cold, ref_mixed = reference
-    assert len({tuple(t) for t in ref_cold}) == len(ref_cold)  # the weights make varied output
+    n_old = len(PROMPTS)
+    assert len({tuple(t) for t, _ in reference}) == len(reference)  # outputs vary by prompt
     kvt = transfer_config("ours", tmp_path, 2 << 30, 4.0, gpu_copy)
     eng = Engine(OPTS, model, "ours", kvt, GPU_BLOCKS, MAX_LEN)
     try:
-        _, _, cold = eng.generate(PROMPTS, MAX_TOKENS)
-        assert ids(cold) == ref_cold
+        cold, _ = one_by_one(eng, PROMPTS)
+        assert cold == reference[:n_old]
+        gpu_hit, src = one_by_one(eng, PROMPTS)
+        assert src["device"] > 0.9 * sum(len(p) for p in PROMPTS), src
         eng.settle(1.0)  # stores done; GPU prefix cache dropped
-        _, src, mixed = eng.generate(PROMPTS + NEW, MAX_TOKENS)
-        prompt_tokens = sum(len(p) for p in PROMPTS)
-        assert src["host"] >= 0.9 * prompt_tokens, src  # the old prompts came from our CPU tier
-        assert ids(mixed) == ref_mixed
-        for p, r in zip(PROMPTS, mixed, strict=False):
-            assert r["cached_tokens"] >= 0.8 * len(p), (len(p), r["cached_tokens"])
+        # concurrent: old prompts load from the CPU tier while new ones compute and store
+        _, src, _ = eng.generate(PROMPTS + NEW, MAX_TOKENS)
+        assert src["host"] > 0.5 * sum(len(p) for p in PROMPTS), src
+        again, _ = one_by_one(eng, PROMPTS)  # GPU hits on the KV those loads brought back
+        assert again == gpu_hit
+        new_gpu_hit, _ = one_by_one(eng, NEW)
+        eng.settle(1.0)
+        new_cpu_hit, src = one_by_one(eng, NEW)  # served from the CPU tier
+        assert src["host"] > 0.9 * sum(len(p) for p in NEW), src
+        assert new_cpu_hit == new_gpu_hit
         eng.settle(2.0)  # let the file tier's writes land
     finally:
         eng.close()
@@ -106,9 +125,9 @@ def test_outputs_identical_when_served_from_the_cpu_tier_and_after_restart(
         return
     eng = Engine(OPTS, model, "ours", kvt, GPU_BLOCKS, MAX_LEN)  # restart: new engine process
     try:
-        _, src, again = eng.generate(PROMPTS, MAX_TOKENS)
-        assert src["disk"] >= 0.9 * sum(len(p) for p in PROMPTS), src
-        assert ids(again) == ref_cold
+        from_disk, src = one_by_one(eng, PROMPTS)
+        assert src["disk"] > 0.5 * sum(len(p) for p in PROMPTS), src
+        assert from_disk == gpu_hit
     finally:
         eng.close()
     assert os.path.isdir(tmp_path / "ours")
