@@ -50,4 +50,4 @@ bench: env
 	$(VENV)/bin/tiering bench $(BENCH_DIR) --row-bytes 2MiB --total 4GiB --repeat 3
 
 clean:
-	rm -rf $(VENV) .venv033 build build-gpu *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv033 build build-gpu build-gpu-wheels *.egg-info .pytest_cache .hypothesis

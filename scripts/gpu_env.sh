@@ -2,7 +2,7 @@
 # without installing it (mirrors pyproject's package-dir mapping) and add wheels carried in .whl/
 # (for a GPU machine without network: lmdb, zstandard, kvikio, ...).
 if ls .whl/*.whl >/dev/null 2>&1; then
-  whl_site=${TIERING_WHL_SITE:-/tmp/tiering-whl-site}
+  whl_site=${TIERING_WHL_SITE:-$PWD/build-gpu-wheels}
   stamp=$(ls .whl/*.whl | sort | md5sum | cut -d' ' -f1)
   if [ "$(cat "$whl_site/.stamp" 2>/dev/null)" != "$stamp" ]; then
     rm -rf "$whl_site"

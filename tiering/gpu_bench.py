@@ -35,6 +35,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,7 +82,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=0,
                     help="skip the steps (a config's phases or throughput) that would start after "
                          "this many seconds (0: no limit)")
-    ap.add_argument("--scratch", default=os.environ.get("TIERING_BENCH_DIR", "/tmp/tiering-gpu-bench"))
+    ap.add_argument("--scratch", default=os.environ.get(
+        "TIERING_BENCH_DIR", os.path.join(tempfile.gettempdir(), "tiering-gpu-bench")),
+        help="model folder and file tiers (removed and made again)")
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--tag", default="h200")
     ap.add_argument("--cpu-platform", action="store_true",
