@@ -58,15 +58,12 @@ def apply(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
     """Apply an operation on the owner thread of a FileTier; returns what was removed."""
     op = check_op(op)
     if op["op"] == "clear":
-        keys = [k for k, s in tier.entries.items() if tier._ready[s]]
-        removed = tier.drop(keys)
+        removed = tier.clear()
     elif "bytes" in op:
         n = -(-op["bytes"] // tier.row_bytes)
         removed = len(tier.evict(n))
     else:
-        cutoff = time.time() - op["older_than"]
-        old = [k for k, s in tier.entries.items() if tier._ready[s] and tier._last[s] < cutoff]
-        removed = tier.drop(old)
+        removed = tier.clear(last_access_before=time.time() - op["older_than"])
     return {"removed_entries": removed, "removed_bytes": removed * tier.row_bytes,
             "entries": len(tier.entries)}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from tiering.backends.codec import check_codec
 from tiering.backends.io_engines import ALIGN, ENGINES
 from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
+
+DEMOTE_MODES = ("on_store", "on_evict")
 
 
 @dataclass
@@ -35,6 +38,9 @@ class FileTierConfig:
     preallocate: bool = True
     direct: bool = True
     max_batch: int = 0  # rows per group commit; 0 = about 64 MiB worth
+    # when a chunk is written here: "on_store" (as soon as the CPU tier has it: write-through)
+    # or "on_evict" (only when the CPU tier is about to evict it: write-back, fewer SSD writes)
+    demote: str = "on_store"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "file tier") -> FileTierConfig:
@@ -58,8 +64,29 @@ def _nearest_existing(path: Path) -> Path:
     return p
 
 
-def validate(cfg: FileTierConfig, row_bytes: int, existing_bytes: int = 0) -> dict[str, int]:
-    """Check every setting; returns the parsed numbers. Creates nothing."""
+def allocated_bytes(root: Path, namespace_id: str | None) -> int:
+    """Disk space the cache already holds under ``root``: its slab files (one namespace's, or
+    every namespace's when the namespace is not known yet). Links are not followed."""
+    pattern = f"{namespace_id}/slab-*.dat" if namespace_id else "*/slab-*.dat"
+    total = 0
+    for p in root.glob(pattern):
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_blocks * 512
+    return total
+
+
+def validate(cfg: FileTierConfig, row_bytes: int, namespace_id: str | None = None
+             ) -> dict[str, int]:
+    """Check every setting; returns the parsed numbers. Creates nothing.
+
+    The one place a file tier's settings are checked (engine start, ``tiering config``, the
+    tier's own open). The free-space check counts the slabs this cache already owns under the
+    path as available to it: a tier sized to most of its drive must still restart.
+    """
     if not isinstance(row_bytes, int) or row_bytes <= 0 or row_bytes % ALIGN:
         raise ValueError(f"row_bytes: must be a positive multiple of {ALIGN} (slots are "
                          f"O_DIRECT-aligned), got {row_bytes!r}")
@@ -74,6 +101,8 @@ def validate(cfg: FileTierConfig, row_bytes: int, existing_bytes: int = 0) -> di
     if cfg.io not in ENGINES:
         raise ValueError(f"io: unknown I/O engine {cfg.io!r}; expected one of {', '.join(ENGINES)}")
     check_codec(cfg.compression)
+    if cfg.demote not in DEMOTE_MODES:
+        raise ValueError(f"demote: expected one of {', '.join(DEMOTE_MODES)}, got {cfg.demote!r}")
     resolve(cfg.policy)
     for name in ("store_threshold", "tracker_size", "io_threads", "max_batch", "element_bytes"):
         v = getattr(cfg, name)
@@ -89,6 +118,7 @@ def validate(cfg: FileTierConfig, row_bytes: int, existing_bytes: int = 0) -> di
     if not os.access(anchor, os.W_OK | os.X_OK):
         raise ValueError(f"path: {root} is not writable (checked {anchor})")
     free = shutil.disk_usage(anchor).free
+    existing_bytes = allocated_bytes(root, namespace_id) if root.is_dir() else 0
     n_slots = capacity // row_bytes
     needed = n_slots * row_bytes - existing_bytes
     if cfg.preallocate and needed > free:

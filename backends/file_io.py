@@ -21,6 +21,7 @@ scheduler thread drains in ``FileTier.poll``).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -32,6 +33,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import lmdb
+
 from tiering.backends.checksum import checksum_of
 from tiering.backends.codec import ZstdCodec
 from tiering.backends.index import Index, pack_record
@@ -39,6 +42,16 @@ from tiering.backends.io_engines import ALIGN, IoEngine, aligned_buffer
 from tiering.backends.slab import SlabSet
 
 log = logging.getLogger(__name__)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """How a failed write is counted: ``full`` for a full disk or index, else ``error``."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "full"
+    if isinstance(exc, lmdb.MapFullError) or (
+            isinstance(exc, lmdb.Error) and "No space left" in str(exc)):
+        return "full"  # LMDB reports the system's ENOSPC as its own error type
+    return "error"
 
 
 @dataclass
@@ -115,6 +128,13 @@ class PendingMeta:
         with self._lock:
             self._stats[name] = self._stats.get(name, 0) + n
 
+    def give_back(self, stats: dict[str, int]) -> None:
+        """Counters whose transaction failed (a full disk): persisted with a later one.
+        (Access-stat records are not given back: a key dropped meanwhile must stay dropped.)"""
+        with self._lock:
+            for name, n in stats.items():
+                self._stats[name] = self._stats.get(name, 0) + n
+
     def take(self) -> tuple[list[tuple[bytes, bytes]], dict[str, int]]:
         with self._lock:
             records, stats = list(self._records.items()), self._stats
@@ -146,8 +166,9 @@ class Committer(threading.Thread):
                 if records or stats:
                     try:
                         self.index.publish(records, [], stat_delta=stats)
-                    except Exception:  # a full disk: keep serving, stats are best effort
+                    except Exception:  # a full disk: keep serving, counters go with a later txn
                         log.exception("file tier: persisting access stats failed")
+                        self.pending.give_back(stats)
                 continue
             if job is None:
                 return
@@ -165,13 +186,16 @@ class Committer(threading.Thread):
                 rows += len(nxt.writes)
             try:
                 self._commit(batch)
-            except Exception:  # never let the thread die: fail the batch's writes instead
+            except Exception as exc:  # never let the thread die: fail the batch's writes
                 if sys.is_finalizing():  # the process is exiting without close(): nothing
                     return  # was published, so the slots are free on the next open
-                log.exception("file tier: batch commit failed")
+                reason = failure_reason(exc)
+                log.exception("file tier: batch commit failed (%s)", reason)
+                for j in batch:  # their counters are persisted with a later transaction
+                    self.pending.give_back(j.stats)
                 for j in batch:
                     for w in j.writes:
-                        self.out.put(WriteResult(w.key, w.slot, False, reason="error"))
+                        self.out.put(WriteResult(w.key, w.slot, False, reason=reason))
             finally:
                 for j in batch:
                     if j.reply is not None:
@@ -233,14 +257,9 @@ class Committer(threading.Thread):
         dropped = set(drop)
         records = [rec for j in batch for rec in j.records if rec[0] not in dropped]
         for r, w in zip(results, writes, strict=True):
-            if r.ok:
+            if r.ok:  # (counted by the owner when it applies the result)
                 records.append((r.key, pack_record(r.slot, r.length, r.codec, r.checksum,
                                                    w.created, w.created, 0)))
-                stats["writes"] = stats.get("writes", 0) + 1
-                stats["write_bytes"] = stats.get("write_bytes", 0) + r.length
-            else:
-                stats["rejected_error"] = stats.get("rejected_error", 0) + 1
-                stats["io_errors"] = stats.get("io_errors", 0) + 1
         self.index.publish(records, slots, stat_delta=stats)
         for r in results:
             self.out.put(r)
@@ -274,7 +293,7 @@ class Committer(threading.Thread):
             except OSError as exc:
                 log.warning("file tier: write of slots %d..%d failed: %s", group[0][0].slot,
                             group[-1][0].slot, exc)
-                ok, reason = False, "error"
+                ok, reason = False, failure_reason(exc)
             secs = time.perf_counter() - t0
             for w, codec, payload, checksum in group:
                 results.append(WriteResult(w.key, w.slot, ok, len(payload), codec, checksum,

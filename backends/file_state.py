@@ -6,19 +6,15 @@
   tables: key → slot, per-slot record fields (plain lists: a million small objects would make
   reopening slow), free slots, and keys oldest-access-first for the policy. Records beyond a
   shrunk capacity, and slots claimed by two keys, are dropped (never trusted).
-* ``OPEN_TIERS`` — tiers still open at interpreter exit are closed, which persists their last
-  access stats and counters.
 """
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import gc
 import logging
 import os
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -28,19 +24,6 @@ import numpy as np
 from tiering.backends.index import Index
 
 log = logging.getLogger(__name__)
-
-OPEN_TIERS: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_tiers() -> None:
-    """A server stopped by a signal still persists its last access stats and counters."""
-    for tier in list(OPEN_TIERS):
-        try:
-            tier.close()
-        except Exception:  # exiting anyway: never turn a clean exit into a traceback
-            log.exception("closing file tier %s at exit failed", tier.folder)
-
 
 class NamespaceLocked(RuntimeError):
     """Another process is the writer of this namespace."""
@@ -57,25 +40,6 @@ class Entry(NamedTuple):
     last_access: float
     hits: int
     ready: bool
-
-
-@dataclass
-class ReadResult:
-    key: bytes
-    ok: bool
-    reason: str = ""
-    nbytes: int = 0
-    seconds: float = 0.0
-    token: Any = None
-
-
-@dataclass
-class WriteDone:
-    key: bytes
-    ok: bool
-    reason: str = ""
-    nbytes: int = 0
-    seconds: float = 0.0
 
 
 def acquire_writer_lock(folder: Path) -> int:

@@ -24,7 +24,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,33 +43,36 @@ from tiering.backends.file_io import (
     read_run,
 )
 from tiering.backends.file_state import (
-    OPEN_TIERS,
     Entry,
     NamespaceLocked,  # noqa: F401 - part of this module's interface
-    ReadResult,
-    WriteDone,
     acquire_writer_lock,
     announce,
     load_slot_state,
 )
-from tiering.backends.index import MAX_KEY_BYTES, STAT_NAMES, Index, pack_record
+from tiering.backends.index import MAX_KEY_BYTES, Index, pack_record
 from tiering.backends.io_engines import make_engine
 from tiering.backends.namespace import NamespaceFacts, read_meta, write_meta
 from tiering.backends.slab import SlabSet
 from tiering.policies import StoreThreshold, create
+from tiering.stats import TierStats
+from tiering.tier import Completion, Lookup, PutOutcome, Tier
 
 log = logging.getLogger(__name__)
 
 
-class FileTier:
+class FileTier(Tier):
+    medium = "file"
+    _removed_listener: Callable[[list[bytes]], None] | None = None  # see on_removed
+
     def __init__(self, cfg: FileTierConfig | dict, facts: NamespaceFacts,
                  info: dict[str, Any] | None = None) -> None:
         cfg = FileTierConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
         self.cfg, self.facts = cfg, facts
         self.row_bytes = facts.row_bytes
+        self.policy_spec = cfg.policy
         self.folder = Path(cfg.path) / facts.namespace_id
-        existing = sum(p.stat().st_blocks * 512 for p in self.folder.glob("slab-*.dat"))
-        nums = validate(cfg, self.row_bytes, existing)  # raises before anything is created
+        # raises before anything is created; counts what this namespace already holds as ours
+        nums = validate(cfg, self.row_bytes, facts.namespace_id)
         self.capacity, self.n_slots = nums["capacity"], nums["n_slots"]
 
         Path(cfg.path).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -109,9 +112,9 @@ class FileTier:
         self.committer.start()
         self._inflight_reads = 0
         self._inflight_writes = 0
-        self._stats = dict.fromkeys(STAT_NAMES, 0)  # this process's counters
+        # this process's counters; each increment is also persisted with the next index txn
+        self.stats = TierStats(on_add=self.pending.count)
         self.closed = False
-        OPEN_TIERS.add(self)  # flushed and closed at interpreter exit if still open
         announce(self)
 
     def _rebuild(self) -> None:
@@ -127,19 +130,25 @@ class FileTier:
         self.reopen_seconds = time.perf_counter() - t0
 
     # -- queries (owner thread) ---------------------------------------------------------------
+    def on_removed(self, listener: Callable[[list[bytes]], None] | None) -> None:
+        """Call ``listener(keys)`` on the owner thread whenever stored keys leave the tier
+        (evicted by ``put``/``evict``, dropped after a bad read, by ``drop``/``clear`` or an
+        admin request), e.g. to tell a KV-event consumer. ``None`` removes it."""
+        self._removed_listener = listener
+
     def contains(self, key: bytes) -> bool:
         slot = self.entries.get(key)
         return slot is not None and self._ready[slot]
 
-    def lookup(self, key: bytes) -> bool:
-        """``contains`` that also counts a lookup and lets the policy see misses."""
-        self._count("lookups")
+    def lookup(self, key: bytes, count: bool = True) -> Lookup:
         if self.contains(key):
-            self._count("hits")
-            return True
-        self._count("misses")
-        self.policy.on_miss(key)
-        return False
+            if count:
+                self.stats.lookup(True, self.row_bytes)
+            return Lookup.HIT
+        if count:
+            self.stats.lookup(False)
+            self.policy.on_miss(key)
+        return Lookup.PENDING if key in self.entries else Lookup.MISS
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -151,45 +160,55 @@ class FileTier:
         return Entry(slot, self._len[slot], self._codec[slot], self._sum[slot],
                      self._created[slot], self._last[slot], self._hits[slot], self._ready[slot])
 
+    def usage(self) -> tuple[int, int, int]:
+        n = len(self.entries)
+        return n * self.row_bytes, self.capacity, n
+
     @property
-    def used_bytes(self) -> int:
-        return len(self.entries) * self.row_bytes
+    def engine_name(self) -> str:
+        return self.engine.describe()
 
     def has_pending_work(self) -> bool:
         return bool(self._inflight_reads or self._inflight_writes)
 
     # -- writes (owner thread) ------------------------------------------------------------------
-    def put(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> list[bytes]:
-        """Offer rows for storing; returns the keys accepted (written in the background).
+    def put(self, keys: Sequence[bytes], rows: Sequence[memoryview] | None) -> PutOutcome:
+        """Offer rows for storing; the admitted ones are written in the background.
 
-        ``keys`` are one request's chunks in prefix order. The caller keeps each accepted row's
-        memory unchanged until ``poll`` reports that key's ``WriteDone``.
+        ``keys`` are one request's chunks in prefix order. The caller keeps each admitted row's
+        memory unchanged until ``poll`` reports that key's ``store`` completion.
         """
-        if len(keys) != len(rows):
-            raise ValueError(f"put: {len(keys)} keys but {len(rows)} rows")
-        accepted, items, drop, reused = [], [], [], False
-        now = time.time()
-        for key, row in zip(keys, rows, strict=True):
+        if rows is None or len(keys) != len(rows):
+            raise ValueError(f"put: {len(keys)} keys but "
+                             f"{'no' if rows is None else len(rows)} rows")
+        for key, row in zip(keys, rows, strict=True):  # all checked before anything changes
             self._check_key(key)
             if len(row) != self.row_bytes:
                 raise ValueError(f"put: row for key {key.hex()} has {len(row)} bytes, "
                                  f"expected row_bytes={self.row_bytes}")
+        out = PutOutcome()
+        accepted, items, drop, reused = out.admitted, [], [], False
+        now = time.time()
+        for key, row in zip(keys, rows, strict=True):
             if key in self.entries:
                 continue
             if not self.admission.offer(key):
-                self._count("rejected_threshold")
+                out.rejected[key] = "threshold"
+                self.stats.reject("threshold")
                 continue
             if not self._free:
                 victims = self.policy.evict(1, protected=keys)
                 if victims is None:
-                    self._count("rejected_full")
+                    out.rejected[key] = "full"
+                    self.stats.reject("full")
                     continue
                 victim = victims[0]
                 self._free.append(self.entries.pop(victim))
                 self.pending.discard(victim)
                 drop.append(victim)
+                out.evicted.append(victim)
                 reused = True
-                self._count("evictions")
+                self.stats.add("evictions")
             slot = self._free.pop()
             self.entries[key] = slot
             self._ready[slot], self._hits[slot] = False, 0
@@ -203,7 +222,9 @@ class FileTier:
             self._inflight_writes += len(accepted)
         if items or drop:
             self._submit(Job(writes=items, drop_keys=drop, reused_slots=reused))
-        return accepted
+        if drop and self._removed_listener is not None:
+            self._removed_listener(drop)
+        return out
 
     def _check_key(self, key: bytes) -> None:
         if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
@@ -219,14 +240,11 @@ class FileTier:
                            self._last[s], self._hits[s])
 
     # -- reads (owner thread) -------------------------------------------------------------------
-    def get(self, key: bytes, out: memoryview, token: Any = None) -> bool:
-        """Start reading a ready key into ``out``; False (a miss) if it is not ready."""
-        return self.get_many([(key, out, token)])[0]
+    def get(self, items: Sequence[tuple[bytes, memoryview, Any]]) -> list[bool]:
+        """Start reading ready keys into their buffers; one bool per item (False = miss, counted
+        as a failed promotion: the key went since the caller's lookup).
 
-    def get_many(self, items: Sequence[tuple[bytes, memoryview, Any]]) -> list[bool]:
-        """Start reading ready keys into their buffers; one bool per item (False = miss).
-
-        Each started key is pinned until ``poll`` reports its ``ReadResult`` (carrying the
+        Each started key is pinned until ``poll`` reports its ``read`` completion (carrying the
         item's token). Reads of consecutive slots are merged into vectored calls.
         """
         started: list[ReadItem] = []
@@ -234,6 +252,7 @@ class FileTier:
         for key, out, token in items:
             slot = self.entries.get(key)
             if slot is None or not self._ready[slot]:
+                self.stats.add("promotion_failures")
                 answers.append(False)
                 continue
             if len(out) != self.row_bytes:
@@ -256,7 +275,8 @@ class FileTier:
         def report(fut) -> None:
             secs = time.perf_counter() - t0
             for it, reason in fut.result():
-                results.put(ReadResult(it.key, not reason, reason, it.length, secs, it.token))
+                results.put(Completion("read", it.key, not reason, reason, it.length, secs,
+                                       it.token))
 
         for run in adjacent_runs(started, self.slabs, per_run, lambda it: it.slot):
             fut = self.engine.submit(read_run, self.engine, self.slabs, self.codec, run,
@@ -276,13 +296,13 @@ class FileTier:
         self.policy.access_many([k for k in keys if k in self.entries])
 
     # -- completions (owner thread) -------------------------------------------------------------
-    def poll(self, wait: float = 0.0) -> list[ReadResult | WriteDone]:
+    def poll(self, wait: float = 0.0) -> list[Completion]:
         """Apply finished I/O to the in-memory state; returns what finished.
 
         ``wait`` > 0 blocks up to that many seconds for the first completion (benchmarks and
         tools; vLLM's scheduler always polls with 0).
         """
-        done: list[ReadResult | WriteDone] = []
+        done: list[Completion] = []
         block = wait > 0 and self.has_pending_work()
         while True:
             try:
@@ -292,7 +312,7 @@ class FileTier:
             block = False
             if isinstance(r, WriteResult):
                 done.append(self._finish_write(r))
-            elif isinstance(r, ReadResult):
+            elif isinstance(r, Completion):
                 done.append(self._finish_read(r))
             elif isinstance(r, SlotsFreed):
                 self._free.extend(r.slots)
@@ -300,34 +320,34 @@ class FileTier:
                 self._admin(r)
         return done
 
-    def _finish_write(self, r: WriteResult) -> WriteDone:
+    def _finish_write(self, r: WriteResult) -> Completion:
         self._inflight_writes -= 1
         slot = self.entries.get(r.key)
         if slot == r.slot and not self._ready[slot]:
             self.policy.unpin(r.key)
-            # the committer already persisted these counts with the batch: local tally only
             if r.ok:
                 self._len[slot], self._codec[slot], self._sum[slot] = r.length, r.codec, r.checksum
                 self._ready[slot] = True
-                self._stats["writes"] += 1
-                self._stats["write_bytes"] += r.length
+                self.stats.add("stores")
+                self.stats.add("store_bytes", r.length)
             else:
                 del self.entries[r.key]
                 self.policy.remove(r.key)
                 self._free.append(r.slot)  # never published: free at once
-                self._stats["rejected_error"] += 1
-                self._stats["io_errors"] += 1
-        return WriteDone(r.key, r.ok, r.reason, r.length, r.seconds)
+                self.stats.reject("full" if r.reason == "full" else "error")
+                self.stats.add("io_errors")
+        return Completion("store", r.key, r.ok, r.reason, r.length, r.seconds)
 
-    def _finish_read(self, r: ReadResult) -> ReadResult:
+    def _finish_read(self, r: Completion) -> Completion:
         self._inflight_reads -= 1
         if r.key in self.entries:
             self.policy.unpin(r.key)
         if r.ok:
-            self._count("reads")
-            self._count("read_bytes", r.nbytes)
+            self.stats.add("promotions")
+            self.stats.add("promotion_bytes", r.nbytes)
         else:
-            self._count("checksum_failures" if r.reason == "checksum" else "io_errors")
+            self.stats.add("promotion_failures")
+            self.stats.add("checksum_failures" if r.reason == "checksum" else "io_errors")
             log.warning("file tier: key %s is a miss (%s); dropping it", r.key.hex(), r.reason)
             self.drop([r.key])
         return r
@@ -352,34 +372,32 @@ class FileTier:
             slots.append(slot)
         if gone:
             self._submit(Job(drop_keys=gone, freed_slots=slots))
+            if self._removed_listener is not None:
+                self._removed_listener(gone)
         return len(gone)
 
     def evict(self, n: int) -> list[bytes]:
         """Evict up to ``n`` keys by policy (e.g. to make room on request)."""
         victims = self.policy.evict(min(n, self.policy.evictable_count())) or []
         self.drop(victims)  # already out of the policy: drop() forgets entries and slots
-        self._count("evictions", len(victims))
+        self.stats.add("evictions", len(victims))
         return victims
 
-    def clear(self) -> None:
-        """Drop every ready key (in-flight ones finish, then can be dropped later)."""
-        self.drop([k for k, s in self.entries.items() if self._ready[s]])
+    def clear(self, last_access_before: float | None = None) -> int:
+        """Drop every ready key (or those last used before a time); returns how many. In-flight
+        ones finish, then can be dropped later."""
+        return self.drop([k for k, s in self.entries.items() if self._ready[s] and (
+            last_access_before is None or self._last[s] < last_access_before)])
 
-    def _count(self, name: str, n: int = 1) -> None:
-        self._stats[name] += n
-        self.pending.count(name, n)
-
-    def counter(self, name: str) -> int:
-        """One of this process's counters (cheap; ``stats()`` builds the whole picture)."""
-        return self._stats[name]
-
-    def stats(self) -> dict[str, Any]:
-        return {**self._stats, "entries": len(self.entries), "capacity_bytes": self.capacity,
-                "used_bytes": self.used_bytes, "slots": self.n_slots,
-                "free_slots": len(self._free), "engine": self.engine.describe()}
+    def describe(self) -> dict[str, Any]:
+        """This process's counters and the tier's size, in one dict (tools, logs)."""
+        used, cap, entries = self.usage()
+        return {**self.stats.snapshot(), "entries": entries, "capacity_bytes": cap,
+                "used_bytes": used, "slots": self.n_slots, "free_slots": len(self._free),
+                "engine": self.engine.describe()}
 
     # -- blocking helpers -------------------------------------------------------------------------
-    def wait_idle(self, timeout: float = 30.0) -> list[ReadResult | WriteDone]:
+    def wait_idle(self, timeout: float = 30.0) -> list[Completion]:
         """Block until every accepted write and started read has completed (tests, shutdown)."""
         deadline = time.monotonic() + timeout
         done = self.poll()
@@ -400,7 +418,6 @@ class FileTier:
         if self.closed:
             return
         self.closed = True
-        OPEN_TIERS.discard(self)
         try:
             self.wait_idle()
             self.flush()

@@ -34,10 +34,6 @@ _RECORD = struct.Struct("<QIBBHQddI")
 assert _RECORD.size == RECORD_SIZE
 MAX_KEY_BYTES = 511  # LMDB's default key limit
 
-STAT_NAMES = (
-    "lookups", "hits", "misses", "writes", "write_bytes", "reads", "read_bytes", "evictions",
-    "rejected_threshold", "rejected_full", "rejected_error", "checksum_failures", "io_errors",
-)
 
 
 def pack_record(slot: int, length: int, codec: int, checksum: int, created: float,
@@ -102,11 +98,14 @@ class Index:
             return {int.from_bytes(k, "big"): int.from_bytes(v, "little") for k, v in txn.cursor()}
 
     def read_stats(self) -> dict[str, int]:
-        out = dict.fromkeys(STAT_NAMES, 0)
+        """The persisted counters, by their flat registry names (``tiering.stats``)."""
+        from tiering.stats import from_persisted
+
+        out: dict[str, int] = {}
         with self.env.begin(db=self.stats) as txn:
             for k, v in txn.cursor():
-                out[k.decode()] = int.from_bytes(v, "little")
-        return out
+                out[k.decode(errors="replace")] = int.from_bytes(v, "little")
+        return from_persisted(out)
 
     # -- writes (committer thread only) -----------------------------------------------------
     def reserve(self, slots: Iterable[int], drop_keys: Iterable[bytes], pid: int,

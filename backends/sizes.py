@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -13,10 +14,18 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(value: int | str, what: str = "size") -> int:
-    """Parse a byte size; ValueError naming ``what`` on anything else."""
+def parse_size(value: int | float | str, what: str = "size") -> int:
+    """Parse a byte size; ValueError naming ``what`` on anything else.
+
+    A float is taken when it is a whole number (JSON has no integers of its own: ``4e10``, and
+    vLLM's ``--kv-offloading-size`` writes GiB × 2**30 as a float)."""
     if isinstance(value, bool):
         raise ValueError(f"{what}: expected a byte size like 1073741824 or '1GiB', got {value!r}")
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise ValueError(f"{what}: expected a whole number of bytes (or a size like "
+                             f"'1.5GiB'), got {value!r}")
+        value = int(value)
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{what}: must not be negative, got {value}")

@@ -30,6 +30,7 @@ def main() -> None:
     from tiering.backends.staging import StagingRegion
     from tiering.bench import _key
     from tiering.chain import TierChain
+    from tiering.cpu_tier import CpuTier
 
     facts = NamespaceFacts("bench-sched", "bfloat16", "bench", 4096, 16)
     print(f"{'policy':<7} {'lookup hit':>11} {'lookup miss':>12} {'store (evicting)':>17}  µs/chunk")
@@ -37,7 +38,7 @@ def main() -> None:
         disk = FileTier({"path": str(tmp / f"disk-{policy}"), "capacity": 2 * n * 4096,
                          "io": "posix", "preallocate": False, "store_threshold": 1 << 30},
                         facts)
-        chain = TierChain(StagingRegion(f"bench-{policy}", n, 4096), policy, 0,
+        chain = TierChain(CpuTier(StagingRegion(f"bench-{policy}", n, 4096), policy, 0),
                           file_tiers=[disk])
         keys = [_key(i) for i in range(n)]
         for s in range(0, n, 16):

@@ -14,6 +14,7 @@ comes from the other list, so eviction never fails while any evictable key exist
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from itertools import compress
@@ -42,6 +43,10 @@ class ArcPolicy(EvictionPolicy):
         first, second = (self.t1, self.t2) if len(self.t1) > self.p else (self.t2, self.t1)
         return iter([*first, *second])
 
+    def peek_victims(self, n: int) -> list[Key]:
+        first, second = (self.t1, self.t2) if len(self.t1) > self.p else (self.t2, self.t1)
+        return list(itertools.islice(itertools.chain(first, second), n))
+
     def on_miss(self, key: Key) -> None:
         """Adapt ``p`` when a lookup misses a ghost (the key is about to be stored again)."""
         if key in self.b1:
@@ -67,6 +72,13 @@ class ArcPolicy(EvictionPolicy):
             self.t2[key] = None
         elif key in self.t2:
             self.t2.move_to_end(key)
+
+    def refresh(self, key: Key) -> None:
+        """Most recent within its own list: T1 stays T1 (a store is not a second use)."""
+        for lst in (self.t1, self.t2):
+            if key in lst:
+                lst.move_to_end(key)
+                return
 
     def _discard(self, key: Key) -> bool:
         if key in self.t1:

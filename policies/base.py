@@ -14,8 +14,8 @@ Invariants every policy keeps (and the tests check on random operation sequences
 * Every operation is O(1) amortized in the number of resident keys (``evict`` is O(n) in the
   number of victims plus the pinned/protected entries it has to step over).
 
-Threading: policies are not thread-safe. The owning tier calls them from one thread (the
-scheduler thread, under the manager lock); I/O threads never touch a policy.
+Threading: policies are not thread-safe. The owning tier calls them from its owner thread only
+(vLLM's scheduler thread in a server); I/O and committer threads never touch a policy.
 
 Batches and the suffix-before-prefix rule: ``insert_many`` and ``access_many`` take the keys
 of one request in prefix order and apply them from the *last* key to the first. The prefix
@@ -26,6 +26,7 @@ after it useless, while a missing suffix chunk costs only itself).
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Hashable, Iterable, Iterator
 from typing import ClassVar
@@ -60,6 +61,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def __iter__(self) -> Iterator[Key]:
         """Resident keys, next victim first (pinned keys included, in place)."""
+
+    def peek_victims(self, n: int) -> list[Key]:
+        """About the next ``n`` victims, in order, without changing anything (write-back
+        cleaning looks ahead with it). Policies override it to avoid walking every key."""
+        return list(itertools.islice(iter(self), n))
 
     # -- mutation -------------------------------------------------------------------------
     @abstractmethod
@@ -135,6 +141,16 @@ class EvictionPolicy(ABC):
         """Record hits on one request's keys, given in prefix order (applied last to first)."""
         for key in reversed(list(keys)):
             self.access(key)
+
+    def refresh(self, key: Key) -> None:
+        """Re-stamp a resident key as stored just now, without counting a hit (unknown keys are
+        ignored). Lets a request stored over several batches be ordered as one batch. Policies
+        without an insertion order (this default) do nothing."""
+
+    def refresh_many(self, keys: Iterable[Key]) -> None:
+        """``refresh`` one request's keys, given in prefix order (applied last to first)."""
+        for key in reversed(list(keys)):
+            self.refresh(key)
 
     def bulk_load(self, keys: list[Key], reused: list[bool]) -> None:
         """Rebuild state after a restart: ``keys`` oldest access first, ``reused[i]`` true if

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 
@@ -26,6 +27,9 @@ class LruPolicy(EvictionPolicy):
     def __iter__(self) -> Iterator[Key]:
         return iter(list(self._order))
 
+    def peek_victims(self, n: int) -> list[Key]:
+        return list(itertools.islice(self._order, n))
+
     def insert(self, key: Key) -> None:
         if key in self._order:
             raise KeyError(f"{key!r} is already resident")
@@ -34,6 +38,9 @@ class LruPolicy(EvictionPolicy):
     def access(self, key: Key) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def refresh(self, key: Key) -> None:
+        self.access(key)  # recency is all LRU knows
 
     def _discard(self, key: Key) -> bool:
         return self._order.pop(key, 0) is None

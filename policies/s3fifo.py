@@ -13,6 +13,7 @@ counted against a step budget, so a queue full of pinned keys cannot loop foreve
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from itertools import compress
@@ -46,6 +47,9 @@ class S3FifoPolicy(EvictionPolicy):
     def __iter__(self) -> Iterator[Key]:
         return iter([*self.small, *self.main])
 
+    def peek_victims(self, n: int) -> list[Key]:
+        return list(itertools.islice(itertools.chain(self.small, self.main), n))
+
     def insert(self, key: Key) -> None:
         if key in self.freq:
             raise KeyError(f"{key!r} is already resident")
@@ -60,6 +64,13 @@ class S3FifoPolicy(EvictionPolicy):
         f = self.freq.get(key)
         if f is not None and f < _MAX_FREQ:
             self.freq[key] = f + 1
+
+    def refresh(self, key: Key) -> None:
+        """Back to the head of its queue as if inserted now; the hit counter is unchanged."""
+        for queue in (self.small, self.main):
+            if key in queue:
+                queue.move_to_end(key)
+                return
 
     def _discard(self, key: Key) -> bool:
         if self.freq.pop(key, None) is None:

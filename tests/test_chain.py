@@ -10,6 +10,7 @@ import tiering.backends.staging as staging
 from tiering.backends.file_tier import FileTier
 from tiering.backends.staging import StagingRegion, remove_stale
 from tiering.chain import Lookup, TierChain
+from tiering.cpu_tier import CpuTier
 
 ROW = 8192
 
@@ -25,7 +26,7 @@ def make_chain(tmp_path, rows=4, disk_slots=16, cpu_threshold=0, disk_threshold=
     tier = FileTier({"path": str(tmp_path / "disk"), "capacity": disk_slots * ROW,
                      "io": "posix", "policy": "lru", "store_threshold": disk_threshold},
                     facts(ROW))
-    return TierChain(region, "lru", cpu_threshold, file_tiers=[tier], events=True)
+    return TierChain(CpuTier(region, "lru", cpu_threshold), file_tiers=[tier], events=True)
 
 
 def fill(chain: TierChain, keys, seed=0) -> dict[bytes, bytes]:
@@ -74,7 +75,7 @@ def test_evicted_chunk_is_promoted_from_disk_byte_exact(tmp_path):
     settle(c)  # demoted to disk
     fill(c, [key("b0"), key("b1")], seed=1)  # pushes a out of the CPU rows
     settle(c)
-    assert all(k not in c.key_row for k in a)
+    assert all(k not in c.cpu.key_row for k in a)
     assert c.lookup(a[0]) == Lookup.PENDING  # promotion started
     c.on_schedule_end()  # reads issued in one batch
     settle(c)
@@ -82,8 +83,8 @@ def test_evicted_chunk_is_promoted_from_disk_byte_exact(tmp_path):
     assert c.hit_source(a[0]) == "disk"
     (row,) = c.prepare_load([a[0]])
     assert c.region.rows[row].tobytes() == data[a[0]]
-    assert c.counters[1].promotions == 1 and c.counters[1].hits == 1
-    assert c.counters[0].hits == 0  # the promoted chunk's first hit is the disk's, not the CPU's
+    assert c.tiers[1].stats["promotions"] == 1 and c.tiers[1].stats["hits"] == 1
+    assert c.tiers[0].stats["hits"] == 0  # the promoted chunk's first hit is the disk's, not the CPU's
     c.close()
 
 
@@ -103,8 +104,8 @@ def test_promotion_of_corrupt_slot_is_a_miss(tmp_path):
     c.on_schedule_end()
     settle(c)
     assert c.lookup(key("x")) == Lookup.MISS  # checksum failed: dropped everywhere
-    assert c.counters[1].promotion_failures == 1
-    assert disk.stats()["checksum_failures"] == 1
+    assert c.tiers[1].stats["promotion_failures"] == 1
+    assert disk.stats["checksum_failures"] == 1
     c.close()
 
 
@@ -125,12 +126,12 @@ def test_store_threshold_on_each_tier(tmp_path):
     c = make_chain(tmp_path, rows=4, cpu_threshold=2, disk_threshold=2)
     k = key("t")
     assert c.prepare_store([k]) == ([], [], [])  # first offer to the CPU tier: counted only
-    assert c.counters[0].rejected["threshold"] == 1
+    assert c.tiers[0].stats["rejections:threshold"] == 1
     fill(c, [k])  # second offer: admitted to CPU
     settle(c)
     disk = c.file_tiers[0]
     assert not disk.contains(k)  # first offer to disk: counted only
-    assert c.counters[1].rejected["threshold"] == 1
+    assert c.tiers[1].stats["rejections:threshold"] == 1
     c.complete_store([k])  # not writing any more: ignored
     c.reset()
     fill(c, [key("u")])
@@ -148,7 +149,7 @@ def test_reset_drops_cpu_rows_keeps_disk(tmp_path):
     pending = c.prepare_store([key(9)])  # an in-flight GPU store, discarded by vLLM on reset
     assert pending
     c.reset()
-    assert not c.key_row
+    assert not c.cpu.key_row
     settle(c)
     assert c.usage()["used"] == 0  # every row free again once demotions finished
     assert c.lookup(ks[0]) == Lookup.PENDING  # from disk
@@ -185,12 +186,12 @@ def test_region_smaller_than_a_row_is_a_clear_error():
 
 def test_cpu_evictions_leave_arc_ghosts(tmp_path):
     region = StagingRegion("arc-ghosts", 4, ROW)
-    c = TierChain(region, "arc", 0)
+    c = TierChain(CpuTier(region, "arc", 0))
     fill(c, [key(i) for i in range(4)])
     c.touch([key(0), key(1)])  # reused: ARC's frequent list T2
     fill(c, [key(4)], seed=1)  # evicts one of the once-seen keys 2, 3 from T1
-    (victim,) = [k for k in (key(2), key(3)) if k not in c.key_row]
-    assert victim in c.policy.b1  # ARC remembers it: a return adapts p and goes to T2
-    assert c.key_row.keys() >= {key(0), key(1), key(4)}
+    (victim,) = [k for k in (key(2), key(3)) if k not in c.cpu.key_row]
+    assert victim in c.cpu.policy.b1  # ARC remembers it: a return adapts p and goes to T2
+    assert c.cpu.key_row.keys() >= {key(0), key(1), key(4)}
     c.close()
     region.close(unlink=True)

@@ -53,13 +53,13 @@ def test_inspect_json(cache, capsys):
 
 def test_stats_and_export_agree_with_inspect(cache, capsys):
     (st,) = run_json(capsys, "stats", str(cache), "--json")["namespaces"]
-    assert (st["entries"], st["writes"], st["lookups"], st["hits"]) == (10, 10, 4, 3)
-    assert st["write_bytes"] == 10 * ROW
+    assert (st["entries"], st["stores"], st["lookups"], st["hits"]) == (10, 10, 4, 3)
+    assert st["store_bytes"] == 10 * ROW
     assert main(["export", str(cache), "--prometheus"]) == 0
     m = parse_metrics(capsys.readouterr().out)
     assert metric(m, "tiering_cache_entries") == 10
     assert metric(m, "tiering_cache_capacity_bytes") == 16 * ROW
-    assert metric(m, "tiering_cache_writes_total") == 10
+    assert metric(m, "tiering_cache_stores_total") == 10
     assert metric(m, "tiering_cache_hits_total") == 3
 
 

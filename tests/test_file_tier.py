@@ -63,7 +63,7 @@ def test_evicted_key_is_gone_and_stays_gone(tmp_path):
         store(t, [key(9)])
         assert not t.contains(key(3))
         assert read(t, key(3))[0] is None
-        assert t.stats()["evictions"] == 1
+        assert t.stats["evictions"] == 1
     with open_tier(tmp_path, slots=4) as t:
         assert not t.contains(key(3))
         assert t.contains(key(9))
@@ -74,9 +74,9 @@ def test_full_tier_with_everything_pinned_rejects(tmp_path):
     with open_tier(tmp_path, slots=2) as t:
         store(t, [key(0), key(1)])
         outs = [aligned_buffer(ROW), aligned_buffer(ROW)]
-        assert t.get(key(0), outs[0]) and t.get(key(1), outs[1])  # both pinned by reads
-        assert t.put([key(2)], [row_for(key(2))]) == []
-        assert t.stats()["rejected_full"] == 1
+        assert t.get([(key(0), outs[0], None), (key(1), outs[1], None)]) == [True, True]  # both pinned by reads
+        assert t.put([key(2)], [row_for(key(2))]).admitted == []
+        assert t.stats["rejections:full"] == 1
         t.wait_idle()
         assert t.contains(key(0)) and t.contains(key(1))
 
@@ -84,7 +84,7 @@ def test_full_tier_with_everything_pinned_rejects(tmp_path):
 def test_keys_of_the_same_put_are_never_evicted_for_each_other(tmp_path):
     with open_tier(tmp_path, slots=3) as t:
         keys = [key(i) for i in range(5)]
-        accepted = t.put(keys, [row_for(k) for k in keys])
+        accepted = t.put(keys, [row_for(k) for k in keys]).admitted
         t.wait_idle()
         assert accepted == keys[:3]
         assert all(t.contains(k) for k in keys[:3])
@@ -93,9 +93,9 @@ def test_keys_of_the_same_put_are_never_evicted_for_each_other(tmp_path):
 def test_store_threshold_counts_offers(tmp_path):
     with open_tier(tmp_path, store_threshold=2) as t:
         k = key("t")
-        assert t.put([k], [row_for(k)]) == []
-        assert t.stats()["rejected_threshold"] == 1
-        assert t.put([k], [row_for(k)]) == [k]
+        assert t.put([k], [row_for(k)]).admitted == []
+        assert t.stats["rejections:threshold"] == 1
+        assert t.put([k], [row_for(k)]).admitted == [k]
         t.wait_idle()
         assert t.contains(k)
 
@@ -142,7 +142,7 @@ def test_zstd_round_trip_on_kv_like_data(tmp_path):
         e = t.entry(k)
         assert e.codec == 1 and e.length < 0.8 * big
         out = aligned_buffer(big)
-        t.get(k, out)
+        t.get([(k, out, None)])
         assert all(d.ok for d in t.wait_idle())
         assert bytes(out) == bytes(row)
 
@@ -203,3 +203,20 @@ def test_row_size_mismatch_is_a_clear_error(tmp_path):
         with pytest.raises(ValueError, match="expected row_bytes=8192"):
             t.put([key(0)], [memoryview(bytearray(100))])
         assert len(t) == 0
+
+
+def test_removed_listener_sees_every_key_that_leaves(tmp_path):
+    keys = [key(i) for i in range(6)]
+    seen: list[bytes] = []
+    with open_tier(tmp_path, slots=4) as t:
+        t.on_removed(seen.extend)
+        store(t, keys[:4])
+        store(t, keys[4:5])  # full: one evicted by put
+        assert len(seen) == 1 and seen[0] in keys[:4] and not t.contains(seen[0])
+        assert t.drop([keys[4]]) == 1  # dropped on request
+        assert seen[-1] == keys[4]
+        victims = t.evict(1)
+        assert seen[-1:] == victims
+        t.on_removed(None)
+        t.clear()
+        assert len(seen) == 3

@@ -88,7 +88,7 @@ def test_flipped_byte_is_a_miss_and_verify_reports_it(tmp_path, capsys):
         data, done = read(t, victim)
         assert data is None and done[0].reason == "checksum"
         assert not t.contains(victim)
-        assert t.stats()["checksum_failures"] == 1
+        assert t.stats["checksum_failures"] == 1
         for k in keys:
             if k != victim:
                 assert read(t, k)[0] == bytes(row_for(k))
@@ -169,7 +169,7 @@ def test_disk_full_rejects_writes_keeps_reads(small_fs):
     with open_tier(small_fs, slots=64, row_bytes=row, preallocate=False,
                    slab_file_bytes=row * 64) as t:
         early = [key(i) for i in range(4)]
-        accepted = t.put(early, [row_for(k, row) for k in early])
+        accepted = t.put(early, [row_for(k, row) for k in early]).admitted
         assert accepted == early and all(d.ok for d in t.wait_idle())
         filler = small_fs / "filler"
         with open(filler, "wb") as fh:  # eat the rest of the disk
@@ -184,14 +184,14 @@ def test_disk_full_rejects_writes_keeps_reads(small_fs):
         done = t.wait_idle()
         failed = [d for d in done if not d.ok]
         assert failed, "expected ENOSPC on a full filesystem"
-        assert t.stats()["rejected_error"] == len(failed)
+        assert t.stats["rejections:full"] == len(failed)  # ENOSPC is "full", not "error"
         for d in failed:
             assert not t.contains(d.key)
         for k in early:  # nothing already stored is lost
             out = bytearray(row)
-            assert t.get(k, memoryview(out))
+            assert t.get([(k, memoryview(out), None)]) == [True]
             assert all(r.ok for r in t.wait_idle())
             assert bytes(out) == bytes(row_for(k, row))
         filler.unlink()
-        retry = t.put([failed[0].key], [row_for(failed[0].key, row)])
+        retry = t.put([failed[0].key], [row_for(failed[0].key, row)]).admitted
         assert retry and all(d.ok for d in t.wait_idle())

@@ -128,11 +128,11 @@ def test_cli_inspect_stats_export_agree_with_server(live, capsys):
     assert cli(["stats", str(live["cache"]), "--json"]) == 0
     (st,) = json.loads(capsys.readouterr().out)["namespaces"]
     assert st["entries"] == ns["entries"]
-    assert st["writes"] == metric(raw, "vllm:kv_tier_stores_total", tier="disk")
+    assert st["stores"] == metric(raw, "vllm:kv_tier_stores_total", tier="disk")
     assert cli(["export", str(live["cache"])]) == 0
     exported = parse_metrics(capsys.readouterr().out)
     assert metric(exported, "tiering_cache_entries") == ns["entries"]
-    assert metric(exported, "tiering_cache_writes_total") == st["writes"]
+    assert metric(exported, "tiering_cache_stores_total") == st["stores"]
 
 
 def test_cli_watch_shows_tiers(live, capsys):

@@ -12,7 +12,8 @@ POLICIES = sorted(REGISTRY)
 
 # An operation: (op, key) with a small key space so that collisions happen often.
 ops_strategy = st.lists(
-    st.tuples(st.sampled_from(["insert", "access", "remove", "pin", "unpin", "evict", "miss"]),
+    st.tuples(st.sampled_from(["insert", "access", "refresh", "remove", "pin", "unpin",
+                                   "evict", "miss"]),
               st.integers(0, 15), st.integers(1, 4)),
     max_size=200)
 
@@ -65,6 +66,10 @@ def apply_ops(policy, ops, ref=None):
             policy.access(key)
             if ref:
                 ref.access(key)
+        elif op == "refresh":
+            policy.refresh(key)
+            if ref:
+                ref.access(key)  # for LRU a re-stamp is the same move as a hit
         elif op == "remove":
             assert policy.remove(key) == (key in resident)
             resident.discard(key)
@@ -182,6 +187,20 @@ def test_batches_evict_suffix_before_prefix(name):
     victims = p.evict(2)
     assert sorted(victims) == ["A2", "A3"], victims
     assert set(p) == {"A0", "A1"}
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_refresh_reorders_a_batch_without_counting_a_hit(name):
+    """A request stored over two batches, re-stamped as one: its last batch goes first, and
+    nothing moved to a frequent set (ARC's T2, S3-FIFO's main queue)."""
+    p = create(name, capacity=8)
+    p.insert_many(["A0", "A1"])
+    p.insert_many(["A2", "A3"])
+    p.refresh_many(["A0", "A1", "A2", "A3"])
+    p.refresh("unknown")  # ignored
+    assert p.evict(2) == ["A3", "A2"]
+    stats = p.stats()
+    assert stats.get("t2", 0) == 0 and stats.get("main", 0) == 0, stats
 
 
 def test_lru_batch_access_keeps_prefix_newest():

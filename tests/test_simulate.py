@@ -63,3 +63,31 @@ def test_cli_json(tmp_path, capsys):
 def test_cli_unknown_policy_is_usage_error(capsys):
     assert main(["simulate", "--policies", "nope"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
+
+
+def test_demotion_modes_exactly_on_a_small_trace():
+    from tiering.simulate import simulate_demotion
+
+    # CPU holds 2 chunks, disk 8. a,b stored; c,d push a,b out; a,b come back from disk and
+    # push c,d out: write-back writes each chunk once as it leaves the CPU tier.
+    reqs = [("1", ["a", "b"]), ("2", ["c", "d"]), ("3", ["a", "b"])]
+    wt = simulate_demotion(iter(reqs), "lru", 2, 8, demote="on_store")
+    wb = simulate_demotion(iter(reqs), "lru", 2, 8, demote="on_evict")
+    assert (wt.cpu_hits, wt.disk_hits, wt.disk_writes) == (0, 2, 4)  # every store written
+    assert (wb.cpu_hits, wb.disk_hits, wb.disk_writes) == (0, 2, 4)  # a,b then c,d evicted
+    wb2 = simulate_demotion(iter(reqs[:2]), "lru", 2, 8, demote="on_evict")
+    assert wb2.disk_writes == 2  # c,d still in the CPU tier: not written yet
+    # a CPU tier that holds everything: write-back never writes, write-through writes all
+    reqs = [(str(i), ["x", "y"]) for i in range(5)]
+    assert simulate_demotion(iter(reqs), "arc", 4, 8, demote="on_evict").disk_writes == 0
+    assert simulate_demotion(iter(reqs), "arc", 4, 8, demote="on_store").disk_writes == 2
+
+
+def test_simulate_cli_compares_demotion_modes(capsys):
+    assert main(["simulate", "--workload", "rag", "--cpu-capacity", "300", "--policies", "lru",
+                 "--thresholds", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    modes = {r["demote"]: r for r in out["results"]}
+    assert set(modes) == {"on_store", "on_evict"}
+    assert modes["on_evict"]["disk_writes"] <= modes["on_store"]["disk_writes"]
+    assert main(["simulate", "--cpu-capacity", "0"]) == 2

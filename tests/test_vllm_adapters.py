@@ -15,6 +15,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from tiering.backends.reader import NamespaceReader, find_namespaces  # noqa: E402
+from tiering.vllm.compat import VLLM_VERSION  # noqa: E402
 
 KEYS = [bytes([i]) * 32 + b"\0\0\0\0" for i in range(12)]
 
@@ -106,3 +107,110 @@ def test_our_policy_inside_vllm_cpu_manager(name):
     m.complete_store(KEYS[4:6], ctx)
     assert m.lookup(KEYS[0], ctx) == LookupResult.HIT
     assert m.lookup(KEYS[2], ctx) == LookupResult.MISS
+
+
+def _positioned_context(req_id: str, keys: list[bytes]) -> ReqContext:
+    """A request context that knows each key's end token, as vLLM's scheduler records it."""
+    ctx = ReqContext(req_id=req_id)
+    for i, k in enumerate(keys):
+        ctx.set_offload_key_position(k, (i + 1) * 16)
+    return ctx
+
+
+def _evict_one_by_one(m, ctx, fresh: list[bytes]) -> list[bytes]:
+    """Store one new key at a time into a full manager; return the keys pushed out, in order."""
+    victims = []
+    for k in fresh:
+        out = m.prepare_store([k], ctx)
+        assert out is not None
+        victims += list(out.evicted_keys)
+        m.complete_store([k], ctx)
+    return victims
+
+
+POLICIES = ["S3FIFOPolicy", "TieringARCPolicy", "TieringLRUPolicy"]
+# vLLM's own policies as references for the ordering contract: 0.33's LRU orders a running
+# request's chunks tail first (0.32's and both ARCs only once the request has finished).
+IN_REQUEST_REFERENCE = ["lru"] if VLLM_VERSION >= (0, 33) else []
+
+
+def _cpu_manager(name: str, num_chunks: int) -> CPUOffloadingManager:
+    if name in ("lru", "arc"):  # vLLM's own, as the reference for the ordering contract
+        return CPUOffloadingManager(num_chunks=num_chunks, cache_policy=name)
+    return CPUOffloadingManager(num_chunks=num_chunks, cache_policy=name,
+                                cache_policy_module_path="tiering.vllm")
+
+
+@pytest.mark.parametrize("name", [*IN_REQUEST_REFERENCE, *POLICIES])
+def test_policy_evicts_the_tail_of_a_stored_prefix_first(name):
+    """One request stores a 4-chunk prefix in one batch; under pressure from another request the
+    tail goes first, so the head (which every later chunk needs) stays hittable."""
+    m = _cpu_manager(name, 4)
+    prefix = KEYS[:4]
+    ctx = _positioned_context("a", prefix)
+    m.on_new_request(ctx)
+    m.prepare_store(prefix, ctx)
+    m.complete_store(prefix, ctx)
+    other = ReqContext(req_id="b")
+    m.on_new_request(other)
+    assert _evict_one_by_one(m, other, KEYS[4:7]) == [KEYS[3], KEYS[2], KEYS[1]]
+    assert m.lookup(KEYS[0], other) == LookupResult.HIT
+
+
+# vLLM 0.32 passes no request context to insert(): batches are ordered once the request ends
+@pytest.mark.parametrize("name", [*IN_REQUEST_REFERENCE, *POLICIES]
+                         if VLLM_VERSION >= (0, 33) else [])
+def test_policy_evicts_the_tail_first_across_store_batches(name):
+    """A long prompt is stored over several scheduler steps (chunked prefill): the chunks of a
+    later batch are still the request's tail and go before the earlier batches' chunks."""
+    m = _cpu_manager(name, 4)
+    prefix = KEYS[:4]
+    ctx = _positioned_context("a", prefix)
+    m.on_new_request(ctx)
+    for lo in (0, 2):
+        m.prepare_store(prefix[lo:lo + 2], ctx)
+        m.complete_store(prefix[lo:lo + 2], ctx)
+    other = ReqContext(req_id="b")
+    m.on_new_request(other)
+    assert _evict_one_by_one(m, other, KEYS[4:6]) == [KEYS[3], KEYS[2]]
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", *POLICIES])
+def test_policy_keeps_tail_first_order_after_the_request_finished(name):
+    m = _cpu_manager(name, 4)
+    prefix = KEYS[:4]
+    ctx = _positioned_context("a", prefix)
+    m.on_new_request(ctx)
+    for lo in (0, 2):
+        m.prepare_store(prefix[lo:lo + 2], ctx)
+        m.complete_store(prefix[lo:lo + 2], ctx)
+    m.on_request_finished(ctx)
+    other = ReqContext(req_id="b")
+    m.on_new_request(other)
+    assert _evict_one_by_one(m, other, KEYS[4:8]) == [KEYS[3], KEYS[2], KEYS[1], KEYS[0]]
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", *POLICIES])
+def test_policy_reused_prefix_outlives_a_newer_one_shot_prefix(name):
+    """Request b reuses a's head and adds its own tail: at b's end the reused head is the most
+    recent, b's new tail goes first, then a's unreused tail."""
+    m = _cpu_manager(name, 6)
+    a = _positioned_context("a", KEYS[:4])
+    m.on_new_request(a)
+    m.prepare_store(KEYS[:4], a)
+    m.complete_store(KEYS[:4], a)
+    m.on_request_finished(a)
+    b_keys = KEYS[:2] + KEYS[4:6]
+    b = _positioned_context("b", b_keys)
+    m.on_new_request(b)
+    m.prepare_load(KEYS[:2], b)
+    m.complete_load(KEYS[:2], b)
+    m.prepare_store(b_keys, b)
+    m.complete_store(KEYS[4:6], b)
+    m.on_request_finished(b)
+    c = ReqContext(req_id="c")
+    m.on_new_request(c)
+    victims = _evict_one_by_one(m, c, KEYS[6:10])
+    assert KEYS[0] not in victims and KEYS[1] not in victims
+    assert victims.index(KEYS[5]) < victims.index(KEYS[4])
+    assert victims.index(KEYS[3]) < victims.index(KEYS[2])

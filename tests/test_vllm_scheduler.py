@@ -35,6 +35,19 @@ def extra(tmp_path, cpu_rows=8, cpu_threshold=0, disk_threshold=0) -> dict:
                        "io": "posix", "store_threshold": disk_threshold}]}
 
 
+@pytest.mark.parametrize("algo, restart_safe", [("sha256", True), ("xxhash", False)])
+def test_prefix_hash_algo_is_read_as_in_a_real_engine(model, tmp_path, algo, restart_safe):
+    """vLLM's EngineCore builds the scheduler (and so our manager) outside
+    set_current_vllm_config: the engine's hash algorithm must still be found and recorded."""
+    import json
+
+    h = Harness(model, extra(tmp_path), hash_algo=algo, config_context=False)
+    (meta_path,) = (tmp_path / "kv").glob("*/meta.json")
+    meta = json.loads(meta_path.read_text())
+    assert meta["hash_algo"] == algo and meta["restart_safe"] is restart_safe
+    h.manager.shutdown()
+
+
 def test_store_then_load_from_cpu(model, tmp_path):
     h = Harness(model, extra(tmp_path), delay=1)
     a = prompt(1)
@@ -48,7 +61,7 @@ def test_store_then_load_from_cpu(model, tmp_path):
     h.run()
     assert h.loads == 1
     assert h.cached["a2"] >= 384  # all but the last block (vLLM recomputes one token)
-    assert chain.counters[0].hits >= 3
+    assert chain.tiers[0].stats["hits"] >= 3
 
 
 def test_promotion_from_disk_after_connector_reset(model, tmp_path):
@@ -62,8 +75,8 @@ def test_promotion_from_disk_after_connector_reset(model, tmp_path):
     assert h.manager.chain.usage()["entries"] == 0
     h.add("a2", a)
     h.run()
-    c = h.manager.chain.counters[1]
-    assert c.promotions >= 3 and c.hits >= 3
+    c = h.manager.chain.tiers[1].stats
+    assert c["promotions"] >= 3 and c["hits"] >= 3
     assert h.loads == 1 and h.cached["a2"] >= 384
     assert h.manager.get_load_source(next(iter(disk.entries)), None).value == "disk"
 
@@ -74,13 +87,13 @@ def test_store_threshold_on_each_tier(model, tmp_path):
     chain = h.manager.chain
     h.add("a1", a)
     h.run()
-    assert chain.usage()["entries"] == 0 and chain.counters[0].rejected["threshold"] >= 4
+    assert chain.usage()["entries"] == 0 and chain.tiers[0].stats["rejections:threshold"] >= 4
     h.reset_gpu_prefix_cache()
     h.add("a2", a)
     h.run()
     assert chain.usage()["entries"] == 4  # second offer: admitted to CPU
     assert len(chain.file_tiers[0]) == 0  # first offer to disk: counted only
-    assert chain.counters[1].rejected["threshold"] == 4
+    assert chain.tiers[1].stats["rejections:threshold"] == 4
 
 
 def test_request_finish_clears_lookup_bookkeeping(model, tmp_path):
@@ -102,4 +115,4 @@ def test_preemption_flushes_stores_and_leaves_no_row_pinned(model, tmp_path):
     chain = h.manager.chain
     assert h.flushed > 0, "no store job was flushed: the scenario did not preempt"
     assert chain.usage()["pinned"] == 0
-    assert all(s.name != "WRITING" for s in chain.row_state)
+    assert all(r.state.name != "WRITING" for r in chain.cpu.rows)

@@ -52,6 +52,10 @@ def good(tmp_path, **over) -> dict:
     (lambda e: e.update(cpu_bytes_to_use="lots"), "cpu_bytes_to_use: expected a byte size"),
     (lambda e: e.pop("cpu_bytes_to_use"), "cpu_bytes_to_use: required"),
     (lambda e: e.update(cpu_bytes_to_use=1000), "cpu_bytes_to_use: 1000 bytes holds no row"),
+    (lambda e: e.update(cpu_bytes_to_use=1e6 + 0.5), "cpu_bytes_to_use: .*whole number of bytes"),
+    (lambda e: e.update(cpu_bytes_to_use=-4e10), "cpu_bytes_to_use: must not be negative"),
+    (lambda e: e.update(cpu_bytes_to_use=float("nan")), "cpu_bytes_to_use: .*whole number"),
+    (lambda e: e.update(cpu_bytes_to_use=float("inf")), "cpu_bytes_to_use: .*whole number"),
     (lambda e: e["tiers"][1].pop("path"), r"tiers\[1\].path: required"),
     (lambda e: e["tiers"][1].update(capacity="1XB"), r"tiers\[1\].*capacity"),
     (lambda e: e["tiers"][1].update(capacity=1000), r"tiers\[1\].capacity: 1000 bytes holds no"),
@@ -69,6 +73,15 @@ def test_bad_config_is_one_clear_error_before_allocation(tmp_path, mutate, messa
         TieredOffloadingSpec(config(extra))
     assert not (tmp_path / "kv").exists()
     assert not (tmp_path / "shm").exists() or not list((tmp_path / "shm").iterdir())
+
+
+@pytest.mark.parametrize("value", [4e10, float(8 * BLOCK), 16.0 * 2**30])
+def test_integral_float_cpu_bytes_is_accepted(tmp_path, value):
+    """vLLM's own spec takes a JSON float here, and --kv-offloading-size <GiB> writes one."""
+    spec = TieredOffloadingSpec(config(good(tmp_path, cpu_bytes_to_use=value)))
+    assert spec.cfg.cpu_bytes_to_use == int(value)
+    assert isinstance(spec.cfg.cpu_bytes_to_use, int)
+    assert spec.num_rows == int(value) // spec.row_bytes
 
 
 def test_manager_store_lookup_promote_through_vllm_types(tmp_path):
@@ -117,10 +130,61 @@ def test_repeated_lookups_of_one_request_count_once(tmp_path):
     ctx, other = ReqContext(req_id="a"), ReqContext(req_id="b")
     for _ in range(3):  # vLLM asks again every step while the request waits
         assert m.lookup(key, ctx) == LookupResult.MISS
-    assert m.chain.counters[0].lookups == 1 and m.chain.counters[1].lookups == 1
+    assert m.chain.tiers[0].stats["lookups"] == 1 and m.chain.tiers[1].stats["lookups"] == 1
     m.lookup(key, other)
-    assert m.chain.counters[0].lookups == 2
+    assert m.chain.tiers[0].stats["lookups"] == 2
     m.on_request_finished(ctx)
     m.lookup(key, ctx)  # a new request with the same id after the old one finished
-    assert m.chain.counters[0].lookups == 3
+    assert m.chain.tiers[0].stats["lookups"] == 3
     m.shutdown()
+
+
+def _tp2_config(extra: dict, rank: int, replicated: bool, engine: str):
+    """Tensor parallelism 2; ``replicated`` as vLLM sets it for MLA models, whose KV is the
+    same on every rank."""
+    import dataclasses
+
+    return dataclasses.replace(
+        config(extra, engine=engine), replicated_layout=replicated,
+        parallel=OffloadingParallelConfig(rank, 2, 2, 1, 1, 1, 0, 1, None, False))
+
+
+@pytest.mark.parametrize("replicated, copies", [(False, 2), (True, 1)])
+def test_replicated_layout_sizes_rows_for_one_copy(replicated, copies):
+    extra = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+             "cpu_bytes_to_use": 8 * BLOCK}
+    spec = TieredOffloadingSpec(_tp2_config(extra, 0, replicated, "sizing"))
+    assert spec.replicated_layout is replicated  # vLLM's worker then stores from rank 0 only
+    assert spec.row_bytes == copies * BLOCK
+    assert spec.num_rows == 8 // copies
+
+
+def test_replicated_layout_every_rank_reads_the_one_stored_copy():
+    torch = pytest.importorskip("torch")
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+    )
+
+    from tiering.vllm.compat import GPULoadStoreSpec
+    from tiering.vllm.worker import RowsSpec
+
+    extra = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+             "cpu_bytes_to_use": 8 * BLOCK}
+    workers, caches = [], []
+    for rank in (0, 1):
+        spec = TieredOffloadingSpec(_tp2_config(extra, rank, True, "replicated"))
+        t = torch.randint(-128, 127, (16, BLOCK), dtype=torch.int8)
+        kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, BLOCK)], [[CanonicalKVCacheRef(0, BLOCK)]])
+        caches.append(t)
+        workers.append(spec.get_worker(kv))
+    # vLLM submits the store on rank 0 only; every rank loads
+    assert workers[0].submit_store(1, GPULoadStoreSpec([3], [1], [0]), RowsSpec([2]))
+    assert [r.success for r in workers[0].get_finished()] == [True]
+    for rank, w in enumerate(workers):
+        assert w.submit_load(2, RowsSpec([2]), GPULoadStoreSpec([5], [1], [0]))
+        assert [r.success for r in w.get_finished()] == [True]
+        assert torch.equal(caches[rank][5], caches[0][3]), rank
+    for w in workers:
+        w.shutdown()

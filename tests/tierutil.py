@@ -40,16 +40,16 @@ def open_tier(path, slots: int = 16, row_bytes: int = ROW, **cfg) -> FileTier:
 
 def store(tier: FileTier, keys: list[bytes]) -> list[bytes]:
     rows = [row_for(k, tier.row_bytes) for k in keys]
-    accepted = tier.put(keys, rows)
+    accepted = tier.put(keys, rows).admitted
     done = tier.wait_idle()
     assert all(d.ok for d in done), done
     return accepted
 
 
 def read(tier: FileTier, k: bytes):
-    """Read a key synchronously; returns (bytes or None, ReadResult list)."""
+    """Read a key synchronously; returns (bytes or None, the read's completions)."""
     out = aligned_buffer(tier.row_bytes)
-    if not tier.get(k, out):
+    if not tier.get([(k, out, None)])[0]:
         return None, []
     done = tier.wait_idle()
     ok = all(d.ok for d in done)

@@ -34,7 +34,10 @@ EOS = 2
 
 class Harness:
     def __init__(self, model: str, extra: dict, gpu_tokens: int = 5120, delay: int = 0,
-                 max_len: int = 2048) -> None:
+                 max_len: int = 2048, hash_algo: str = "sha256",
+                 config_context: bool = True) -> None:
+        """``config_context=False`` builds the scheduler as vLLM's EngineCore does, outside
+        ``set_current_vllm_config``."""
         from vllm.platforms import current_platform
 
         if not current_platform.device_type:  # CUDA vLLM on a machine without a GPU: the
@@ -44,7 +47,7 @@ class Harness:
         args = EngineArgs(model=model, dtype="float32", max_model_len=max_len,
                           enable_prefix_caching=True, kv_transfer_config=kvt,
                           max_num_batched_tokens=max_len, max_num_seqs=4, enforce_eager=True,
-                          prefix_caching_hash_algo="sha256")
+                          prefix_caching_hash_algo=hash_algo)
         self.config = args.create_engine_config()
         self.block_size = bs = self.config.cache_config.block_size
         num_blocks = gpu_tokens // bs  # the GPU KV budget, whatever the platform's block size
@@ -59,7 +62,11 @@ class Harness:
             layer_stride=page * num_blocks, block_stride=page)],
             kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
         self.config.cache_config.num_gpu_blocks = num_blocks
-        with set_current_vllm_config(self.config):
+        if config_context:
+            with set_current_vllm_config(self.config):
+                self.scheduler = Scheduler(self.config, kv, StructuredOutputManager(self.config),
+                                           bs, log_stats=True)
+        else:
             self.scheduler = Scheduler(self.config, kv, StructuredOutputManager(self.config), bs,
                                        log_stats=True)
         self.manager = self.scheduler.connector.connector_scheduler.manager

@@ -109,7 +109,7 @@ def run_tier(folder: Path, pool: Pool, n_rows: int, threads: int, io: str) -> di
             b = free.pop()
             batch.append((keys[nxt], outs[b], (b, nxt)))
             nxt += 1
-        assert all(tier.get_many(batch))
+        assert all(tier.get(batch))
         for r in tier.poll(wait=0.05 if not free else 0.0):
             b, i = r.token
             c0 = time.thread_time()

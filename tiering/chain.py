@@ -1,50 +1,45 @@
-"""TierChain: the scheduler-side brain over tier 0 (CPU staging rows) and file tiers.
+"""TierChain: routes chunks between tier 0 (the CPU staging rows) and the file tiers below it.
 
-vLLM-agnostic: keys are bytes, rows are integers, results are plain enums; ``tiering.vllm``
-translates. Every method runs on the owner thread (vLLM's scheduler) and never blocks on I/O:
-file-tier reads and writes run on their tiers' threads and are applied in ``poll``.
+vLLM-agnostic: keys are bytes, rows are integers, outcomes are the types of ``tiering.tier``;
+``tiering.vllm`` translates. Every method runs on the owner thread (vLLM's scheduler) and never
+blocks on I/O. The chain owns no chunk state and no counters: each tier owns its own. It owns
+only what is between tiers — which rows are being written down (demotions) or filled from below
+(promotions) — and applies every background completion in one place, ``poll``.
 
-Row life cycle::
+Store path: vLLM asks ``prepare_store`` (the CPU tier reserves rows; the GPU fills them), then
+``complete_store``: the rows become READY and are offered to every file tier (demotion; each
+tier's own ``store_threshold`` decides). A demoted row stays pinned until its write completes.
 
-    free ─prepare_store─▶ WRITING ─complete_store─▶ READY ─evict/reset─▶ free
-    free ─lookup (lower-tier hit)─▶ PROMOTING ─read ok─▶ READY      (read failed ─▶ free)
+Write-back (a file tier with ``demote: on_evict``): a READY row is only *owed* to that tier
+(``_owed``). Rows are written down when they come near the head of the CPU tier's eviction order:
+at each step's end enough of the next victims are written that free rows plus clean victims make
+a reserve (``tiering.settings.WRITEBACK_RESERVE_FRACTION`` of the rows), and before a store needs evictions its
+victims-to-be are. A row being written is pinned, so the CPU tier evicts around it
+and never waits for a write. A row evicted while still owed never reaches that tier (counted as
+``writeback_misses``); a reset and the shutdown write every owed row first.
 
-A row is pinned (never evicted, never reused) while it is being written by the GPU, read by a
-load, written down to a file tier (demotion) or filled from one (promotion). A row whose key is
-dropped while pinned (reset) is *detached*: it returns to the free list when its last pin goes.
-
-Demotion (``on_admit``): when a row becomes READY it is offered to every file tier; each tier's
-own ``store_threshold`` decides whether it writes it. Evicting a READY row then costs nothing if a
-file tier holds the chunk. Promotion: a lookup that misses tier 0 and hits a file tier allocates
-a row at once, answers PENDING, and reads are issued in one batch per tier at the step's end.
+Disk-hit path: ``lookup`` misses the CPU tier and hits a file tier: a CPU row is reserved at once
+(PROMOTING), the answer is PENDING, and at the step's end (``on_schedule_end``) the reads of all
+promotions of the step are issued in one batch per tier. ``poll`` marks the rows READY; vLLM's next
+lookup hits them and loads them to the GPU like any CPU hit.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 
-from tiering.backends.file_tier import FileTier, ReadResult, WriteDone
-from tiering.backends.staging import StagingRegion
-from tiering.policies import StoreThreshold, create
+from tiering.advisor import PromotionAdvisor
+from tiering.backends.file_tier import FileTier
+from tiering.cpu_tier import CpuTier
+from tiering.settings import WRITEBACK_RESERVE_FRACTION, WRITEBACK_RESERVE_MIN
+from tiering.tier import Completion, Lookup, Tier
 
 log = logging.getLogger(__name__)
 
-
-class Lookup(enum.Enum):
-    MISS = 0
-    HIT = 1
-    PENDING = 2
-
-
-class RowState(enum.IntEnum):
-    FREE = 0
-    WRITING = 1
-    READY = 2
-    PROMOTING = 3
+__all__ = ["Event", "Lookup", "TierChain"]
 
 
 @dataclass
@@ -54,293 +49,207 @@ class Event:
     removed: bool
 
 
-@dataclass
-class TierCounters:
-    """Monotonic counters per tier, read (and diffed) by the metrics layer."""
-
-    lookups: int = 0
-    hits: int = 0
-    hit_bytes: int = 0
-    stores: int = 0
-    store_bytes: int = 0
-    evictions: int = 0
-    rejected: dict[str, int] = field(default_factory=lambda: {"threshold": 0, "full": 0,
-                                                               "error": 0})
-    demotions: int = 0
-    demotion_bytes: int = 0
-    promotions: int = 0
-    promotion_bytes: int = 0
-    promotion_failures: int = 0
-    latencies: list[tuple[str, float]] = field(default_factory=list)  # (kind, seconds)
+def tier_label(i: int) -> str:
+    """The ``tier`` label of tier ``i`` in metrics and hit sources."""
+    return "cpu" if i == 0 else ("disk" if i == 1 else f"disk{i}")
 
 
 class TierChain:
-    def __init__(self, region: StagingRegion, policy: str = "lru", store_threshold: int = 0,
-                 tracker_size: int = 64_000, file_tiers: Sequence[FileTier] = (),
-                 events: bool = False) -> None:
-        self.region = region
-        self.num_rows, self.row_bytes = region.num_rows, region.row_bytes
-        self.policy = create(policy, self.num_rows)
-        self.admission = StoreThreshold(store_threshold, tracker_size)
+    def __init__(self, cpu: CpuTier, file_tiers: Sequence[FileTier] = (),
+                 events: bool = False, advisor: PromotionAdvisor | None = None) -> None:
+        self.cpu = cpu
         self.file_tiers = list(file_tiers)
+        self.tiers: list[Tier] = [cpu, *self.file_tiers]
+        self.region = cpu.region
+        self.num_rows, self.row_bytes = cpu.num_rows, cpu.row_bytes
         self.events_enabled = events
-        self.key_row: dict[bytes, int] = {}
-        self.row_key: list[bytes | None] = [None] * self.num_rows
-        self.row_state = [RowState.FREE] * self.num_rows
-        self.row_pins = [0] * self.num_rows  # every pin: vLLM's (store, load) and file I/O
-        self.row_io = [0] * self.num_rows  # the file-I/O share of row_pins
-        self.row_from_disk = [False] * self.num_rows
-        # Promoted rows not yet looked up: their first HIT is the disk tier's hit, counted when
-        # the promotion started, so it does not count again as a CPU hit.
-        self.row_fresh = [False] * self.num_rows
-        self.free_rows = list(range(self.num_rows - 1, -1, -1))
-        self.detached: set[int] = set()
-        self._promote: list[list[tuple[bytes, int]]] = [[] for _ in self.file_tiers]
-        self._promote_started: dict[bytes, float] = {}
-        self._demoting: dict[tuple[int, bytes], tuple[int, float]] = {}  # -> (row, started)
         self._events: list[Event] = []
-        self.counters = [TierCounters() for _ in range(1 + len(self.file_tiers))]
+        for tier in self.file_tiers:  # every key leaving a file tier, whatever the cause
+            tier.on_removed(lambda keys: self._event(list(keys), "disk", True))
+        self._promote: list[list[tuple[bytes, int]]] = [[] for _ in self.file_tiers]
+        self._in_flight: dict[tuple[int, str, bytes], tuple[int, float]] = {}  # -> row, start
+        # (tier index, "store" | "promotion", seconds): read and cleared by the metrics layer
+        self.transfer_samples: list[tuple[int, str, float]] = []
+        self._writeback = [i for i, t in enumerate(self.file_tiers, start=1)
+                           if t.cfg.demote == "on_evict"]
+        self._write_through = [i for i, t in enumerate(self.file_tiers, start=1)
+                               if t.cfg.demote != "on_evict"]
+        self._owed: dict[bytes, list[int]] = {}  # READY key -> write-back tiers still owed it
+        self.advisor = advisor  # None: every disk hit is loaded
+        # promotion batches in flight: batch id -> [tier index, reads left, bytes, started]
+        self._batches: dict[int, list] = {}
+        self._next_batch = 0
+        self._reserve = max(WRITEBACK_RESERVE_MIN,
+                            int(self.num_rows * WRITEBACK_RESERVE_FRACTION))
 
-    # -- pins ------------------------------------------------------------------------------------
-    def _pin(self, row: int, io: bool = False) -> None:
-        self.row_pins[row] += 1
-        self.row_io[row] += io
-        key = self.row_key[row]
-        if key is not None and row not in self.detached:
-            self.policy.pin(key)
+    def _event(self, keys: list[bytes], medium: str, removed: bool) -> None:
+        if self.events_enabled and keys:
+            self._events.append(Event(keys, medium, removed))
 
-    def _unpin(self, row: int, io: bool = False) -> None:
-        self.row_pins[row] -= 1
-        self.row_io[row] -= io
-        key = self.row_key[row]
-        if row in self.detached:
-            if self.row_pins[row] == 0:
-                self.detached.discard(row)
-                self._release(row)
-            return
-        if key is not None:
-            self.policy.unpin(key)
-
-    def _release(self, row: int) -> None:
-        self.row_key[row] = None
-        self.row_state[row] = RowState.FREE
-        self.row_from_disk[row] = False
-        self.row_fresh[row] = False
-        self.free_rows.append(row)
-
-    def _drop_key(self, key: bytes, event: bool = True) -> None:
-        """Forget a key's row (evicted or failed); the row frees now or when unpinned."""
-        row = self.key_row.pop(key)
-        self.policy.remove(key)
-        if self.row_pins[row]:
-            self.detached.add(row)
-        else:
-            self._release(row)
-        if event and self.events_enabled:
-            self._events.append(Event([key], "cpu", True))
-
-    def _allocate(self, n: int, protected: Iterable[bytes]
-                  ) -> tuple[list[int], list[bytes]] | None:
-        """(n free rows, evicted keys), evicting READY unpinned rows by policy; None (and no
-        change) if impossible."""
-        need = n - len(self.free_rows)
-        victims: list[bytes] = []
-        if need > 0:
-            victims = self.policy.evict(need, protected=set(protected))
-            if victims is None:
-                return None
-            for v in victims:  # already out of the policy (ghost entries kept), rows freed here
-                self._drop_key(v)
-            self.counters[0].evictions += len(victims)
-        return [self.free_rows.pop() for _ in range(n)], victims
-
-    # -- lookups and loads -------------------------------------------------------------------------
-    def lookup(self, key: bytes, count: bool = True) -> Lookup:
+    # -- lookups and loads -------------------------------------------------------------------
+    def lookup(self, key: bytes, count: bool = True, protect: Collection[bytes] = ()) -> Lookup:
         """``count=False`` for a repeated lookup of the same chunk by the same request (vLLM
-        asks again every step while any chunk is pending): hit ratios stay per chunk."""
+        asks again every step while any chunk is pending): hit ratios stay per chunk.
+
+        ``protect``: the chunks the same request looked up before this one. A promotion never
+        evicts them: vLLM loads a request's hits in one job, so a prefix larger than the CPU
+        tier would otherwise evict its own head to promote its tail, forever. Such a request
+        gets the longest prefix the CPU tier holds and recomputes the rest."""
         self.poll()
-        c0 = self.counters[0]
-        row = self.key_row.get(key)
-        if row is not None:
-            if self.row_state[row] != RowState.READY:
-                return Lookup.PENDING  # asked again next step: counted when it resolves
-            if self.row_fresh[row]:
-                self.row_fresh[row] = False
-            elif count:
-                c0.lookups += 1
-                c0.hits += 1
-                c0.hit_bytes += self.row_bytes
-            return Lookup.HIT
-        c0.lookups += count
-        self.policy.on_miss(key)
-        for i, tier in enumerate(self.file_tiers):
-            c = self.counters[i + 1]
-            c.lookups += count
-            if not tier.lookup(key):
+        found = self.cpu.lookup(key, count)
+        if found is not Lookup.MISS:
+            return found
+        for i, tier in enumerate(self.file_tiers, start=1):
+            if tier.lookup(key, count) is not Lookup.HIT:
                 continue
-            c.hits += 1
-            c.hit_bytes += self.row_bytes
+            if self.advisor is not None and not self.advisor.pays(i - 1):
+                tier.stats.add("promotions_declined")
+                return Lookup.MISS  # recomputing is faster than reading it
             tier.touch([key])  # a promotion is a use: recency and the persisted hit count
-            got = self._allocate(1, ())
-            if got is None:
-                self.counters[0].rejected["full"] += 1
+            got = self.cpu.reserve_promotion(key, tier_label(i), protect)
+            if got is None:  # no CPU row free now: a miss (counted on the CPU tier)
                 return Lookup.MISS
-            row = got[0][0]
-            self.key_row[key] = row
-            self.row_key[row] = key
-            self.row_state[row] = RowState.PROMOTING
-            self.row_from_disk[row] = True
-            self.policy.insert(key)
-            self._pin(row, io=True)
-            self._promote[i].append((key, row))
-            self._promote_started[key] = time.perf_counter()
+            row, evicted = got
+            self._evicted_from_cpu(evicted)
+            self._promote[i - 1].append((key, row))
+            self._in_flight[(i, "promotion", key)] = (row, time.perf_counter())
             return Lookup.PENDING
         return Lookup.MISS
 
     def hit_source(self, key: bytes) -> str:
-        row = self.key_row.get(key)
-        return "disk" if row is not None and self.row_from_disk[row] else "cpu"
+        return "disk" if self.cpu.source_of(key) != "cpu" else "cpu"
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
-        rows = [self.key_row[k] for k in keys]
-        for r in rows:
-            self._pin(r)
-        return rows
+        return self.cpu.prepare_load(keys)
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
-        for k in keys:
-            row = self.key_row.get(k)
-            if row is not None:
-                self._unpin(row)
+        self.cpu.complete_load(keys)
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        present = [k for k in keys if k in self.key_row]
-        self.policy.access_many(present)
-        for tier in self.file_tiers:
+        for tier in self.tiers:
             tier.touch(keys)
 
-    # -- stores ------------------------------------------------------------------------------------
+    # -- stores ------------------------------------------------------------------------------
     def prepare_store(self, keys: Sequence[bytes]
                       ) -> tuple[list[bytes], list[int], list[bytes]] | None:
         """(keys to store, their rows, evicted keys), or None if no room can be made now."""
-        wanted = []
-        for k in dict.fromkeys(keys):
-            if k in self.key_row:
-                continue
-            if not self.admission.offer(k):
-                self.counters[0].rejected["threshold"] += 1
-                continue
-            wanted.append(k)
-        if not wanted:
-            return [], [], []
-        got = self._allocate(len(wanted), keys)
-        if got is None:
-            self.counters[0].rejected["full"] += len(wanted)
+        if self._owed:  # write down the rows this store is about to evict (they get pinned)
+            self._keep_clean(len(keys))
+        out = self.cpu.put(keys, None)
+        if self.advisor is not None:  # newly computed chunks: the prefill rate's measure
+            self.advisor.observe_stored_chunks(len(out.admitted) + len(out.rejected))
+        if not out.admitted and any(r != "threshold" for r in out.rejected.values()):
             return None
-        rows, evicted = got
-        for k, r in zip(wanted, rows, strict=True):
-            self.key_row[k] = r
-            self.row_key[r] = k
-            self.row_state[r] = RowState.WRITING
-        self.policy.insert_many(wanted)
-        for r in rows:
-            self._pin(r)
-        return wanted, rows, evicted
+        self._evicted_from_cpu(out.evicted)
+        return out.admitted, [self.cpu.row_of(k) for k in out.admitted], out.evicted
+
+    def _evicted_from_cpu(self, keys: list[bytes]) -> None:
+        self._event(keys, "cpu", True)
+        if self._owed:
+            for k in keys:
+                for i in self._owed.pop(k, ()):
+                    self.tiers[i].stats.add("writeback_misses")
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
-        ready = []
-        for k in keys:
-            row = self.key_row.get(k)
-            if row is None or self.row_state[row] != RowState.WRITING:
-                continue
-            self._unpin(row)
-            if not success:
-                self._drop_key(k, event=False)
-                continue
-            self.row_state[row] = RowState.READY
-            ready.append(k)
+        ready = self.cpu.finish_store(keys, success)
         if not ready:
             return
-        c0 = self.counters[0]
-        c0.stores += len(ready)
-        c0.store_bytes += len(ready) * self.row_bytes
-        if self.events_enabled:
-            self._events.append(Event(list(ready), "cpu", False))
-        self._demote(ready)
+        self._event(list(ready), "cpu", False)
+        self._demote(ready, self._write_through)
+        if self._writeback:
+            for k in ready:
+                self._owed[k] = list(self._writeback)
 
-    def _demote(self, keys: list[bytes]) -> None:
-        for i, tier in enumerate(self.file_tiers):
-            before = tier.counter("rejected_threshold")
-            accepted = tier.put(keys, [self.region.row(self.key_row[k]) for k in keys])
-            self.counters[i + 1].rejected["threshold"] += (tier.counter("rejected_threshold")
-                                                           - before)
+    def _keep_clean(self, extra: int = 0) -> None:
+        """Write back owed rows at the head of the eviction order until free rows plus clean
+        victims reach the reserve (plus ``extra`` rows a store is about to take)."""
+        short = self._reserve + extra - self.cpu.free_count()
+        if short > 0:
+            self._write_back(self.cpu.next_victims(short))
+
+    def _write_back(self, keys: Iterable[bytes]) -> None:
+        """Write owed rows down now (pinned until written; each tier's admission decides)."""
+        per_tier: dict[int, list[bytes]] = {}
+        for k in keys:
+            if not self.cpu.contains(k):  # only READY rows are owed; a dropped one is gone
+                self._owed.pop(k, None)
+                continue
+            for i in self._owed.pop(k, ()):
+                per_tier.setdefault(i, []).append(k)
+        for i, ks in per_tier.items():
+            self._demote(ks, [i])
+
+    def _demote(self, keys: list[bytes], tier_indexes: Sequence[int]) -> None:
+        if not keys or not tier_indexes:
+            return
+        views = [self.cpu.view(k) for k in keys]
+        for i in tier_indexes:
+            tier = self.tiers[i]
+            out = tier.put(keys, views)
             now = time.perf_counter()
-            for k in accepted:
-                row = self.key_row[k]
-                self._pin(row, io=True)
-                self._demoting[(i, k)] = (row, now)
+            for k in out.admitted:
+                self.cpu.pin(k, io=True)
+                self._in_flight[(i, "store", k)] = (self.cpu.row_of(k), now)
 
-    # -- background completions ----------------------------------------------------------------------
+    # -- background completions: the one place they are applied ------------------------------
     def on_schedule_end(self) -> None:
-        for i, tier in enumerate(self.file_tiers):
-            batch, self._promote[i] = self._promote[i], []
+        """Issue the step's promotions (one batch per tier), write back rows near eviction,
+        then apply what finished."""
+        for i, tier in enumerate(self.file_tiers, start=1):
+            batch, self._promote[i - 1] = self._promote[i - 1], []
             if not batch:
                 continue
-            ok = tier.get_many([(k, self.region.row(r), (k, r)) for k, r in batch])
-            for (k, r), started in zip(batch, ok, strict=True):
-                if not started:  # gone from the tier since the lookup: a miss after all
-                    self._fail_promotion(i, k, r)
+            b = self._next_batch
+            self._next_batch += 1
+            started = tier.get([(k, self.region.row(r), (k, r, b)) for k, r in batch])
+            if any(started):
+                self._batches[b] = [i, sum(started), 0, time.perf_counter()]
+            for (k, r), ok in zip(batch, started, strict=True):
+                if not ok:  # gone from the tier since the lookup: a miss after all
+                    self._finish_promotion(i, Completion("read", k, False, "gone",
+                                                         token=(k, r, None)))
+        if self._owed:
+            self._keep_clean()
         self.poll()
-
-    def _fail_promotion(self, tier_idx: int, key: bytes, row: int) -> None:
-        self.counters[tier_idx + 1].promotion_failures += 1
-        self._promote_started.pop(key, None)
-        if self.key_row.get(key) == row:
-            self._unpin(row, io=True)
-            self._drop_key(key, event=False)
-        else:
-            self._unpin(row, io=True)
+        if self.advisor is not None:
+            self.advisor.observe_step_end()
 
     def poll(self, wait: float = 0.0) -> None:
         """Apply finished file-tier I/O (``wait`` > 0 blocks up to that long per busy tier)."""
-        for i, tier in enumerate(self.file_tiers):
+        for i, tier in enumerate(self.file_tiers, start=1):
             # always drained (cheap when empty): admin requests of tools arrive here too
-            c = self.counters[i + 1]
-            for r in tier.poll(wait=wait if tier.has_pending_work() else 0.0):
-                if isinstance(r, WriteDone):
-                    row, started = self._demoting.pop((i, r.key), (None, None))
-                    if r.ok:
-                        c.demotions += 1
-                        c.demotion_bytes += r.nbytes
-                        c.stores += 1
-                        c.store_bytes += r.nbytes
-                        if started is not None:
-                            c.latencies.append(("demotion", time.perf_counter() - started))
-                        if self.events_enabled:
-                            self._events.append(Event([r.key], "disk", False))
-                    else:
-                        c.rejected["error"] += 1
-                    if row is not None:
-                        self._unpin(row, io=True)
-                elif isinstance(r, ReadResult):
-                    self._finish_promotion(i, r)
+            for done in tier.poll(wait=wait if tier.has_pending_work() else 0.0):
+                if done.kind == "store":
+                    self._finish_demotion(i, done)
+                else:
+                    self._finish_promotion(i, done)
 
-    def _finish_promotion(self, tier_idx: int, r: ReadResult) -> None:
-        key, row = r.token
-        c = self.counters[tier_idx + 1]
-        started = self._promote_started.pop(key, None)
-        if not r.ok or self.key_row.get(key) != row:
-            self._fail_promotion(tier_idx, key, row)
-            return
-        self.row_state[row] = RowState.READY
-        self.row_fresh[row] = True
-        self._unpin(row, io=True)
-        c.promotions += 1
-        c.promotion_bytes += r.nbytes
-        if started is not None:
-            c.latencies.append(("promotion", time.perf_counter() - started))
-        if self.events_enabled:
-            self._events.append(Event([key], "cpu", False))
+    def _finish_demotion(self, i: int, done: Completion) -> None:
+        row, started = self._in_flight.pop((i, "store", done.key), (None, 0.0))
+        if done.ok:
+            self.transfer_samples.append((i, "store", time.perf_counter() - started))
+            self._event([done.key], "disk", False)
+        if row is not None:
+            self.cpu.unpin_row(row, io=True)
+
+    def _finish_promotion(self, i: int, done: Completion) -> None:
+        key, row, batch = done.token
+        if batch is not None:  # the batch's last read measures the tier's read rate
+            entry = self._batches[batch]
+            entry[1] -= 1
+            entry[2] += done.nbytes if done.ok else 0
+            if entry[1] == 0:
+                del self._batches[batch]
+                if self.advisor is not None:
+                    self.advisor.observe_read_batch(i - 1, entry[2],
+                                                    time.perf_counter() - entry[3])
+        _, started = self._in_flight.pop((i, "promotion", key), (None, 0.0))
+        if self.cpu.finish_promotion(key, row, done.ok):
+            self.transfer_samples.append((i, "promotion", time.perf_counter() - started))
+            self._event([key], "cpu", False)
+            owed = [j for j in self._writeback if j != i and not self.tiers[j].contains(key)]
+            if owed:  # another write-back tier below does not have it yet
+                self._owed[key] = owed
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Block until all file-tier I/O has been applied (tests, tools, shutdown)."""
@@ -359,36 +268,37 @@ class TierChain:
         return events
 
     def reset(self) -> None:
-        """Drop every tier-0 row; file tiers keep their data.
+        """Drop every CPU-tier row; file tiers keep their data.
 
         vLLM discards its in-flight jobs on a reset (their completions never come), so its pins
         go too; rows still read or written by a file tier stay detached until that I/O ends.
         """
-        for queued in self._promote:  # promotions not issued yet: nothing to wait for
+        self._write_back(list(self._owed))  # nothing owed is lost: written before the drop
+        for i, queued in enumerate(self._promote, start=1):  # not issued yet: nothing to wait for
             for key, row in queued:
-                self._unpin(row, io=True)
-                self._promote_started.pop(key, None)
+                self._in_flight.pop((i, "promotion", key), None)
+                self.cpu.unpin_row(row, io=True)
         self._promote = [[] for _ in self.file_tiers]
-        for key, row in list(self.key_row.items()):
-            if self.row_pins[row] != self.row_io[row]:
-                for _ in range(self.row_pins[row] - self.row_io[row]):
-                    self.policy.unpin(key)
-                self.row_pins[row] = self.row_io[row]
-            self._drop_key(key)
-        self.admission.clear()
+        self._event(self.cpu.reset(), "cpu", True)
 
     def usage(self) -> dict[str, int]:
-        pinned = sum(1 for p in self.row_pins if p)
-        return {"rows": self.num_rows, "used": self.num_rows - len(self.free_rows),
-                "pinned": pinned, "entries": len(self.key_row)}
+        return {"rows": self.num_rows, "used": self.num_rows - len(self.cpu.free_rows),
+                "pinned": self.cpu.pinned_rows(), "entries": len(self.cpu)}
+
+    def check(self) -> None:
+        """Consistency checks across the chain (tests call it after each step)."""
+        self.cpu.check()
+        for (i, kind, key), (row, _) in self._in_flight.items():
+            assert self.cpu.rows[row].io_pins > 0, (i, kind, key, self.cpu.rows[row])
 
     def close(self) -> None:
         try:
+            self._write_back(list(self._owed))  # a restart finds every chunk it had
             self.wait_idle()
         except Exception:  # never let a stuck tier stop the shutdown of the others
             log.exception("tier chain: waiting for in-flight I/O at shutdown failed")
-        for tier in self.file_tiers:
+        for tier in self.tiers:
             try:
                 tier.close()
             except Exception:  # never let shutdown of one tier stop the others
-                log.exception("closing file tier %s failed", tier.folder)
+                log.exception("closing tier %s failed", tier.medium)

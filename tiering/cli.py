@@ -37,6 +37,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     thresholds = [int(t) for t in args.thresholds.split(",") if t.strip()]
+    if args.cpu_capacity is not None:
+        return _simulate_demotion(args, requests, source, capacity, policies, thresholds)
     results = [simulate(requests(), p, capacity, t) for p in policies for t in thresholds]
     if args.json:
         print(json.dumps({"workload": source, "capacity": capacity, "seed": args.seed,
@@ -44,6 +46,25 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     else:
         print(f"workload {source}  capacity {capacity} chunks  seed {args.seed}")
         print(format_table(results))
+    return 0
+
+
+def _simulate_demotion(args, requests, source, capacity, policies, thresholds) -> int:
+    from tiering.simulate import format_demotion_table, simulate_demotion
+
+    if args.cpu_capacity < 1:
+        raise ValueError(f"--cpu-capacity: expected a positive number of chunks, got "
+                         f"{args.cpu_capacity}")
+    results = [simulate_demotion(requests(), p, args.cpu_capacity, capacity, t, mode)
+               for p in policies for t in thresholds for mode in ("on_store", "on_evict")]
+    if args.json:
+        print(json.dumps({"workload": source, "cpu_capacity": args.cpu_capacity,
+                          "disk_capacity": capacity, "seed": args.seed,
+                          "results": [r.as_dict() for r in results]}, indent=2))
+    else:
+        print(f"workload {source}  cpu {args.cpu_capacity} chunks over disk {capacity} chunks  "
+              f"seed {args.seed}")
+        print(format_demotion_table(results))
     return 0
 
 
@@ -64,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: the workload's own)")
     sim.add_argument("--policies", default="lru,arc,s3fifo", help="comma-separated policy names")
     sim.add_argument("--thresholds", default="0,2", help="comma-separated store_threshold values")
+    sim.add_argument("--cpu-capacity", type=int, metavar="CHUNKS",
+                     help="simulate a CPU tier of this many chunks over the tier (--capacity) "
+                     "and compare write-through (demote on_store) with write-back (on_evict)")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.set_defaults(func=_cmd_simulate)

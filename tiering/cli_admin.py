@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from tiering.backends.sizes import format_size, parse_size
+from tiering.stats import COUNTER_KEYS
 
 
 def _namespaces(args: argparse.Namespace) -> list[Path]:
@@ -41,11 +42,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         lookups = ns["lookups"] or 1
         print(f"namespace {ns['namespace']}: {ns['entries']} entries; hits {ns['hits']}/"
               f"{ns['lookups']} lookups ({100 * ns['hits'] / lookups:.1f}%)")
-        for k in ("writes", "write_bytes", "reads", "read_bytes", "evictions",
-                  "rejected_threshold", "rejected_full", "rejected_error", "checksum_failures",
-                  "io_errors"):
+        for k in COUNTER_KEYS:
+            if k in ("lookups", "hits"):
+                continue
             v = ns[k]
-            print(f"  {k:<20} {format_size(v) if k.endswith('_bytes') else v}")
+            print(f"  {k:<22} {format_size(v) if k.endswith('_bytes') else v}")
     return 0
 
 

@@ -23,7 +23,11 @@ VLLM_KEYS = {
 }
 OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy"}
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
-CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size"}
+CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
+                 "prefill_tokens_per_s"}
+# "auto": load a disk hit only when reading it is faster than recomputing it (measured rates);
+# "always": load every disk hit.
+PROMOTE_MODES = ("auto", "always")
 
 
 @dataclass
@@ -31,6 +35,8 @@ class CpuTierConfig:
     policy: str = "lru"
     store_threshold: int = 0
     tracker_size: int = 64_000
+    promote: str = "auto"
+    prefill_tokens_per_s: float | None = None  # None: measured while serving
 
 
 @dataclass
@@ -84,9 +90,19 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
                 resolve(policy)
             except ValueError as exc:
                 raise ValueError(f"{where}.policy: {exc}") from None
+            promote = tier.get("promote", "auto")
+            if promote not in PROMOTE_MODES:
+                raise ValueError(f"{where}.promote: expected one of {', '.join(PROMOTE_MODES)}, "
+                                 f"got {promote!r}")
+            rate = tier.get("prefill_tokens_per_s")
+            if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float)
+                                     or not 0 < rate < float("inf")):
+                raise ValueError(f"{where}.prefill_tokens_per_s: expected a positive number of "
+                                 f"tokens per second, got {rate!r}")
             cfg.cpu = CpuTierConfig(
                 policy, _int(tier.get("store_threshold", 0), f"{where}.store_threshold", 0),
-                _int(tier.get("tracker_size", 64_000), f"{where}.tracker_size", 1))
+                _int(tier.get("tracker_size", 64_000), f"{where}.tracker_size", 1),
+                promote, rate)
             continue
         if medium != "file":
             raise ValueError(f"{where}.medium: expected 'file' (tiers after the first are file "
@@ -108,15 +124,17 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
     return cfg
 
 
-def check_sizes(cfg: TieredConfig, row_bytes: int) -> int:
-    """Check sizes against the engine's row; returns the number of CPU rows."""
+def check_sizes(cfg: TieredConfig, row_bytes: int, namespace_id: str | None = None) -> int:
+    """Check sizes against the engine's row; returns the number of CPU rows. ``namespace_id``:
+    the engine's namespace, whose slabs already on disk count as space the tier owns (None: the
+    slabs of every namespace under each tier's path count)."""
     rows = cfg.cpu_bytes_to_use // row_bytes
     if rows < 1:
         raise ValueError(f"cpu_bytes_to_use: {cfg.cpu_bytes_to_use} bytes holds no row; one "
                          f"row of this engine is {row_bytes} bytes")
     for i, f in enumerate(cfg.files, start=1):
         try:
-            validate(f, row_bytes)
+            validate(f, row_bytes, namespace_id)
         except ValueError as exc:
             raise ValueError(f"tiers[{i}].{exc}") from None
     return rows

@@ -15,19 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tiering.backends.reader import NamespaceReader
-
-COUNTERS = {
-    "lookups": "Lookups answered by the tier (persisted).",
-    "hits": "Lookups that hit (persisted).",
-    "writes": "Rows written.", "write_bytes": "Bytes written.",
-    "reads": "Rows read.", "read_bytes": "Bytes read.",
-    "evictions": "Rows evicted by policy.",
-    "rejected_threshold": "Rows not admitted: store_threshold not reached.",
-    "rejected_full": "Rows not admitted: nothing evictable.",
-    "rejected_error": "Rows not stored: write failed.",
-    "checksum_failures": "Reads whose checksum did not match.",
-    "io_errors": "Failed reads and writes.",
-}
+from tiering.stats import COUNTER_KEYS, COUNTERS, split_key
 
 
 class CacheCollector:
@@ -42,8 +30,9 @@ class CacheCollector:
             ("entries", "Rows held."),
             ("usage_ratio", "used_bytes / capacity_bytes."),
             ("row_bytes", "Size of one row."))}
-        counters = {k: CounterMetricFamily(f"tiering_cache_{k}", doc, labels=labels)
-                    for k, doc in COUNTERS.items()}
+        counters = {m.name: CounterMetricFamily(f"tiering_cache_{m.name}", m.help,
+                                                labels=[*labels, *m.labels])
+                    for m in COUNTERS}
         for folder in self.folders:
             with NamespaceReader(folder) as r:
                 s = r.summary()
@@ -51,8 +40,9 @@ class CacheCollector:
             for k in ("capacity_bytes", "used_bytes", "entries", "row_bytes"):
                 gauges[k].add_metric(lv, s[k])
             gauges["usage_ratio"].add_metric(lv, s["usage_percent"] / 100)
-            for k in COUNTERS:
-                counters[k].add_metric(lv, s["stats"].get(k, 0))
+            for flat in COUNTER_KEYS:  # persisted by the writer under the registry's names
+                name, value = split_key(flat)
+                counters[name].add_metric([*lv, value] if value else lv, s["stats"][flat])
         yield from gauges.values()
         yield from counters.values()
 

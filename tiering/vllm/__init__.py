@@ -8,24 +8,9 @@
   tier: ``"eviction_policy": "S3FIFOPolicy", "cache_policy_module_path": "tiering.vllm"``.
 """
 
-import logging
-
 from tiering.vllm.cache_policy import S3FIFOPolicy, TieringARCPolicy, TieringLRUPolicy
 from tiering.vllm.secondary import FileTier
 from tiering.vllm.spec import TieredOffloadingSpec
-
-
-def _share_vllm_logging() -> None:
-    """Let our log lines appear where vLLM's do (same handlers, INFO and up)."""
-    ours, theirs = logging.getLogger("tiering"), logging.getLogger("vllm")
-    if not ours.handlers and theirs.handlers:
-        for h in theirs.handlers:
-            ours.addHandler(h)
-        ours.setLevel(logging.INFO)
-        ours.propagate = False
-
-
-_share_vllm_logging()
 
 __all__ = ["FileTier", "S3FIFOPolicy", "TieredOffloadingSpec", "TieringARCPolicy",
            "TieringLRUPolicy"]

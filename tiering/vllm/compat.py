@@ -10,6 +10,7 @@ name and shape in both; ``make test`` runs the scheduler-side tests against both
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -19,6 +20,7 @@ from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for the adapte
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -47,16 +49,58 @@ def hit_source(name: str) -> Any:
 
 
 def prefix_hash_algo() -> str | None:
-    """The engine's prefix-caching hash algorithm, if the current vLLM config is reachable."""
-    try:
-        from vllm.config import get_current_vllm_config
+    """The engine's prefix-caching hash algorithm (``CacheConfig.prefix_caching_hash_algo``,
+    the same field in 0.32 and 0.33), or None if no engine config is reachable.
 
-        return str(get_current_vllm_config().cache_config.prefix_caching_hash_algo)
-    except Exception:  # not inside engine construction, or the field moved
+    The spec is given only vLLM's ``OffloadingConfig``, which does not carry it. Inside
+    ``set_current_vllm_config`` the current config has it; but vLLM's EngineCore (0.32 and 0.33)
+    builds the scheduler, its KV connector and so our manager outside that context, so the
+    engine's ``VllmConfig`` is taken from the call stack that is constructing us (the
+    connector's and the scheduler's own ``vllm_config``)."""
+    try:
+        from vllm.config import VllmConfig, get_current_vllm_config_or_none
+    except ImportError:  # pragma: no cover - both supported releases have them
         return None
+    cfg = get_current_vllm_config_or_none() or _vllm_config_in_callers(VllmConfig)
+    if cfg is None:
+        return None
+    algo = getattr(getattr(cfg, "cache_config", None), "prefix_caching_hash_algo", None)
+    return None if algo is None else str(algo)
+
+
+def _vllm_config_in_callers(cls: type, max_depth: int = 40) -> Any:
+    frame = inspect.currentframe()
+    try:
+        for _ in range(max_depth):
+            if frame is None:
+                return None
+            local = frame.f_locals
+            for value in local.values():
+                if isinstance(value, cls):
+                    return value
+            owner = getattr(local.get("self"), "__dict__", {})  # e.g. the Scheduler's own
+            if isinstance(owner.get("vllm_config"), cls):
+                return owner["vllm_config"]
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
 
 
 def is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def share_vllm_logging() -> None:
+    """Let our log lines appear where vLLM's do (same handlers, INFO and up). Called when vLLM
+    builds one of our classes, never on import: importing a library must not rewire logging."""
+    import logging
+
+    ours, theirs = logging.getLogger("tiering"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for h in theirs.handlers:
+            ours.addHandler(h)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False

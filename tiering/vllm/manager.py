@@ -43,7 +43,8 @@ class TieredManager(OffloadingManager):
     def lookup(self, key, req_context: ReqContext) -> LookupResult:
         key = bytes(key)
         seen = self._counted.setdefault(getattr(req_context, "req_id", ""), set())
-        result = self.chain.lookup(key, count=key not in seen)
+        # the request's earlier chunks are protected from eviction by its own promotions
+        result = self.chain.lookup(key, count=key not in seen, protect=seen)
         if result != Lookup.PENDING:  # pending lookups are counted when they resolve
             seen.add(key)
         return _LOOKUP[result]

@@ -4,12 +4,18 @@
                          "path": "/mnt/nvme/kv", "capacity": "1TiB", "policy": "arc",
                          "store_threshold": 2}]
 
-Every key except ``type``/``module_path`` is a file-tier setting (``FileTierConfig``); a wrong
-one fails the engine at start with the key's name. vLLM's tiering manager owns the CPU rows,
-the cascade (write-through of every chunk stored to CPU) and promotions; this class adds what
-vLLM's own ``fs`` tier lacks: a capacity bound with a real eviction policy, admission by
-``store_threshold``, checksums, crash-safe group commits, and an index that survives restarts.
-All methods run on vLLM's scheduler thread and return without waiting for I/O.
+Every key except ``type``/``module_path``/``locality``/``enable_kv_events`` is a file-tier
+setting (``FileTierConfig``); a wrong one fails the engine at start with the key's name.
+``locality`` (``"LOCAL"``/``"REMOTE"``, as for vLLM's ``fs`` tier) lets requests that name the
+tiers they may load from (``kv_load_tiers``) skip this one. KV events (a chunk stored, evicted
+or dropped) are emitted only while vLLM's KV events are on, unless ``enable_kv_events`` is
+false.
+
+vLLM's tiering manager owns the CPU rows, the cascade (write-through of every chunk stored to
+CPU) and promotions; this class adds what vLLM's own ``fs`` tier lacks: a capacity bound with a
+real eviction policy, admission by ``store_threshold``, checksums, crash-safe group commits, and
+an index that survives restarts. All methods run on vLLM's scheduler thread and return without
+waiting for I/O; a bad job (chunk ids outside the primary tier) fails, it never raises.
 """
 
 from __future__ import annotations
@@ -23,13 +29,15 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from tiering.backends.file_config import FileTierConfig
 from tiering.backends.file_tier import FileTier as _FileTier
-from tiering.backends.file_tier import ReadResult, WriteDone
+from tiering.tier import Lookup
 from tiering.vllm.compat import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
     ReqContext,
     RequestOffloadingContext,
+    share_vllm_logging,
 )
 from tiering.vllm.namespace import facts_from_config
 
@@ -38,11 +46,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Job:
-    keys: set[bytes]
+    keys: set[bytes]  # still in flight
+    order: dict[bytes, int]  # the job's keys, as vLLM listed them
     ok: list[bytes] = field(default_factory=list)
     failed: bool = False
     is_promotion: bool = False
     nbytes: int = 0
+
+    def ok_in_order(self) -> list[bytes]:
+        return sorted(self.ok, key=self.order.__getitem__)
 
 
 class FileTier(SecondaryTierManager):
@@ -51,8 +63,13 @@ class FileTier(SecondaryTierManager):
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, **tier_config: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        tier_config.pop("locality", None)
-        cfg = FileTierConfig.from_dict(tier_config, where=f"secondary tier {tier_type!r}")
+        share_vllm_logging()
+        where = f"secondary tier {tier_type!r}"
+        self.locality = _parse_locality(tier_config.pop("locality", None), where)
+        events = tier_config.pop("enable_kv_events", True)
+        if not isinstance(events, bool):
+            raise ValueError(f"{where}: enable_kv_events: expected true or false, got {events!r}")
+        cfg = FileTierConfig.from_dict(tier_config, where=where)
         row_bytes = self.block_size_bytes
         facts, info = facts_from_config(offloading_spec.config, row_bytes)
         self.tier = _FileTier(cfg, facts, info)
@@ -62,44 +79,73 @@ class FileTier(SecondaryTierManager):
         self._owner: dict[bytes, int] = {}  # key being written -> its store job
         self._finished: list[JobResult] = []
         self._events: list[OffloadingEvent] = []
+        self._events_on = events and bool(offloading_spec.kv_events_config.enable_kv_cache_events)
+        if self._events_on:
+            self.tier.on_removed(self._removed)
 
     def _row(self, chunk_id: int) -> memoryview:
         return self._rows[chunk_id * self._row_bytes:(chunk_id + 1) * self._row_bytes]
 
+    def _bad_chunk_ids(self, job_metadata: TransferJob) -> bool:
+        """Chunk ids outside the primary tier: the job fails (logged), nothing raises."""
+        n = len(self._rows) // self._row_bytes
+        bad = [int(c) for c in job_metadata.chunk_ids if not 0 <= int(c) < n]
+        if bad or len(job_metadata.chunk_ids) != len(job_metadata.keys):
+            log.error("file tier %s: job %d names chunk(s) %s outside the primary tier's %d "
+                      "rows (or keys and chunks differ in number); failing it", self.tier_type,
+                      job_metadata.job_id, bad[:4], n)
+            self._finished.append(JobResult(job_metadata.job_id, False))
+            return True
+        return False
+
+    def _removed(self, keys: list[bytes]) -> None:
+        self._events.append(OffloadingEvent(keys=list(keys), medium=Medium.STORAGE, removed=True,
+                                            locality=self.locality))
+
     def lookup(self, key, req_context: ReqContext) -> LookupResult:
-        return LookupResult.HIT if self.tier.lookup(bytes(key)) else LookupResult.MISS
+        # vLLM's tiering manager already skips tiers a request excludes; kept here too so the
+        # tier never serves a request that asked for other tiers, whoever calls it.
+        tier_filter = getattr(req_context, "load_tier_filter", None)
+        if tier_filter is not None and not tier_filter.allows(self.medium, self.locality):
+            return LookupResult.MISS
+        hit = self.tier.lookup(bytes(key)) is Lookup.HIT
+        return LookupResult.HIT if hit else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
+        if self._bad_chunk_ids(job_metadata):
+            return
         keys = [bytes(k) for k in job_metadata.keys]
         rows = [self._row(int(c)) for c in job_metadata.chunk_ids]
-        accepted = self.tier.put(keys, rows)
+        accepted = self.tier.put(keys, rows).admitted
         if not accepted:  # nothing to write (present, not admitted, or full): done at once
             self._finished.append(JobResult(job_metadata.job_id, True))
             return
-        self._jobs[job_metadata.job_id] = _Job(set(accepted))
+        self._jobs[job_metadata.job_id] = _Job(set(accepted), {k: i for i, k in enumerate(keys)})
         for k in accepted:
             self._owner[k] = job_metadata.job_id
 
     def submit_load(self, job_metadata: TransferJob) -> None:
+        if self._bad_chunk_ids(job_metadata):
+            return
         items = [(bytes(k), self._row(int(c)), job_metadata.job_id)
                  for k, c in zip(job_metadata.keys, job_metadata.chunk_ids, strict=True)]
-        started = self.tier.get_many(items)
+        if not items:  # nothing asked, nothing failed
+            self._finished.append(JobResult(job_metadata.job_id, True))
+            return
+        started = self.tier.get(items)
         job = _Job({k for (k, _, _), s in zip(items, started, strict=True) if s},
+                   {k: i for i, (k, _, _) in enumerate(items)},
                    is_promotion=True, failed=not all(started))
-        if not job.keys:
-            self._finished.append(JobResult(job_metadata.job_id, False, successful_keys=[]))
+        if not job.keys:  # none of them readable: all failed
+            self._finished.append(JobResult(job_metadata.job_id, False))
             return
         self._jobs[job_metadata.job_id] = job
 
     def _poll(self, wait: float = 0.0) -> None:
         for r in self.tier.poll(wait=wait):
-            if isinstance(r, WriteDone):
+            if r.kind == "store":
                 job_id = self._owner.pop(r.key, None)
-                if r.ok:
-                    self._events.append(OffloadingEvent(keys=[r.key], medium=Medium.STORAGE,
-                                                        removed=False))
             else:
-                assert isinstance(r, ReadResult)
                 job_id = r.token
             job = self._jobs.get(job_id)
             if job is None:
@@ -112,7 +158,15 @@ class FileTier(SecondaryTierManager):
                 job.failed = True
             if not job.keys:
                 del self._jobs[job_id]
-                partial = job.ok if (job.is_promotion and job.failed) else None
+                if self._events_on and job.ok and not job.is_promotion:
+                    # one event per store job, for the chunks now on disk (a failed write
+                    # left no entry and is not announced)
+                    self._events.append(OffloadingEvent(keys=job.ok_in_order(),
+                                                        medium=Medium.STORAGE, removed=False,
+                                                        locality=self.locality))
+                # a failed promotion names the chunks that did arrive (None: none did)
+                partial = (job.ok_in_order() or None) if (job.is_promotion and job.failed) \
+                    else None
                 self._finished.append(JobResult(job_id, not job.failed, successful_keys=partial,
                                                 transfer_bytes=job.nbytes))
 
@@ -142,3 +196,14 @@ class FileTier(SecondaryTierManager):
         self.drain_jobs()
         self.tier.close()
         self._rows.release()  # vLLM closes the primary mmap next: no view may remain
+
+
+def _parse_locality(value: Any, where: str) -> Locality | None:
+    if value is None:
+        return None
+    try:
+        return Locality(value)
+    except ValueError:
+        names = " or ".join(repr(m.value) for m in Locality)
+        raise ValueError(f"{where}: locality: expected a vLLM Locality ({names}), "
+                         f"got {value!r}") from None

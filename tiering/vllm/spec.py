@@ -6,7 +6,11 @@ anything is allocated); the scheduler's ``get_manager`` opens the staging region
 tiers, each worker's ``get_worker`` maps the same staging region.
 
 Row size follows vLLM's CPU tier: every worker's KV bytes of one chunk, side by side, rounded up
-to 4096 (``worker_kv_bytes_per_block × world_size × blocks_per_chunk``).
+to 4096 (``worker_kv_bytes_per_block × copies × blocks_per_chunk``). ``copies`` is the world
+size, or 1 when vLLM reports a replicated layout (``OffloadingConfig.replicated_layout``: e.g. an
+MLA model under tensor parallelism, where every rank holds the same KV). Then, as for vLLM's own
+CPU tier, the spec says so (``self.replicated_layout``), vLLM's worker connector submits stores
+on rank 0 only, and every rank's worker reads and writes the one cell of the shared row.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tiering.advisor import PromotionAdvisor
 from tiering.backends.dma import MemcpyEngine
 from tiering.backends.file_tier import FileTier
 from tiering.backends.staging import StagingRegion, remove_stale
 from tiering.chain import TierChain
 from tiering.config import check_sizes, parse
-from tiering.vllm.compat import CanonicalKVCaches, OffloadingSpec
+from tiering.cpu_tier import CpuTier
+from tiering.vllm.compat import CanonicalKVCaches, OffloadingSpec, share_vllm_logging
 from tiering.vllm.manager import TieredManager
 from tiering.vllm.metrics import TierMetrics, definitions
 from tiering.vllm.namespace import facts_from_config
@@ -36,12 +42,19 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config) -> None:
         super().__init__(config)
+        share_vllm_logging()
         self.cfg = parse(dict(self.extra_config))
         par = config.parallel
         self.world_size = max(1, par.world_size)
+        # our staging region is one shared memory file for every rank, so one copy can serve all
+        self.replicated_layout = bool(getattr(config, "replicated_layout", False))
+        copies = 1 if self.replicated_layout else self.world_size
         self.cell_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
-        raw_row = self.cell_bytes * self.world_size
+        raw_row = self.cell_bytes * copies
         self.row_bytes = -(-raw_row // PAGE) * PAGE
+        # Every process of the engine builds the spec; the namespace is only certain where the
+        # tiers open (get_manager), so here the slabs of every namespace under a tier's path
+        # count as its own; the tier's open checks its own namespace exactly.
         self.num_rows = check_sizes(self.cfg, self.row_bytes) if raw_row else 0
         self._manager: TieredManager | None = None
         self._worker: TieredWorker | None = None
@@ -63,15 +76,25 @@ class TieredOffloadingSpec(OffloadingSpec):
             region.close(unlink=True)
             raise
         if self.cfg.files:
-            log.info("vllm-tiering: namespace %s (%s); prefix hash %s: cached chunks %s "
-                     "survive a restart", facts.namespace_id, facts.model, info["hash_algo"],
-                     "DO" if info["restart_safe"] else "do NOT (use "
-                     "--prefix-caching-hash-algo sha256 to keep them)")
-        chain = TierChain(region, self.cfg.cpu.policy, self.cfg.cpu.store_threshold,
-                          self.cfg.cpu.tracker_size, tiers,
-                          events=self.kv_events_config.enable_kv_cache_events)
-        policies = [self.cfg.cpu.policy] + [f.policy for f in self.cfg.files]
-        self._manager = TieredManager(chain, TierMetrics(policies),
+            if info["hash_algo"] is None:
+                survive = ("may or may not survive a restart (the engine's config was not "
+                           "reachable; sha256 and sha256_cbor keep them)")
+            elif info["restart_safe"]:
+                survive = "survive a restart"
+            else:
+                survive = ("do NOT survive a restart (use --prefix-caching-hash-algo sha256 to "
+                           "keep them)")
+            log.info("vllm-tiering: namespace %s (%s); prefix hash %s: cached chunks %s",
+                     facts.namespace_id, facts.model, info["hash_algo"] or "unknown", survive)
+        cpu = CpuTier(region, self.cfg.cpu.policy, self.cfg.cpu.store_threshold,
+                      self.cfg.cpu.tracker_size)
+        advisor = None
+        if tiers and self.cfg.cpu.promote == "auto":
+            advisor = PromotionAdvisor(len(tiers), self.row_bytes, facts.chunk_tokens,
+                                       self.cfg.cpu.prefill_tokens_per_s)
+        chain = TierChain(cpu, tiers, events=self.kv_events_config.enable_kv_cache_events,
+                          advisor=advisor)
+        self._manager = TieredManager(chain, TierMetrics(),
                                       on_shutdown=lambda: region.close(unlink=True))
         log.info("vllm-tiering: CPU tier %d rows x %d bytes (%s, store_threshold %d), "
                  "%d file tier(s)", self.num_rows, self.row_bytes, self.cfg.cpu.policy,
@@ -84,7 +107,8 @@ class TieredOffloadingSpec(OffloadingSpec):
             return self._worker
         region = StagingRegion(self.config.engine_id, self.num_rows, self.row_bytes)
         rank = self.config.parallel.rank
-        layout = make_layout(kv_caches, region, rank, self.cell_bytes, self.blocks_per_chunk)
+        cell = 0 if self.replicated_layout else rank
+        layout = make_layout(kv_caches, region, cell, self.cell_bytes, self.blocks_per_chunk)
         on_device = kv_caches.tensors and kv_caches.tensors[0].tensor.device.type == "cuda"
         if on_device:
             from tiering.backends.cuda_copy import CudaCopyEngine

@@ -1,0 +1,363 @@
+"""CpuTier: tier 0, the rows of the shared-memory staging region.
+
+The GPU workers fill and drain the rows (vLLM's store and load jobs); file tiers read rows when
+they store a chunk (demotion) and write rows when they serve one (promotion). This module owns
+every row's state; the chain and the vLLM adapter only call its methods.
+
+A row's life (``Row.move`` asserts each transition; anything else is a bug and raises)::
+
+    FREE ─put─▶ WRITING ─finish_store(ok)─▶ READY ─drop (unpinned)─▶ FREE
+    FREE ─reserve_promotion─▶ PROMOTING ─finish_promotion(ok)─▶ READY
+    WRITING / PROMOTING ─failed─▶ FREE
+    WRITING / READY / PROMOTING ─drop while pinned─▶ DETACHED ─last unpin─▶ FREE
+
+Pins: a row is pinned while a GPU job reads or writes it (vLLM's pins: ``pins``) and while a file
+tier reads or writes it (``io_pins``). A pinned row is never evicted or reused. vLLM forgets its
+in-flight jobs on a reset, so a reset removes vLLM's pins but keeps the I/O pins: such rows are
+detached until their I/O ends.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+from tiering.backends.staging import StagingRegion
+from tiering.policies import StoreThreshold, create
+from tiering.stats import TierStats
+from tiering.tier import Completion, Lookup, PutOutcome, Tier
+
+log = logging.getLogger(__name__)
+
+
+class RowState(enum.IntEnum):
+    FREE = 0
+    WRITING = 1  # a GPU store job is filling it
+    READY = 2  # readable
+    PROMOTING = 3  # a file tier is filling it
+    DETACHED = 4  # its key was dropped while pinned; freed by the last unpin
+
+
+_LEGAL = {
+    (RowState.FREE, RowState.WRITING), (RowState.FREE, RowState.PROMOTING),
+    (RowState.WRITING, RowState.READY), (RowState.PROMOTING, RowState.READY),
+    (RowState.WRITING, RowState.FREE), (RowState.PROMOTING, RowState.FREE),
+    (RowState.READY, RowState.FREE),
+    (RowState.WRITING, RowState.DETACHED), (RowState.READY, RowState.DETACHED),
+    (RowState.PROMOTING, RowState.DETACHED), (RowState.DETACHED, RowState.FREE),
+}
+
+
+_READY = RowState.READY  # (a module constant: enum member lookups cost on the hot path)
+
+
+class IllegalTransition(RuntimeError):
+    """A row was asked to move between states that its life cycle does not connect."""
+
+
+class Row:
+    __slots__ = ("index", "state", "key", "pins", "io_pins", "source", "fresh")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.state = RowState.FREE
+        self.key: bytes | None = None
+        self.pins = 0  # every pin: vLLM's jobs and file-tier I/O
+        self.io_pins = 0  # the file-tier I/O share of ``pins``
+        self.source = "cpu"  # "cpu", or the label of the file tier it was promoted from
+        self.fresh = False  # promoted and not looked up yet (that hit was the file tier's)
+
+    def move(self, new: RowState) -> None:
+        if (self.state, new) not in _LEGAL:
+            raise IllegalTransition(f"row {self.index}: {self.state.name} -> {new.name}")
+        self.state = new
+
+    def __repr__(self) -> str:
+        return f"Row({self.index}, {self.state.name}, pins={self.pins}/{self.io_pins})"
+
+
+class CpuTier(Tier):
+    medium = "cpu"
+
+    def __init__(self, region: StagingRegion, policy: str = "lru", store_threshold: int = 0,
+                 tracker_size: int = 64_000) -> None:
+        self.region = region
+        self.num_rows, self.row_bytes = region.num_rows, region.row_bytes
+        self.policy_spec = policy
+        self.policy = create(policy, self.num_rows)
+        self.admission = StoreThreshold(store_threshold, tracker_size)
+        self.stats = TierStats()
+        self.rows = [Row(i) for i in range(self.num_rows)]
+        self.key_row: dict[bytes, Row] = {}
+        self.free_rows = list(range(self.num_rows - 1, -1, -1))  # pop() hands out row 0 first
+        self._read_done: list[Completion] = []
+
+    # -- queries -----------------------------------------------------------------------------
+    def lookup(self, key: bytes, count: bool = True) -> Lookup:
+        row = self.key_row.get(key)
+        if row is not None:
+            if row.state is not _READY:
+                return Lookup.PENDING  # asked again next step: counted when it resolves
+            if row.fresh:
+                row.fresh = False
+            elif count:
+                self.stats.lookup(True, self.row_bytes)
+            return Lookup.HIT
+        if count:
+            self.stats.lookup(False)
+            self.policy.on_miss(key)
+        return Lookup.MISS
+
+    def contains(self, key: bytes) -> bool:
+        row = self.key_row.get(key)
+        return row is not None and row.state is RowState.READY
+
+    def row_of(self, key: bytes) -> int:
+        return self.key_row[key].index
+
+    def view(self, key: bytes) -> memoryview:
+        return self.region.row(self.key_row[key].index)
+
+    def source_of(self, key: bytes) -> str:
+        row = self.key_row.get(key)
+        return row.source if row is not None else "cpu"
+
+    def usage(self) -> tuple[int, int, int]:
+        n = len(self.key_row)
+        return n * self.row_bytes, self.num_rows * self.row_bytes, n
+
+    def pinned_rows(self) -> int:
+        return sum(1 for r in self.rows if r.pins)
+
+    def __len__(self) -> int:
+        return len(self.key_row)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._read_done)
+
+    # -- pins ------------------------------------------------------------------------------
+    def pin(self, key: bytes, io: bool = False) -> None:
+        row = self.key_row[key]
+        row.pins += 1
+        row.io_pins += io
+        self.policy.pin(key)
+
+    def unpin_row(self, index: int, io: bool = False) -> None:
+        """Release one pin of a row (by index: its key may have been dropped meanwhile)."""
+        row = self.rows[index]
+        assert row.pins > 0 and (not io or row.io_pins > 0), f"unbalanced unpin of {row!r}"
+        row.pins -= 1
+        row.io_pins -= io
+        if row.state is RowState.DETACHED:
+            if row.pins == 0:
+                self._free(row)
+            return
+        if row.key is not None:
+            self.policy.unpin(row.key)
+
+    # -- row allocation --------------------------------------------------------------------
+    def _free(self, row: Row) -> None:
+        row.move(RowState.FREE)
+        row.key, row.source, row.fresh = None, "cpu", False
+        self.free_rows.append(row.index)
+
+    def drop(self, key: bytes) -> None:
+        """Forget a key's row (evicted or failed): free now, or detached until unpinned."""
+        row = self.key_row.pop(key)
+        self.policy.remove(key)
+        if row.pins:
+            row.move(RowState.DETACHED)
+        else:
+            self._free(row)
+
+    def _allocate(self, n: int, protected: Collection[bytes]
+                  ) -> tuple[list[Row], list[bytes]] | str:
+        """(n free rows, keys evicted for them), or the rejection reason (nothing changed)."""
+        need = n - len(self.free_rows)
+        victims: list[bytes] = []
+        if need > 0:
+            got = self.policy.evict(need, protected=protected)
+            if got is None:
+                return "pinned" if any(r.pins for r in self.rows) else "full"
+            victims = got
+            for v in victims:  # already out of the policy (ghost entries kept)
+                row = self.key_row.pop(v)
+                self._free(row)
+            self.stats.add("evictions", len(victims))
+        return [self.rows[self.free_rows.pop()] for _ in range(n)], victims
+
+    def _bind(self, key: bytes, row: Row, state: RowState, source: str = "cpu") -> None:
+        row.move(state)
+        row.key, row.source = key, source
+        self.key_row[key] = row
+
+    # -- stores: put (rows for a GPU job) then finish_store --------------------------------
+    def put(self, keys: Sequence[bytes], rows: Sequence[memoryview] | None = None) -> PutOutcome:
+        """Reserve rows for ``keys`` (the GPU writes them; ``rows`` must be None).
+
+        Keys already here and keys under the admission threshold are skipped. All or none:
+        if rows for every admitted key cannot be found, none is reserved and all are rejected.
+        """
+        if rows is not None:
+            raise ValueError("CpuTier.put: the GPU fills the rows; pass rows=None")
+        out = PutOutcome()
+        wanted = []
+        for k in dict.fromkeys(keys):
+            if k in self.key_row:
+                continue
+            if not self.admission.offer(k):
+                out.rejected[k] = "threshold"
+                self.stats.reject("threshold")
+                continue
+            wanted.append(k)
+        if not wanted:
+            return out
+        got = self._allocate(len(wanted), set(keys))
+        if isinstance(got, str):
+            for k in wanted:
+                out.rejected[k] = got
+            self.stats.reject(got, len(wanted))
+            return out
+        new_rows, out.evicted = got
+        for k, row in zip(wanted, new_rows, strict=True):
+            self._bind(k, row, RowState.WRITING)
+        self.policy.insert_many(wanted)
+        for k in wanted:
+            self.pin(k)
+        out.admitted = wanted
+        return out
+
+    def finish_store(self, keys: Iterable[bytes], ok: bool = True) -> list[bytes]:
+        """The GPU job for these keys ended; returns the keys now READY."""
+        ready = []
+        for k in keys:
+            row = self.key_row.get(k)
+            if row is None or row.state is not RowState.WRITING:
+                continue  # dropped meanwhile (reset), or a duplicate completion
+            self.unpin_row(row.index)
+            if not ok:
+                self.drop(k)
+                continue
+            row.move(RowState.READY)
+            ready.append(k)
+        self.stats.add("stores", len(ready))
+        self.stats.add("store_bytes", len(ready) * self.row_bytes)
+        return ready
+
+    # -- promotions: a file tier fills a row -----------------------------------------------
+    def reserve_promotion(self, key: bytes, source: str, protected: Collection[bytes] = ()
+                          ) -> tuple[int, list[bytes]] | None:
+        """(a row for ``key`` that a file tier will fill, pinned for that I/O; the keys evicted
+        for it, never one of ``protected``), or None."""
+        got = self._allocate(1, protected)
+        if isinstance(got, str):
+            self.stats.reject(got)
+            return None
+        (row,), evicted = got
+        self._bind(key, row, RowState.PROMOTING, source)
+        self.policy.insert(key)
+        self.pin(key, io=True)
+        return row.index, evicted
+
+    def next_victims(self, n: int) -> list[bytes]:
+        """About the next ``n`` keys the policy would evict (pinned ones included)."""
+        return self.policy.peek_victims(n)
+
+    def free_count(self) -> int:
+        return len(self.free_rows)
+
+    def finish_promotion(self, key: bytes, index: int, ok: bool) -> bool:
+        """The read into row ``index`` ended; True if ``key`` is now READY there."""
+        row = self.rows[index]
+        current = self.key_row.get(key)
+        if ok and current is row and row.state is RowState.PROMOTING:
+            row.move(RowState.READY)
+            row.fresh = True
+            self.unpin_row(index, io=True)
+            return True
+        if current is row:  # failed read: the key goes (a miss); the row frees on unpin
+            self.unpin_row(index, io=True)
+            self.drop(key)
+        else:  # reset or evicted meanwhile: only the I/O pin remains
+            self.unpin_row(index, io=True)
+        return False
+
+    # -- loads to the GPU ------------------------------------------------------------------
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        rows = []
+        for k in keys:
+            self.pin(k)
+            rows.append(self.key_row[k].index)
+        self.stats.add("promotions", len(rows))
+        self.stats.add("promotion_bytes", len(rows) * self.row_bytes)
+        return rows
+
+    def complete_load(self, keys: Iterable[bytes]) -> None:
+        for k in keys:
+            row = self.key_row.get(k)
+            if row is not None:
+                self.unpin_row(row.index)
+
+    # -- the rest of the Tier contract -----------------------------------------------------
+    def get(self, items: Sequence[tuple[bytes, memoryview, Any]]) -> list[bool]:
+        """Copy ready rows into buffers (synchronous; completions come from ``poll``)."""
+        answers = []
+        for key, out, token in items:
+            if not self.contains(key):
+                answers.append(False)
+                continue
+            if len(out) != self.row_bytes:
+                raise ValueError(f"get: buffer for key {key.hex()} has {len(out)} bytes, "
+                                 f"expected row_bytes={self.row_bytes}")
+            out[:] = self.view(key)
+            self._read_done.append(Completion("read", key, True, nbytes=self.row_bytes,
+                                              token=token))
+            answers.append(True)
+        return answers
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.policy.access_many([k for k in keys if k in self.key_row])
+
+    def poll(self, wait: float = 0.0) -> list[Completion]:
+        done, self._read_done = self._read_done, []
+        return done
+
+    def evict(self, n: int) -> list[bytes]:
+        victims = self.policy.evict(min(n, self.policy.evictable_count())) or []
+        for v in victims:
+            self._free(self.key_row.pop(v))
+        self.stats.add("evictions", len(victims))
+        return victims
+
+    def reset(self) -> list[bytes]:
+        """Drop every key. vLLM's pins go (its jobs are forgotten); I/O pins stay, so rows
+        still read or written by a file tier are detached until that I/O ends."""
+        dropped = list(self.key_row)
+        for key, row in list(self.key_row.items()):
+            for _ in range(row.pins - row.io_pins):
+                self.policy.unpin(key)
+            row.pins = row.io_pins
+            self.drop(key)
+        self.admission.clear()
+        return dropped
+
+    def check(self) -> None:
+        """Consistency of the row table (tests call it after every step)."""
+        free = set(self.free_rows)
+        assert len(free) == len(self.free_rows), "a row is free twice"
+        for row in self.rows:
+            assert row.io_pins <= row.pins, row
+            if row.state is RowState.FREE:
+                assert row.index in free and row.key is None and row.pins == 0, row
+            else:
+                assert row.index not in free, row
+            if row.state is RowState.DETACHED:
+                assert row.pins > 0 and self.key_row.get(row.key) is not row, row
+            elif row.state is not RowState.FREE:
+                assert self.key_row.get(row.key) is row, row
+        assert len(self.key_row) == len(self.policy), (len(self.key_row), len(self.policy))
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,47 @@
+"""Every internal tunable of vllm-tiering, in one commented table.
+
+User-facing settings live in the configs (``tiering.config``, ``backends/file_config.py``); these
+are the numbers behind them, each with the reason it has its value. Modules import them from
+here; none of them hard-codes its own.
+"""
+
+from __future__ import annotations
+
+# -- tier chain: write-back (demote: on_evict) ---------------------------------------------------
+# Rows kept clean (free, or the next victims already written down) at each step's end, as a
+# fraction of the CPU rows, at least WRITEBACK_RESERVE_MIN: the next steps' stores then evict
+# without waiting for a write. An eighth absorbs a burst of long prompts in one step.
+WRITEBACK_RESERVE_FRACTION = 1 / 8
+WRITEBACK_RESERVE_MIN = 2
+
+# -- promotion advisor: load a disk hit, or recompute it? ------------------------------------------
+# Weight of a new sample in the exponential moving averages of read and prefill rates: recent
+# enough to follow a busy disk, smooth enough to ignore one slow batch.
+ADVISOR_EWMA_WEIGHT = 0.3
+# Load only if load time <= margin x recompute time: the copy to the GPU and measurement noise
+# are not in the model, and losing the bet costs TTFT.
+ADVISOR_PAYOFF_MARGIN = 0.9
+# Scheduler steps further apart than this are not one busy stretch (idle time is not compute).
+ADVISOR_MAX_STEP_GAP_S = 0.5
+# After this many declined chunks of a tier, one is loaded anyway, so a tier that was slow for a
+# while (a busy disk) gets measured again instead of being written off for good.
+ADVISOR_REPROBE_AFTER = 512
+
+# -- file tier ---------------------------------------------------------------------------------
+# LMDB map size: a fixed headroom plus a generous per-slot share (a record is 44 bytes plus the
+# key and B-tree overhead; copy-on-write needs room for a second copy of touched pages).
+INDEX_MAP_BASE_BYTES = 64 << 20
+INDEX_MAP_BYTES_PER_SLOT = 2048
+# Rows per group commit when ``max_batch`` is 0: about this many bytes, within [min, max] rows.
+# One fdatasync per slab file per batch: bigger batches amortise it, smaller ones cut latency.
+COMMIT_BATCH_BYTES = 64 << 20
+COMMIT_BATCH_MIN_ROWS = 8
+COMMIT_BATCH_MAX_ROWS = 1024
+# A run of adjacent slots is read with one vectored call of at most this many bytes: huge reads
+# queue on one I/O thread while the others idle.
+READ_RUN_MAX_BYTES = 4 << 20
+
+# -- metrics -----------------------------------------------------------------------------------
+# Buckets of vllm:kv_tier_transfer_seconds: from one 64 KiB page on NVMe to a long prompt's
+# promotion from a slow disk.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -1,0 +1,137 @@
+"""The one registry of tier metrics: every counter and gauge is defined here, once.
+
+A tier (``tiering.tier.Tier``) owns a :class:`TierStats` and counts into it; everything else
+reads it: the chain (rejections it decides), the vLLM metrics (``tiering.vllm.metrics``, as
+deltas per step), the Prometheus exporter of offline caches (``tiering.exporter``), ``tiering
+stats``, and the file tier's persisted counters (LMDB ``stats`` database, written under the same
+flat names). Adding a counter is one line in :data:`METRICS`.
+
+A labelled counter (``rejections``) is stored as one flat value per label value:
+``rejections:full``. The label values are fixed here, so every series exists from the start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    help: str
+    labels: tuple[str, ...] = ()  # extra labels besides ``tier``
+    values: tuple[str, ...] = ()  # a labelled counter's fixed values of its one extra label
+
+
+# Why a chunk offered to a tier was not stored there (``rejections`` label ``reason``).
+REJECT_REASONS = ("threshold", "full", "error", "pinned")
+
+METRICS: tuple[Metric, ...] = (
+    Metric("lookups", "counter", "Chunk lookups that reached this tier (one per request and "
+           "chunk; vLLM's repeated asks about a pending chunk are not counted again)."),
+    Metric("hits", "counter", "Chunk lookups this tier answered with a hit."),
+    Metric("hit_bytes", "counter", "Bytes of the chunks this tier hit."),
+    Metric("stores", "counter", "Chunks written into this tier."),
+    Metric("store_bytes", "counter", "Bytes written into this tier."),
+    Metric("promotions", "counter", "Chunks read out of this tier for use above it (file "
+           "tier: into the CPU tier; CPU tier: to the GPU)."),
+    Metric("promotion_bytes", "counter", "Bytes read out of this tier for use above it."),
+    Metric("promotion_failures", "counter", "Reads that ended as a miss (I/O error, checksum "
+           "mismatch, chunk gone, no CPU row free)."),
+    Metric("promotions_declined", "counter", "Hits of this file tier not loaded because "
+           "recomputing the chunk is faster than reading it (measured rates)."),
+    Metric("evictions", "counter", "Chunks evicted from this tier by its policy."),
+    Metric("rejections", "counter", "Chunks offered to this tier and not stored, by reason "
+           "(threshold: store_threshold not reached; full: no room, disk full included; "
+           "error: the write failed; pinned: every candidate victim is in use).",
+           ("reason",), REJECT_REASONS),
+    Metric("writeback_misses", "counter", "Chunks a write-back tier (demote: on_evict) never "
+           "got: the CPU tier evicted them before they were written down."),
+    Metric("io_errors", "counter", "Failed reads and writes of this tier."),
+    Metric("checksum_failures", "counter", "Reads whose checksum did not match (served as "
+           "misses)."),
+    Metric("usage_bytes", "gauge", "Bytes held by this tier."),
+    Metric("usage_perc", "gauge", "Fraction of this tier's capacity in use (0..1)."),
+    Metric("capacity_bytes", "gauge", "Capacity of this tier in bytes."),
+    Metric("entries", "gauge", "Chunks held by this tier."),
+    Metric("info", "gauge", "Always 1; labels describe the tier.", ("policy", "io_engine")),
+    Metric("transfer_seconds", "histogram", "Latency of stores into and promotions out of a "
+           "file tier, submit to completion.", ("kind",)),
+)
+
+COUNTERS: tuple[Metric, ...] = tuple(m for m in METRICS if m.kind == "counter")
+GAUGES: tuple[Metric, ...] = tuple(m for m in METRICS if m.kind == "gauge")
+
+
+def counter_keys() -> list[str]:
+    """Every flat counter name, labelled ones expanded (``rejections:full``)."""
+    out = []
+    for m in COUNTERS:
+        out.extend(f"{m.name}:{v}" for v in m.values) if m.values else out.append(m.name)
+    return out
+
+
+COUNTER_KEYS: tuple[str, ...] = tuple(counter_keys())
+_KNOWN = frozenset(COUNTER_KEYS)
+
+
+def split_key(flat: str) -> tuple[str, str]:
+    """``rejections:full`` -> (``rejections``, ``full``); ``hits`` -> (``hits``, ``"``)."""
+    name, _, value = flat.partition(":")
+    return name, value
+
+
+class TierStats:
+    """One tier's counters. Written by the tier's owner thread only; read by anyone.
+
+    ``on_add`` (optional) sees every increment: the file tier forwards them to its committer,
+    which persists them with the next index transaction.
+    """
+
+    def __init__(self, on_add: Callable[[str, int], None] | None = None) -> None:
+        self.values: dict[str, int] = dict.fromkeys(COUNTER_KEYS, 0)
+        self.on_add = on_add
+
+    def add(self, key: str, n: int = 1) -> None:
+        if key not in _KNOWN:
+            raise KeyError(f"unknown counter {key!r}; defined ones: {', '.join(COUNTER_KEYS)}")
+        if n:
+            self.values[key] += n
+            if self.on_add is not None:
+                self.on_add(key, n)
+
+    def lookup(self, hit: bool, nbytes: int = 0) -> None:
+        """One counted lookup (the scheduler's hottest counter path: one call, no checks)."""
+        v = self.values
+        v["lookups"] += 1
+        if hit:
+            v["hits"] += 1
+            v["hit_bytes"] += nbytes
+        if self.on_add is not None:
+            self.on_add("lookups", 1)
+            if hit:
+                self.on_add("hits", 1)
+                self.on_add("hit_bytes", nbytes)
+
+    def reject(self, reason: str, n: int = 1) -> None:
+        self.add(f"rejections:{reason}", n)
+
+    def __getitem__(self, key: str) -> int:
+        return self.values[key]
+
+    def items(self) -> Iterator[tuple[str, int]]:
+        return iter(self.values.items())
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.values)
+
+
+def from_persisted(raw: dict[str, int]) -> dict[str, int]:
+    """Persisted counters (LMDB ``stats``) as a full registry dict; unknown names dropped."""
+    out = dict.fromkeys(COUNTER_KEYS, 0)
+    for k, v in raw.items():
+        if k in _KNOWN:
+            out[k] = v
+    return out
