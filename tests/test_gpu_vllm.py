@@ -100,7 +100,9 @@ def test_tier_hits_are_bitwise_equal_to_gpu_hits_with_transfers_next_to_compute(
         model, reference, tmp_path, gpu_copy):
     n_old = len(PROMPTS)
     assert len({tuple(t) for t, _ in reference}) == len(reference)  # outputs vary by prompt
-    kvt = transfer_config("ours", tmp_path, 2 << 30, 4.0, gpu_copy)
+    # promote "always": load every disk hit (this small model recomputes faster than the disk
+    # reads, and "auto" would rightly recompute; here the disk path itself is under test)
+    kvt = transfer_config("ours", tmp_path, 2 << 30, 4.0, gpu_copy, promote="always")
     eng = Engine(OPTS, model, "ours", kvt, GPU_BLOCKS, MAX_LEN)
     try:
         cold, _ = one_by_one(eng, PROMPTS)

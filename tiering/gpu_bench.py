@@ -79,6 +79,9 @@ def parse() -> argparse.Namespace:
                     help="throughput: CPU tier / working set")
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--gpu-copy", default="auto", help="ours: gpu_copy (auto, dma, staged, direct)")
+    ap.add_argument("--promote", default=None,
+                    help="ours: the CPU tier's promote setting (auto, always; default: the "
+                         "spec's own default)")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="skip the steps (a config's phases or throughput) that would start after "
                          "this many seconds (0: no limit)")
@@ -143,7 +146,7 @@ def randomize_weights(model) -> int:
 
 
 def transfer_config(name: str, scratch: Path, cpu_bytes: int, disk_gib: float,
-                    gpu_copy: str = "auto") -> dict | None:
+                    gpu_copy: str = "auto", promote: str | None = None) -> dict | None:
     if name == "none":
         return None
     disk = scratch / name
@@ -160,7 +163,9 @@ def transfer_config(name: str, scratch: Path, cpu_bytes: int, disk_gib: float,
                                        "policy": "lru", "io": "posix"}])
     else:
         extra.update(spec_name="TieredOffloadingSpec", spec_module_path="tiering.vllm",
-                     gpu_copy=gpu_copy, tiers=[{"medium": "cpu", "policy": "lru"},
+                     gpu_copy=gpu_copy,
+                     tiers=[{"medium": "cpu", "policy": "lru",
+                             **({"promote": promote} if promote else {})},
                             {"medium": "file", "path": str(disk), "capacity": f"{disk_gib}GiB",
                              "policy": "lru", "io": "posix"}])
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -300,7 +305,7 @@ def record(rows, a, engine, config, length, phase, prompts, skip_cache=False, ex
 def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, gpu_blocks):
     """Phase engine (+ restart engine) of one config."""
     cpu_bytes = int(a.cpu_gib * 2**30)
-    kvt = transfer_config(config, scratch, cpu_bytes, a.disk_gib, a.gpu_copy)
+    kvt = transfer_config(config, scratch, cpu_bytes, a.disk_gib, a.gpu_copy, a.promote)
     timings = {}
     warm = list(a.lengths)
     eng = Engine(a, model, config, kvt, gpu_blocks, max_len, warm)
@@ -355,7 +360,7 @@ def throughput_for(a, model, config, scratch, kvb, block_size):
     ws_tokens = a.tp_prefixes * a.tp_prefix_tokens
     gpu_blocks = max(16, int(ws_tokens / a.tp_gpu_factor) // block_size)
     cpu_bytes = int(ws_tokens * kvb * a.tp_cpu_fraction)
-    kvt = transfer_config(config, scratch / "tp", cpu_bytes, a.disk_gib, a.gpu_copy)
+    kvt = transfer_config(config, scratch / "tp", cpu_bytes, a.disk_gib, a.gpu_copy, a.promote)
     vocab = SHAPES[a.shape][5]
     prefixes = [prompt(5000 + i, a.tp_prefix_tokens, vocab) for i in range(a.tp_prefixes)]
     r = random.Random(7)
