@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test env lint gpu-check bench clean
+.PHONY: demo test env lint gpu-check gpu-test gpu-bench bench clean
 
 env:
 	@bash scripts/setup_env.sh
@@ -23,7 +23,7 @@ VLLM033_TESTS := tests/test_vllm_spec.py tests/test_vllm_adapters.py tests/test_
 
 test: env
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -m "not gpu" $(PYTEST_ARGS)
 	@bash scripts/setup_vllm033.sh
 	.venv033/bin/python -m pytest -q -ra -p no:cacheprovider $(VLLM033_TESTS) \
 	  --deselect tests/test_vllm_scheduler.py::test_preemption_flushes_stores_and_leaves_no_row_pinned
@@ -35,6 +35,16 @@ lint: env
 gpu-check:
 	bash scripts/gpu_check.sh
 
+# The GPU tests (pytest -m gpu): copy engine paths, kvikio, our spec inside CUDA vLLM.
+gpu-test:
+	bash scripts/gpu_tests.sh
+
+# TTFT per cache phase and throughput, five offloading setups side by side (needs CUDA vLLM);
+# GPU_BENCH_ARGS selects configs/phases/lengths (python -m tiering.gpu_bench --help).
+GPU_BENCH_ARGS ?=
+gpu-bench:
+	bash scripts/gpu_bench.sh $(GPU_BENCH_ARGS)
+
 # File-tier benchmark against fio and vLLM's fs tier on the disk under BENCH_DIR.
 BENCH_DIR ?= .bench-scratch
 bench: env
@@ -42,4 +52,4 @@ bench: env
 	$(VENV)/bin/tiering bench $(BENCH_DIR) --row-bytes 2MiB --total 4GiB --repeat 3
 
 clean:
-	rm -rf $(VENV) .venv033 build build-gpu *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv033 build build-gpu build-gpu-wheels *.egg-info .pytest_cache .hypothesis

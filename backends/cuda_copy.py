@@ -2,17 +2,34 @@
 
 The rows are registered with CUDA as pinned memory (in segments: one registration of tens of
 GiB can fail; failures are counted and those rows copy as pageable memory), one stream per
-direction plus one for expedited loads, each job ``cudaMemcpyBatchAsync`` calls of ≤1024 runs in
-host-address order (through ctypes on numpy arrays; cuda-bindings, or per-run
-``cudaMemcpyAsync`` where the batch API is missing, as fallbacks), a CUDA event per job for
-completion and timing. Optionally (``staging_bytes`` > 0) jobs made of small pages (per-layer
-layouts: 64 KiB each) of whole rows go through a double-buffered device staging area laid out
-like the rows: gather/scatter on the GPU, then one batched copy of whole rows over PCIe. Off by
-default: on the H200 it did not beat the direct path (docs/benchmarks.md).
+direction plus one for expedited loads, a CUDA event per job for completion and timing.
 
-Torch and cuda-bindings are imported when the engine is built, never at module import. The
-engine never reports a failed job (vLLM asserts on failures): a copy API error raises at once,
-which vLLM treats as a fatal worker error rather than silently serving wrong KV.
+How a job's bytes move (``copy``; chosen per job by page size):
+
+* ``dma`` — the descriptor path: each (block, KV tensor) page is one descriptor of
+  ``cudaMemcpyBatchAsync`` calls of ≤1024 runs in host-address order (through ctypes on numpy
+  arrays; cuda-bindings, or per-run ``cudaMemcpyAsync`` where the batch API is missing, as
+  fallbacks). Near one large copy's speed for large pages (packed layouts: 2 MiB per block).
+* ``staged`` — for small pages (per-layer layouts: 64 KiB each): one Triton kernel launch
+  (``gpu_kernels.py``) gathers a piece of the job's pages into a device buffer laid out like
+  the rows (store) or scatters them out of it (load); PCIe sees whole-row copies. Two buffers
+  per direction: the kernel for piece k+1 runs while piece k crosses PCIe.
+* ``direct`` — for small pages: one kernel launch reads or writes the registered host rows
+  directly (no DMA descriptors, no device buffer; uses SMs for the whole transfer).
+* ``auto`` (default) — ``dma``: on the H200 (docs/benchmarks.md) the descriptor path moved
+  per-layer pages faster in one direction than either kernel path, whose extra work (a gather
+  or scatter pass, or SM-driven PCIe traffic) did not pay for itself there; ``staged`` only
+  overlapped both directions better. ``staged``/``direct`` apply to jobs whose pages are all
+  smaller than ``small_page_bytes`` and 16-byte aligned (others take ``dma``); when Triton is
+  missing or its kernel fails its self-check, asking for them is an error.
+
+Torch, Triton and cuda-bindings are imported when the engine is built, never at module import.
+The engine never reports a failed job (vLLM asserts on failures): a copy API error raises at
+once, which vLLM treats as a fatal worker error rather than silently serving wrong KV.
+Ordering: every job's first operation waits for the work already queued on the submitting
+thread's current stream (the forward pass that wrote the blocks a store reads); a job is
+reported finished only when its end event, recorded after all its copies and kernels, has
+completed (so a load's blocks are complete before vLLM schedules the request that uses them).
 """
 
 from __future__ import annotations
@@ -21,14 +38,90 @@ import ctypes
 import logging
 from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from tiering.backends.dma import CopyLayout, Finished, merge_runs, submit_descriptors
+from tiering.backends.dma import CopyLayout, Finished, merge_runs
 
 log = logging.getLogger(__name__)
 BATCH_MAX = 1024  # descriptors per cudaMemcpyBatchAsync call (larger calls measured slower)
 REGISTER_SEGMENT = 1 << 30
+COPY_MODES = ("auto", "dma", "staged", "direct")
+KERNEL_ALIGN = 16  # gpu_kernels.ALIGN, repeated here so that choosing a path needs no Triton
+
+
+class StagedPlan(NamedTuple):
+    """A staged job: page ``i`` moves between device address ``dev[i]`` and ``staged[i]`` in a
+    staging buffer; ``pieces`` lists, per piece, its page range ``[lo, hi)``, its buffer, and
+    its row copies (buffer address, host address, bytes), merged and in host-address order."""
+
+    dev: np.ndarray
+    staged: np.ndarray
+    size: np.ndarray
+    pieces: list[tuple[int, int, int, tuple[np.ndarray, np.ndarray, np.ndarray]]]
+
+
+def plan_staged(layout: CopyLayout, dev: np.ndarray, host: np.ndarray, size: np.ndarray,
+                slot: np.ndarray, rows_per_buffer: int, buffer_addresses: Sequence[int],
+                first_buffer: int) -> StagedPlan:
+    """Lay a job's pages out in staging buffers like the rows they belong to.
+
+    ``slot[i]``: the index of page ``i``'s row among the job's rows (``CopyLayout.page_rows``).
+    Row ``k`` of the job goes into slot ``k % rows_per_buffer`` of piece
+    ``k // rows_per_buffer``, each page at the offset it has in its row's cell, so a row that
+    the job covers whole reaches the host as one copy (rows covered in part: one copy per run
+    of pages). Pieces take the buffers in turn, starting with ``first_buffer``. Cheap on
+    purpose (no sort of the pages' addresses): it runs before the first byte moves.
+    """
+    cell = layout.cell_bytes
+    rel = host - layout.row_base
+    row = rel // layout.row_bytes
+    in_cell = rel - row * layout.row_bytes
+    if len(size) and (int(in_cell.min()) < 0 or int((in_cell + size).max()) > cell):
+        raise ValueError("a page lies outside its row's cell")
+    n_slots = int(slot.max()) + 1 if len(slot) else 0
+    piece = slot // rows_per_buffer
+    order = np.argsort(piece.astype(np.int32), kind="stable")  # radix sort: O(n)
+    dev, host, size, slot, row, in_cell, piece = (
+        a[order] for a in (dev, host, size, slot, row, in_cell, piece))
+    n_pieces = int(piece[-1]) + 1 if len(piece) else 0
+    nbuf = len(buffer_addresses)
+    buf_of_piece = (np.arange(n_pieces) + first_buffer) % nbuf
+    base = np.asarray(buffer_addresses, dtype=np.int64)
+    slot_addr = base[buf_of_piece[np.arange(n_slots) // rows_per_buffer]] + \
+        (np.arange(n_slots) % rows_per_buffer) * cell
+    staged = slot_addr[slot] + in_cell
+    # rows covered whole: one copy each; the others: their pages, merged where they touch
+    covered = np.bincount(slot, weights=size, minlength=n_slots)
+    whole = covered == cell
+    row_of_slot = np.zeros(n_slots, dtype=np.int64)
+    row_of_slot[slot] = row
+    bounds = np.searchsorted(piece, np.arange(n_pieces + 1))
+    whole_slots = np.flatnonzero(whole)
+    whole_bounds = np.searchsorted(whole_slots // rows_per_buffer, np.arange(n_pieces + 1))
+    pieces = []
+    for p in range(n_pieces):
+        lo, hi = int(bounds[p]), int(bounds[p + 1])
+        ws = whole_slots[whole_bounds[p]:whole_bounds[p + 1]]
+        src = [slot_addr[ws]]
+        dst = [layout.row_base + row_of_slot[ws] * layout.row_bytes]
+        n = [np.full(len(ws), cell, dtype=np.int64)]
+        part = ~whole[slot[lo:hi]]
+        if part.any():
+            s, d, k = merge_runs(staged[lo:hi][part], host[lo:hi][part], size[lo:hi][part],
+                                 by="dst")
+            src.append(s)
+            dst.append(d)
+            n.append(k)
+        pieces.append((lo, hi, int(buf_of_piece[p]),
+                       tuple(np.ascontiguousarray(np.concatenate(a), dtype=np.uint64)
+                             for a in (src, dst, n))))
+    return StagedPlan(dev, staged, size, pieces)
+
+
+class _KernelUnavailable(RuntimeError):
+    """The copy kernel cannot be built or its buffers allocated: the job takes the DMA path."""
 
 
 class _CudartBatch:
@@ -63,30 +156,40 @@ class _CudartBatch:
 
 
 class CudaCopyEngine:
-    """Batched async copies on CUDA streams (see module doc)."""
+    """Batched async copies and copy kernels on CUDA streams (see module doc).
+
+    Called from one thread (vLLM's worker thread): ``submit``/``submit_job`` enqueue and
+    return, ``get_finished`` polls events, ``wait`` blocks on the named jobs' end events.
+    """
 
     name = "cuda"
 
     def __init__(self, host_base: int, host_bytes: int, device: object = None,
                  api: str = "auto", batch_max: int = BATCH_MAX, order: str = "host",
-                 staging_bytes: int = 0, staging_threshold: int = 256 << 10) -> None:
+                 copy: str = "auto", staging_bytes: int = 128 << 20,
+                 small_page_bytes: int = 256 << 10) -> None:
         import torch
         from cuda.bindings import runtime as rt
 
+        if copy not in COPY_MODES:
+            raise ValueError(f"copy: expected one of {', '.join(COPY_MODES)}, got {copy!r}")
         self.torch, self.rt = torch, rt
         self.batch_max, self.order = batch_max, order
-        self.staging_bytes, self.staging_threshold = staging_bytes, staging_threshold
-        self._staging: dict[str, object] = {}  # direction -> device buffer (allocated lazily)
+        self.staging_bytes, self.small_page_bytes = staging_bytes, small_page_bytes
         self.device = torch.device(device or "cuda")
         self.streams = {d: torch.cuda.Stream(self.device) for d in ("store", "load", "expedited")}
         self.registered: list[int] = []
         self.register_failures = 0
+        self._mapped_same_address = True
         for off in range(0, host_bytes, REGISTER_SEGMENT):
             seg = min(REGISTER_SEGMENT, host_bytes - off)
             (err,) = rt.cudaHostRegister(host_base + off, seg,
                                          rt.cudaHostRegisterDefault)
             if err == rt.cudaError_t.cudaSuccess:
                 self.registered.append(host_base + off)
+                err, dev_ptr = rt.cudaHostGetDevicePointer(host_base + off, 0)
+                if err != rt.cudaError_t.cudaSuccess or int(dev_ptr) != host_base + off:
+                    self._mapped_same_address = False
             else:
                 self.register_failures += 1
         if self.register_failures:
@@ -107,6 +210,51 @@ class CudaCopyEngine:
                          "cuda-bindings", exc)
         self.api = "ctypes" if self._ctypes else ("bindings" if self.batch_api else "memcpy")
         self._jobs: deque = deque()
+        # kernel paths: per direction, a second stream for the row copies, two device buffers
+        # and the events after which each buffer may be refilled (kept across jobs)
+        self._kernels = None
+        self._kernel_hints = True
+        self.copy = self._choose_copy(copy)
+        self._copy_streams: dict[str, object] = {}
+        self._buffers: dict[str, list] = {}
+        self._free: dict[str, list] = {}
+        self._next_buffer: dict[str, int] = {}
+        self.jobs_by_path = {"dma": 0, "staged": 0, "direct": 0}
+
+    def _choose_copy(self, copy: str) -> str:
+        if copy in ("dma", "auto"):
+            return "dma"
+        if copy == "direct" and (self.register_failures or not self._mapped_same_address):
+            raise ValueError("copy: 'direct' needs every staging row registered with CUDA and "
+                             "usable from the device at its host address; this machine has "
+                             f"{self.register_failures} unregistered segment(s)")
+        try:
+            from tiering.backends import gpu_kernels
+        except ImportError as exc:
+            raise ValueError(f"copy: {copy!r} needs Triton ({exc})") from None
+        self._kernels = gpu_kernels
+        try:
+            self._check_kernel()
+        except _KernelUnavailable as exc:
+            raise ValueError(f"copy: {copy!r}: the copy kernel does not work here "
+                             f"({exc})") from None
+        return copy
+
+    def _check_kernel(self) -> None:
+        """Build the kernel now (not in the first job) and check that it moves bytes exactly:
+        three pages of odd lengths between random device buffers."""
+        torch = self.torch
+        src = torch.randint(-2**31, 2**31 - 1, (3 * 8192,), dtype=torch.int32, device=self.device)
+        dst = torch.zeros_like(src)
+        lengths = np.array([32768, 16, 4096 + 48], dtype=np.int64)
+        offs = np.array([0, 8192 * 4, 16384 * 4], dtype=np.int64)
+        with torch.cuda.stream(self.streams["store"]):
+            table = self._upload((src.data_ptr() + offs, dst.data_ptr() + offs, lengths // 4))
+            self._launch(table, 3, 0, 3, int(lengths.max()))
+        self.streams["store"].synchronize()
+        for o, n in zip(offs // 4, lengths // 4, strict=True):
+            if not torch.equal(src[o:o + n], dst[o:o + n]) or dst[o + n:o + 8192].any():
+                raise _KernelUnavailable("the copy kernel's self-check moved wrong bytes")
 
     def _make_attrs(self):
         rt = self.rt
@@ -116,6 +264,7 @@ class CudaCopyEngine:
 
     def submit(self, job_id: int, src: np.ndarray, dst: np.ndarray, size: np.ndarray,
                direction: str = "store") -> None:
+        """The descriptor path: copy ``size[i]`` bytes from ``src[i]`` to ``dst[i]``."""
         torch = self.torch
         stream = self.streams[direction]
         # Stores read blocks the model just wrote: order them after the compute stream's work.
@@ -132,110 +281,164 @@ class CudaCopyEngine:
         self._copy(job_id, s, d, n, stream.cuda_stream)
         end.record(stream)
         self._jobs.append((job_id, int(size.sum()), start, end))
+        self.jobs_by_path["dma"] += 1
+
+    def path_for(self, dev: np.ndarray, host: np.ndarray, size: np.ndarray) -> str:
+        """Which path a job of these descriptors takes (see module doc)."""
+        if self.copy == "dma" or len(size) == 0 or int(size.max()) >= self.small_page_bytes:
+            return "dma"
+        a = KERNEL_ALIGN - 1
+        if (np.bitwise_or.reduce(dev) | np.bitwise_or.reduce(host)
+                | np.bitwise_or.reduce(size)) & a:
+            return "dma"
+        return self.copy
 
     def submit_job(self, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
                    group_sizes: Sequence[int], block_indices: Sequence[int], rows: np.ndarray,
                    direction: str) -> None:
-        """One vLLM job. Small pages of whole rows are gathered on the GPU (see _gather_job);
-        everything else goes through the descriptor path."""
-        small = max(t.page for t in layout.tensors) < self.staging_threshold
-        whole_rows = all(int(i) % layout.bpc == 0 and n % layout.bpc == 0
-                         for i, n in zip(block_indices, group_sizes, strict=True))
-        if (self.staging_bytes >= 2 * layout.cell_bytes and small and whole_rows
-                and layout.torch_tensors is not None):
-            self._gather_job(job_id, layout, block_ids, group_sizes, rows, direction)
-            return
-        submit_descriptors(self, job_id, layout, block_ids, group_sizes, block_indices, rows,
-                           direction)
+        """One vLLM job: its descriptors, then the path ``path_for`` picks."""
+        dev, host, size = layout.descriptors(block_ids, group_sizes, block_indices, rows)
+        path = self.path_for(dev, host, size)
+        if path != "dma":
+            try:
+                if path == "staged":
+                    slot = layout.page_rows(group_sizes, block_indices)
+                    self._staged_job(job_id, layout, dev, host, size, slot, direction)
+                else:
+                    self._direct_job(job_id, dev, host, size, direction)
+                self.jobs_by_path[path] += 1
+                return
+            except _KernelUnavailable as exc:
+                log.warning("copy kernel unavailable (%s): small pages copy as DMA descriptors "
+                            "from now on", exc)
+                self.copy = "dma"
+        if direction == "store":
+            self.submit(job_id, dev, host, size, direction)
+        else:
+            self.submit(job_id, host, dev, size, direction)
 
-    def _gather_job(self, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
-                    group_sizes: Sequence[int], rows: np.ndarray, direction: str) -> None:
-        """Per-layer pages (tens of KiB each) moved as whole rows: on the GPU, one gather
-        (store) or scatter (load) kernel per KV tensor between the blocks and a staging buffer
-        laid out like the rows; over PCIe, one batched copy of whole rows. Two buffers and two
-        streams per direction: the kernels for piece k+1 run while piece k crosses PCIe."""
+    # -- kernel paths ------------------------------------------------------------------------------
+    def _launch(self, table, n: int, first: int, count: int, max_bytes: int) -> None:
+        """Launch the page-copy kernel on the current stream; the first launch compiles it (with
+        alignment hints, without them if that fails); a kernel that cannot be built at all
+        raises ``_KernelUnavailable`` before anything of the job was enqueued."""
+        while True:
+            try:
+                self._kernels.launch(table, n, first, count, max_bytes, self._kernel_hints)
+                return
+            except Exception as exc:  # compile errors come in many types
+                if self._kernel_hints:
+                    log.warning("copy kernel with alignment hints failed to build (%s); "
+                                "trying without", exc)
+                    self._kernel_hints = False
+                    continue
+                raise _KernelUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    def _upload(self, columns: Sequence[np.ndarray]):
+        """The kernel's page table (int64 columns, side by side) on the device, copied on the
+        current stream from pinned memory (the host allocator keeps it until the copy ran)."""
         torch = self.torch
+        table = torch.from_numpy(np.concatenate([np.asarray(c, dtype=np.int64)
+                                                 for c in columns])).pin_memory()
+        return table.to(self.device, non_blocking=True)
+
+    def _direct_job(self, job_id: int, dev: np.ndarray, host: np.ndarray, size: np.ndarray,
+                    direction: str) -> None:
+        torch = self.torch
+        stream = self.streams[direction]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         store = direction == "store"
-        kern, copy = self.streams[direction], self._copy_stream(direction)
-        kern.wait_stream(torch.cuda.current_stream(self.device))
-        bufs = self._staging_buffers(direction)
-        cell, bpc = layout.cell_bytes, layout.bpc
-        per_piece = max(1, len(bufs[0]) // cell)
+        # walk host memory in address order
+        order = np.argsort(host, kind="stable")
+        dev, host, size = dev[order], host[order], size[order]
+        src, dst = (dev, host) if store else (host, dev)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        start.record(kern)
-        free = [None, None]  # per buffer: event after which it may be refilled
-        total, k = 0, 0
-        blk_off = row_off = 0
-        for g, n in enumerate(group_sizes):
-            if n == 0:
-                continue
-            n_rows = n // bpc
-            g_rows = np.asarray(rows[row_off:row_off + n_rows], dtype=np.int64)
-            # indices go up once, asynchronously: a pageable host->device copy would block the
-            # host until the stream drained and serialize every piece
-            idx = torch.from_numpy(np.asarray(block_ids[blk_off:blk_off + n],
-                                              dtype=np.int64)).pin_memory()
-            with torch.cuda.stream(kern):
-                g_blocks = idx.to(self.device, non_blocking=True)
-            for r0 in range(0, n_rows, per_piece):
-                r1, b = min(n_rows, r0 + per_piece), k % 2
-                blocks = g_blocks[r0 * bpc:r1 * bpc]
-                stage = bufs[b][:(r1 - r0) * cell].view(r1 - r0, cell)
-                host = (layout.row_base + g_rows[r0:r1] * layout.row_bytes).astype(np.uint64)
-                dev = np.uint64(stage.data_ptr()) + np.arange(r1 - r0, dtype=np.uint64) * \
-                    np.uint64(cell)
-                sizes = np.full(r1 - r0, cell, dtype=np.uint64)
-                first, second = (kern, copy) if store else (copy, kern)
-                if free[b] is not None:
-                    first.wait_event(free[b])
-                if not store:
-                    self._copy(job_id, host, dev, sizes, copy.cuda_stream)
-                    landed = torch.cuda.Event()
-                    landed.record(copy)
-                    kern.wait_event(landed)
-                with torch.cuda.stream(kern):
-                    for t_idx, page_bytes in layout.refs[g]:
-                        page, off = layout.tensors[t_idx].page, layout.tensor_off[t_idx]
-                        region = stage[:, off:off + bpc * page].unflatten(1, (bpc, page))
-                        region = region[:, :, :page_bytes]
-                        tensor = layout.torch_tensors[t_idx][:, :page_bytes]
-                        if store:
-                            region.copy_(tensor.index_select(0, blocks).view(region.shape))
-                        else:
-                            tensor.index_copy_(0, blocks, region.reshape(-1, page_bytes))
-                        total += page_bytes * len(blocks)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            table = self._upload((src, dst, size // 4))
+            self._launch(table, len(size), 0, len(size), int(size.max()))
+            end.record(stream)
+        self._jobs.append((job_id, int(size.sum()), start, end))
+
+    def _staged_job(self, job_id: int, layout: CopyLayout, dev: np.ndarray, host: np.ndarray,
+                    size: np.ndarray, slot: np.ndarray, direction: str) -> None:
+        """Pages grouped by the row they belong to; a piece is as many rows as one buffer holds.
+        Store, per piece: kernel gathers into buffer b, then one batched copy of its rows to
+        host. Load: rows to buffer b, then the kernel scatters. Buffer b is refilled only after
+        the last use of its previous contents (events kept across jobs)."""
+        torch = self.torch
+        cell = layout.cell_bytes
+        bufs = self._staging_buffers(direction)
+        if bufs is None or len(bufs[0]) < cell:
+            raise _KernelUnavailable(f"staging buffers of {self.staging_bytes} bytes cannot "
+                                     f"hold two rows of {cell} bytes")
+        per_piece = len(bufs[0]) // cell
+        store = direction == "store"
+        kern, copy = self.streams[direction], self._copy_stream(direction)
+        free = self._free.setdefault(direction, [None, None])
+        b0 = self._next_buffer.get(direction, 0)
+        plan = plan_staged(layout, dev, host, size, slot, per_piece,
+                           [b.data_ptr() for b in bufs], b0)
+        n_pieces = len(plan.pieces)
+        src, dst = (plan.dev, plan.staged) if store else (plan.staged, plan.dev)
+        size = plan.size
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        kern.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(kern):
+            start.record(kern)
+            table = self._upload((src, dst, size // 4))
+            if not store:
+                copy.wait_event(start)
+            for lo, hi, b, (rs, rd, rn) in plan.pieces:
                 if store:
+                    if free[b] is not None:
+                        kern.wait_event(free[b])
+                    self._launch(table, len(size), lo, hi - lo, int(size[lo:hi].max()))
                     gathered = torch.cuda.Event()
                     gathered.record(kern)
                     copy.wait_event(gathered)
-                    self._copy(job_id, dev, host, sizes, copy.cuda_stream)
-                done = torch.cuda.Event()
-                done.record(second)
+                    self._copy(job_id, rs, rd, rn, copy.cuda_stream)
+                    done = torch.cuda.Event()
+                    done.record(copy)
+                else:
+                    if free[b] is not None:
+                        copy.wait_event(free[b])
+                    self._copy(job_id, rd, rs, rn, copy.cuda_stream)  # host -> buffer
+                    landed = torch.cuda.Event()
+                    landed.record(copy)
+                    kern.wait_event(landed)
+                    self._launch(table, len(size), lo, hi - lo, int(size[lo:hi].max()))
+                    done = torch.cuda.Event()
+                    done.record(kern)
                 free[b] = done
-                k += 1
-            blk_off += n
-            row_off += n_rows
-        # the job ends when both streams are through
-        kern.wait_stream(copy)
-        end.record(kern)
-        self._jobs.append((job_id, total, start, end))
+            kern.wait_stream(copy)  # the job ends when both streams are through
+            end.record(kern)
+        self._next_buffer[direction] = (b0 + n_pieces) % 2
+        self._jobs.append((job_id, int(size.sum()), start, end))
 
     def _copy_stream(self, direction: str):
-        key = ("copy", direction)
-        s = self._staging.get(key)
+        s = self._copy_streams.get(direction)
         if s is None:
             s = self.torch.cuda.Stream(self.device)
-            self._staging[key] = s
+            self._copy_streams[direction] = s
         return s
 
     def _staging_buffers(self, direction: str):
-        bufs = self._staging.get(("bufs", direction))
+        """Two device buffers of ``staging_bytes / 2`` for this direction, made on first use;
+        None if the device has no room (the job then takes the descriptor path)."""
+        bufs = self._buffers.get(direction)
         if bufs is None:
             half = self.staging_bytes // 2
-            bufs = [self.torch.empty(half, dtype=self.torch.int8, device=self.device)
-                    for _ in range(2)]
-            self._staging[("bufs", direction)] = bufs
+            try:
+                bufs = [self.torch.empty(half, dtype=self.torch.int8, device=self.device)
+                        for _ in range(2)]
+            except RuntimeError as exc:  # out of memory
+                log.warning("no device memory for %d bytes of %s staging buffers (%s)",
+                            self.staging_bytes, direction, exc)
+                return None
+            self._buffers[direction] = bufs
         return bufs
 
     def _copy(self, job_id: int, s: np.ndarray, d: np.ndarray, n: np.ndarray,
@@ -285,3 +488,5 @@ class CudaCopyEngine:
         for ptr in self.registered:
             self.rt.cudaHostUnregister(ptr)
         self.registered = []
+        self._buffers.clear()
+        self._free.clear()

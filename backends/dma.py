@@ -89,6 +89,20 @@ class CopyLayout:
             return empty, empty, empty
         return np.concatenate(dev), np.concatenate(host), np.concatenate(size)
 
+    def page_rows(self, group_sizes: Sequence[int], block_indices: Sequence[int]) -> np.ndarray:
+        """For each entry of ``descriptors`` (same job, same order): the index into the job's
+        ``rows`` of the row it belongs to."""
+        out = []
+        row_off = 0
+        for g, n in enumerate(group_sizes):
+            if n == 0:
+                continue
+            skip = int(block_indices[g]) % self.bpc
+            idx = row_off + (np.arange(n, dtype=np.int64) + skip) // self.bpc
+            out.extend([idx] * len(self.refs[g]))
+            row_off += -(-(n + skip) // self.bpc)
+        return np.concatenate(out) if out else np.empty(0, np.int64)
+
 
 def merge_runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray, by: str = "src"
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -38,21 +38,22 @@ def file_tier() -> None:
 
 
 def dma() -> None:
-    r = json.loads((RES / "gpu_check_h200.json").read_text())
-    rows = [d for d in r["dma"] if d["api"].endswith("/0M") or d["layout"] == "packed"]
-    rows = [d for d in rows if "/1024/" in d["api"]]
-    labels = [d["layout"] for d in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    """Every copy path of ``scripts/gpu_check.py`` against one large copy_ of the same bytes."""
+    r = json.loads((RES / "gpu_check_h200_paths.json").read_text())
+    rows = r["dma"]
+    labels = [f"{d['layout']}\n{d['copy']}" + (f" {d['api'].split('/')[-1]}"
+                                                if d["copy"] == "staged" else "") for d in rows]
+    fig, ax = plt.subplots(figsize=(10, 3.8))
     width = 0.13
-    series = [("store_GBps", "store (ours)"), ("copy_d2h_GBps", "one copy_ D2H"),
-              ("load_GBps", "load (ours)"), ("copy_h2d_GBps", "one copy_ H2D"),
-              ("both_GBps", "both at once (ours)"), ("copy_both_GBps", "two copy_ at once")]
+    series = [("store_GBps", "store"), ("copy_d2h_GBps", "one copy_ D2H"),
+              ("load_GBps", "load"), ("copy_h2d_GBps", "one copy_ H2D"),
+              ("both_GBps", "both at once"), ("copy_both_GBps", "two copy_ at once")]
     for i, (key, label) in enumerate(series):
         ax.bar([j + (i - 2.5) * width for j in range(len(rows))], [d[key] for d in rows], width,
                label=label)
-    ax.set_xticks(range(len(rows)), labels)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("GB/s")
-    ax.set_title("H200: 1 GiB of 512 random blocks, Llama-3.1-8B shape")
+    ax.set_title("H200: 1 GiB of 512 random blocks per job, Llama-3.1-8B shape, each copy path")
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(HERE / "dma_h200.png", dpi=110)

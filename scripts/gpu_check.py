@@ -2,12 +2,13 @@
 
 Run on a machine with an NVIDIA GPU: ``bash scripts/gpu_check.sh [OUT_DIR]``.
 
-1. DMA (``backends/cuda_copy.py`` CudaCopyEngine) for a Llama-3.1-8B-shaped cache: 32 layers,
-   8 KV heads, head 128, bf16, 16-token blocks → 64 KiB per-layer pages (per-layer layout,
-   32 tensors) and 2 MiB per block (packed layout, one tensor). 512 random non-contiguous blocks
-   (1 GiB) per job into random rows of a pinned staging region; store, load, and both at once,
-   against one large ``copy_`` of the same bytes measured in the same run. Every moved byte is
-   checked after a store → load round trip into other blocks.
+1. GPU <-> CPU copies (``backends/cuda_copy.py`` CudaCopyEngine, each ``copy`` path) for a
+   Llama-3.1-8B-shaped cache: 32 layers, 8 KV heads, head 128, bf16, 16-token blocks → 64 KiB
+   per-layer pages (per-layer layout, 32 tensors) and 2 MiB per block (packed layout, one
+   tensor). 512 random non-contiguous blocks (1 GiB) per job into random rows of a pinned
+   staging region; store, load, and both at once, against one large ``copy_`` of the same bytes
+   measured in the same run. Every moved byte is checked: the stored rows against the blocks,
+   then a load into other blocks against the originals.
 2. The file tier with ``io=kvikio`` against ``io=posix`` on the same disk (``tiering bench``).
 """
 
@@ -47,13 +48,13 @@ def median_time(fn, repeat=REPEAT) -> float:
     return statistics.median(times)
 
 
-def dma(layout_name: str, api: str, batch_max: int = 1024, order: str = "host",
-        staging: int = 128 << 20) -> dict:
+def dma(layout_name: str, copy: str = "dma", staging: int = 64 << 20, api: str = "auto",
+        batch_max: int = 1024) -> dict:
     row_bytes = LAYERS * PAGE
     host = aligned_buffer(ROWS * row_bytes)
     host_arr = np.frombuffer(host, np.uint8)
     host_base = host_arr.ctypes.data
-    engine = CudaCopyEngine(host_base, len(host_arr), api=api, batch_max=batch_max, order=order,
+    engine = CudaCopyEngine(host_base, len(host_arr), api=api, batch_max=batch_max, copy=copy,
                             staging_bytes=staging)
     if layout_name == "per-layer":
         tensors = [torch.randint(-128, 127, (BLOCKS, PAGE), dtype=torch.int8, device="cuda")
@@ -78,15 +79,25 @@ def dma(layout_name: str, api: str, batch_max: int = 1024, order: str = "host",
         engine.submit_job(job[0], layout, blk, [JOB], [0], rows, direction)
         return job[0]
 
+    gpu_s = {"store": [], "load": []}  # the job's own span on the GPU (its CUDA events)
+
     def run(blk, direction):
         engine.wait({submit(blk, direction)})
-        engine.get_finished()
+        gpu_s[direction] += [f.seconds for f in engine.get_finished()]
 
     t_store = median_time(lambda: run(blocks, "store"))
+    # correctness 1: each stored row holds its block's pages in the row layout
+    blk = torch.as_tensor(blocks, device="cuda")
+    expect = torch.cat([t[blk] for t in tensors], dim=1).cpu()
+    got = torch.from_numpy(host_arr.reshape(ROWS, row_bytes)[rows].view(np.int8))
+    rows_ok = torch.equal(expect, got)
+    del expect, got
+    snapshot = [t[blk].clone() for t in tensors]
     t_load = median_time(lambda: run(other, "load"))
-    # correctness: what was stored from `blocks` is now in `other`
-    ok = all(torch.equal(t[torch.as_tensor(blocks, device="cuda")],
-                         t[torch.as_tensor(other, device="cuda")]) for t in tensors)
+    # correctness 2: what was stored from `blocks` is now in `other`
+    oth = torch.as_tensor(other, device="cuda")
+    ok = rows_ok and all(torch.equal(s, t[oth]) for s, t in zip(snapshot, tensors, strict=True))
+    del snapshot
 
     def both():
         a = submit(blocks, "store")
@@ -112,9 +123,14 @@ def dma(layout_name: str, api: str, batch_max: int = 1024, order: str = "host",
 
     t_both_ceiling = median_time(both_ceiling)
     res = {
-        "layout": layout_name, "api": f"{engine.api}/{batch_max}/{staging >> 20}M",
+        "layout": layout_name, "copy": engine.copy,
+        "api": f"{engine.api}/{batch_max}" + (f"/{staging >> 20}M" if engine.copy == "staged"
+                                               else ""),
+        "jobs_by_path": dict(engine.jobs_by_path),
         "bytes": nbytes, "descriptors": len(size),
         "store_GBps": nbytes / t_store / GB, "load_GBps": nbytes / t_load / GB,
+        "store_gpu_GBps": nbytes / statistics.median(gpu_s["store"]) / GB,
+        "load_gpu_GBps": nbytes / statistics.median(gpu_s["load"]) / GB,
         "both_GBps": 2 * nbytes / t_both / GB,
         "copy_d2h_GBps": nbytes / t_d2h / GB, "copy_h2d_GBps": nbytes / t_h2d / GB,
         "copy_both_GBps": 2 * nbytes / t_both_ceiling / GB,
@@ -150,29 +166,33 @@ def main() -> None:
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     print(json.dumps(info), flush=True)
     results = {"info": info, "dma": [], "errors": []}
-    variants = [("per-layer", "ctypes", 1024, "host", 0),
-                ("per-layer", "ctypes", 1024, "host", 128 << 20),
-                ("per-layer", "ctypes", 1024, "host", 512 << 20),
-                ("packed", "ctypes", 1024, "host", 0),
-                ("per-layer", "ctypes", 256, "host", 0)]
+    # (layout, copy path, staging bytes): the descriptor path is the old default
+    variants = [("per-layer", "dma", 0), ("per-layer", "auto", 128 << 20),
+                ("per-layer", "staged", 64 << 20), ("per-layer", "staged", 256 << 20),
+                ("per-layer", "direct", 0), ("packed", "dma", 0), ("packed", "auto", 128 << 20)]
     if os.environ.get("GPU_CHECK_QUICK"):
         variants = variants[:2]
-    for name, api, bm, order, staging in variants:
+    for name, copy, staging in variants:
         try:
-            results["dma"].append(dma(name, api, bm, order, staging))
+            results["dma"].append(dma(name, copy, staging))
         except Exception:
             import traceback
 
             traceback.print_exc()
             results["errors"].append(traceback.format_exc())
-    print(f"{'layout':<10} {'api/batch/staging':<20} {'desc':>6} {'store':>7} {'load':>7} {'both':>7} | {'copy d2h':>8} "
-          f"{'copy h2d':>8} {'copy both':>9} | {'store%':>6} {'load%':>6} ok")
+    print(f"{'layout':<10} {'path':<7} {'api/batch/staging':<18} {'desc':>6} {'store':>7} {'load':>7} {'both':>7} | {'copy d2h':>8} "
+          f"{'copy h2d':>8} {'copy both':>9} | {'store%':>6} {'load%':>6} ok | gpu-side store% load%")
     for r in results["dma"]:
-        print(f"{r['layout']:<10} {r['api']:<20} {r['descriptors']:>6} {r['store_GBps']:>7.1f} "
+        print(f"{r['layout']:<10} {r['copy']:<7} {r['api']:<18} {r['descriptors']:>6} {r['store_GBps']:>7.1f} "
               f"{r['load_GBps']:>7.1f} {r['both_GBps']:>7.1f} | {r['copy_d2h_GBps']:>8.1f} "
               f"{r['copy_h2d_GBps']:>8.1f} {r['copy_both_GBps']:>9.1f} | "
-              f"{100 * r['store_vs_copy']:>5.0f}% {100 * r['load_vs_copy']:>5.0f}% {r['correct']}",
+              f"{100 * r['store_vs_copy']:>5.0f}% {100 * r['load_vs_copy']:>5.0f}% {r['correct']} | "
+              f"{100 * r['store_gpu_GBps'] / r['copy_d2h_GBps']:>5.0f}% "
+              f"{100 * r['load_gpu_GBps'] / r['copy_h2d_GBps']:>5.0f}%",
               flush=True)
+    (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=2))
+    if os.environ.get("GPU_CHECK_SKIP_FILE"):
+        return
     scratch = os.environ.get("TIERING_BENCH_DIR") or tempfile.mkdtemp(prefix="tiering-bench-")
     results["file_tier"] = file_tier(scratch)
     for r in results["file_tier"]:

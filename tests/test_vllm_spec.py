@@ -64,6 +64,7 @@ def good(tmp_path, **over) -> dict:
     (lambda e: e["tiers"][1].update(medium="tape"), r"tiers\[1\].medium: expected 'file'"),
     (lambda e: e["tiers"][0].update(medium="file"), r"tiers\[0\].medium: tier 0 .* 'cpu'"),
     (lambda e: e["tiers"][1].update(speed=3), r"tiers\[1\]: unknown key.*'speed'"),
+    (lambda e: e.update(gpu_copy="fast"), "gpu_copy: expected one of auto, dma, staged, direct"),
 ])
 def test_bad_config_is_one_clear_error_before_allocation(tmp_path, mutate, message):
     extra = good(tmp_path)

@@ -21,7 +21,8 @@ VLLM_KEYS = {
     "self_describing_kv_events", "canonical_layout", "sync_load_budget_bytes",
     "enable_kv_cache_events",
 }
-OUR_KEYS = {"cpu_bytes_to_use", "tiers"}
+OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy"}
+GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
                  "prefill_tokens_per_s"}
 # "auto": load a disk hit only when reading it is faster than recomputing it (measured rates);
@@ -43,6 +44,7 @@ class TieredConfig:
     cpu_bytes_to_use: int
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     files: list[FileTierConfig] = field(default_factory=list)
+    gpu_copy: str = "auto"  # how GPU workers move KV pages (backends/cuda_copy.py)
 
 
 def _int(value: Any, where: str, low: int) -> int:
@@ -65,7 +67,11 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
     tiers = extra.get("tiers", [{"medium": "cpu"}])
     if not isinstance(tiers, list) or not tiers:
         raise ValueError(f"tiers: expected a non-empty list of tier objects, got {tiers!r}")
-    cfg = TieredConfig(cpu_bytes_to_use=cpu_bytes)
+    gpu_copy = extra.get("gpu_copy", "auto")
+    if gpu_copy not in GPU_COPY_MODES:
+        raise ValueError(f"gpu_copy: expected one of {', '.join(GPU_COPY_MODES)}, got "
+                         f"{gpu_copy!r}")
+    cfg = TieredConfig(cpu_bytes_to_use=cpu_bytes, gpu_copy=gpu_copy)
     for i, tier in enumerate(tiers):
         where = f"tiers[{i}]"
         if not isinstance(tier, dict):

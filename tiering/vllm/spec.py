@@ -114,10 +114,11 @@ class TieredOffloadingSpec(OffloadingSpec):
             from tiering.backends.cuda_copy import CudaCopyEngine
 
             engine = CudaCopyEngine(region.base_address, region.num_rows * region.row_bytes,
-                                    device=kv_caches.tensors[0].tensor.device)
+                                    device=kv_caches.tensors[0].tensor.device,
+                                    copy=self.cfg.gpu_copy)
         else:
             engine = MemcpyEngine()
-        log.info("vllm-tiering worker rank %d: %s copies, %d KV tensors", rank, engine.name,
-                 len(kv_caches.tensors))
+        log.info("vllm-tiering worker rank %d: %s copies (%s), %d KV tensors", rank,
+                 engine.name, getattr(engine, "copy", "host"), len(kv_caches.tensors))
         self._worker = TieredWorker(layout, engine, region)
         return self._worker

@@ -1,0 +1,614 @@
+"""TTFT per cache phase and throughput over shared prefixes, for several offloading setups side
+by side, on one GPU with real vLLM (``make gpu-bench``; docs/benchmarks.md shows the tables).
+
+Setups (``--configs``): ``none`` (no offloading), ``cpu`` (vLLM's CPUOffloadingSpec),
+``vtier-fs`` (vLLM's TieringOffloadingSpec with its ``fs`` tier), ``vtier-ours`` (vLLM's
+TieringOffloadingSpec with our FileTier as secondary tier), ``ours`` (our TieredOffloadingSpec:
+CPU tier + file tier).
+
+Phases per prompt length (``--phases``): ``cold`` (first sight), ``gpu`` (same prompt again:
+GPU prefix cache), ``cpu`` (after ``reset_prefix_cache``: served from the CPU tier), ``disk``
+(after filler prompts pushed it out of the CPU tier), ``restart`` (a new engine, fresh engine
+process, same disk folder), ``recompute`` (the same prompt with ``skip_reading_prefix_cache``:
+the work the caches save). ``throughput``: many concurrent requests over shared prefixes 3-5x
+larger than a small GPU KV cache, with a CPU tier smaller than the working set.
+
+Every phase's greedy token ids and sampled-token logprobs are compared with the cold run of the
+no-offloading setup (``none`` must be among the configs). Where the prefix came from (GPU / CPU
+/ disk tokens) is read from vLLM's ``vllm:prompt_tokens_cached_by_source`` counters.
+
+The model is a Llama-shaped config with no tokenizer (prompts are token ids) whose weights are
+drawn random-normal on the GPU from fixed seeds in every engine (``apply_model``): identical
+weights in every process without writing a checkpoint, and outputs that vary (vLLM's dummy
+weights repeat one token). Each engine runs in its own engine-core process (vLLM's default);
+the engine-core process holds our spec's state, so a new ``LLM`` is an engine restart.
+
+    python -m tiering.gpu_bench [--lengths 2048,8192,32768] [--configs none,ours] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's function
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CONFIGS = ("none", "cpu", "vtier-fs", "vtier-ours", "ours")
+PHASES = ("cold", "gpu", "cpu", "recompute", "disk", "restart", "throughput")
+SHAPES = {  # Llama-style shapes: layers, hidden, heads, kv heads, intermediate, vocab
+    "8b": (32, 4096, 32, 8, 14336, 128256),    # Llama-3.1-8B
+    "32b": (64, 5120, 40, 8, 27648, 128256),   # a 32B dense shape (Qwen2.5-32B-like widths)
+    "small": (4, 1024, 8, 8, 2048, 32000),     # 64 KiB per-layer pages like 8b (GPU tests)
+    "tiny": (2, 256, 4, 4, 512, 4096),         # for a CPU smoke run of this script
+}
+HAS_DISK = {"vtier-fs", "vtier-ours", "ours"}
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--lengths", default="2048,8192,32768", help="prompt tokens, comma-separated")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--cpu-gib", type=float, default=5.0, help="CPU tier of the phase engines")
+    ap.add_argument("--disk-gib", type=float, default=20.0,
+                    help="file tier capacity (each config's folder is removed after it ran)")
+    ap.add_argument("--gpu-blocks", type=int, default=0,
+                    help="GPU KV blocks of the phase engines (0: enough for the longest prompt)")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--disk-gbps", type=float, default=1.0,
+                    help="assumed disk write speed: how long to let writes settle")
+    ap.add_argument("--tp-prefixes", type=int, default=8, help="throughput: shared prefixes")
+    ap.add_argument("--tp-prefix-tokens", type=int, default=4096)
+    ap.add_argument("--tp-requests", type=int, default=32)
+    ap.add_argument("--tp-gpu-factor", type=float, default=4.0,
+                    help="throughput: working set / GPU KV cache")
+    ap.add_argument("--tp-cpu-fraction", type=float, default=0.5,
+                    help="throughput: CPU tier / working set")
+    ap.add_argument("--gpu-mem", type=float, default=0.85)
+    ap.add_argument("--gpu-copy", default="auto", help="ours: gpu_copy (auto, dma, staged, direct)")
+    ap.add_argument("--promote", default=None,
+                    help="ours: the CPU tier's promote setting (auto, always; default: the "
+                         "spec's own default)")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="skip the steps (a config's phases or throughput) that would start after "
+                         "this many seconds (0: no limit)")
+    ap.add_argument("--scratch", default=os.environ.get(
+        "TIERING_BENCH_DIR", os.path.join(tempfile.gettempdir(), "tiering-gpu-bench")),
+        help="model folder and file tiers (removed and made again)")
+    ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--cpu-platform", action="store_true",
+                    help="vLLM's CPU platform (a smoke run of this script without a GPU)")
+    a = ap.parse_args()
+    a.configs = [c for c in a.configs.split(",") if c]
+    a.phases = [p for p in a.phases.split(",") if p]
+    a.lengths = [int(x) for x in a.lengths.split(",") if x]
+    bad = sorted(set(a.configs) - set(CONFIGS)) + sorted(set(a.phases) - set(PHASES))
+    if bad:
+        ap.error(f"unknown config/phase {bad}; configs {CONFIGS}, phases {PHASES}")
+    return a
+
+
+def write_model(folder: Path, shape: str, max_pos: int) -> Path:
+    layers, hidden, heads, kv_heads, inter, vocab = SHAPES[shape]
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+           "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+           "head_dim": hidden // heads, "max_position_embeddings": max_pos,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": vocab,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+           "eos_token_id": 2, "attention_bias": False, "mlp_bias": False}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    return folder
+
+
+def kv_bytes_per_token(shape: str, dtype: str) -> int:
+    layers, hidden, heads, kv_heads, _, _ = SHAPES[shape]
+    return 2 * layers * kv_heads * (hidden // heads) * (4 if dtype == "float32" else 2)
+
+
+def randomize_weights(model) -> int:
+    """Random-normal weights from fixed seeds (norm weights 1): the same in every engine.
+
+    The output projection gets std 4/sqrt(hidden), so logits spread over ~4 units and the
+    greedy choice is not a near-tie: with std 0.02 there too, the next-token distribution is
+    almost flat and bf16 rounding differences between a full prefill and a cache hit (other
+    matrix shapes, same KV) flip tokens, which would hide whether the KV itself was right."""
+    import torch
+
+    n = 0
+    with torch.no_grad():
+        for i, (name, p) in enumerate(sorted(model.named_parameters(), key=lambda x: x[0])):
+            g = torch.Generator(device=p.device)
+            g.manual_seed(12345 + i)
+            if p.dim() == 1:
+                p.fill_(1.0)
+            elif "lm_head" in name:
+                p.normal_(0.0, 4.0 / p.shape[-1] ** 0.5, generator=g)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+            n += p.numel()
+    return n
+
+
+def transfer_config(name: str, scratch: Path, cpu_bytes: int, disk_gib: float,
+                    gpu_copy: str = "auto", promote: str | None = None) -> dict | None:
+    if name == "none":
+        return None
+    disk = scratch / name
+    extra: dict = {"cpu_bytes_to_use": cpu_bytes}
+    if name == "cpu":
+        extra["spec_name"] = "CPUOffloadingSpec"
+    elif name == "vtier-fs":
+        extra.update(spec_name="TieringOffloadingSpec",
+                     secondary_tiers=[{"type": "fs", "root_dir": str(disk)}])
+    elif name == "vtier-ours":
+        extra.update(spec_name="TieringOffloadingSpec",
+                     secondary_tiers=[{"type": "FileTier", "module_path": "tiering.vllm",
+                                       "path": str(disk), "capacity": f"{disk_gib}GiB",
+                                       "policy": "lru", "io": "posix"}])
+    else:
+        extra.update(spec_name="TieredOffloadingSpec", spec_module_path="tiering.vllm",
+                     gpu_copy=gpu_copy,
+                     tiers=[{"medium": "cpu", "policy": "lru",
+                             **({"promote": promote} if promote else {})},
+                            {"medium": "file", "path": str(disk), "capacity": f"{disk_gib}GiB",
+                             "policy": "lru", "io": "posix"}])
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}
+
+
+class Engine:
+    """One ``LLM`` (its own engine-core process) and the phase measurements taken on it."""
+
+    def __init__(self, a, model: Path, config: str, kvt: dict | None, gpu_blocks: int,
+                 max_len: int, warm_tokens: int | list[int] = 64) -> None:
+        from vllm import LLM
+
+        kw = dict(model=str(model), skip_tokenizer_init=True, load_format="dummy",
+                  dtype=a.dtype, enforce_eager=True, seed=0, max_model_len=max_len,
+                  enable_prefix_caching=True, prefix_caching_hash_algo="sha256",
+                  disable_log_stats=False, num_gpu_blocks_override=gpu_blocks,
+                  max_num_seqs=64)
+        if not a.cpu_platform:
+            kw.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=a.gpu_mem,
+                      compilation_config={"custom_ops": ["none"]})
+        if kvt is not None:
+            kw["kv_transfer_config"] = kvt
+        t = time.perf_counter()
+        self.llm = LLM(**kw)
+        self.config = config
+        self.init_s = time.perf_counter() - t
+        # by reference to this module (run as __main__, the function would not pickle to the
+        # engine's worker processes)
+        from tiering.gpu_bench import randomize_weights as by_reference
+
+        t = time.perf_counter()
+        self.llm.apply_model(by_reference)
+        self.weights_s = time.perf_counter() - t
+        self.warm_up(warm_tokens)
+
+    def warm_up(self, n_tokens: int | list[int]) -> None:
+        """Build the kernels before anything is timed: a short prompt and one of each measured
+        length (tokens no measured prompt uses)."""
+        from vllm import SamplingParams
+
+        # the same sampling settings as the measured requests (logprobs: its first use is slow)
+        sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, detokenize=False,
+                            logprobs=1)
+        lengths = n_tokens if isinstance(n_tokens, list) else [n_tokens]
+        for n in sorted({64, *(max(64, x) for x in lengths)}):
+            self.llm.generate([{"prompt_token_ids": [50 + (i + n) % 45 for i in range(n)]}], sp,
+                              use_tqdm=False)
+        self.settle()
+
+    def counters(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for m in self.llm.get_metrics():
+            if not hasattr(m, "value") or not isinstance(m.value, (int, float)):
+                continue
+            name = m.name + (f"[{m.labels['source']}]" if "source" in m.labels else "")
+            out[name] = out.get(name, 0.0) + float(m.value)
+        return out
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, skip_cache: bool = False):
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=1, detokenize=False,
+                            skip_reading_prefix_cache=True if skip_cache else None)
+        before = self.counters()
+        t = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        wall = time.perf_counter() - t
+        time.sleep(0.2)  # let the last stats reach the frontend's counters
+        after = self.counters()
+        src = {s: after.get(f"vllm:prompt_tokens_cached_by_source[{s}]", 0.0)
+               - before.get(f"vllm:prompt_tokens_cached_by_source[{s}]", 0.0)
+               for s in ("device", "host", "disk")}
+        res = []
+        for o in outs:
+            c = o.outputs[0]
+            lat = getattr(o.metrics, "first_token_latency", 0.0) if o.metrics else 0.0
+            # logprob of the token actually sampled, step by step
+            lps = [float(d[t].logprob) if d and t in d else None
+                   for d, t in zip(c.logprobs or [], c.token_ids, strict=False)]
+            res.append({"ttft_s": lat if lat and lat > 0 else None,
+                        "cached_tokens": o.num_cached_tokens, "token_ids": list(c.token_ids),
+                        "logprobs": lps})
+        return wall, src, res
+
+    def settle(self, seconds: float = 0.5) -> None:
+        """Let async stores finish, then drop the GPU prefix cache (vLLM refuses while blocks
+        are still pinned by transfers: retry)."""
+        time.sleep(seconds)
+        for _ in range(50):
+            if self.llm.reset_prefix_cache():
+                return
+            time.sleep(0.1)
+        print(f"[bench] {self.config}: reset_prefix_cache kept failing", flush=True)
+
+    def close(self) -> None:
+        import threading
+
+        core = self.llm.llm_engine.engine_core
+
+        def stop():
+            try:
+                core.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+        th = threading.Thread(target=stop, daemon=True)
+        th.start()
+        th.join(60)
+        self.llm = None
+        gc.collect()
+        time.sleep(1.0)
+
+
+def prompt(seed: int, n: int, vocab: int) -> list[int]:
+    import random
+
+    r = random.Random(seed)
+    return [r.randrange(100, vocab - 300) for _ in range(n)]
+
+
+def record(rows, a, engine, config, length, phase, prompts, skip_cache=False, extra=None):
+    wall, src, res = engine.generate(prompts, a.max_tokens, skip_cache)
+    r = res[0]
+    row = {"config": config, "length": length, "phase": phase, "wall_s": wall,
+           "ttft_s": r["ttft_s"] if r["ttft_s"] is not None else wall,
+           "cached_tokens": r["cached_tokens"], "from_gpu": src["device"],
+           "from_cpu": src["host"], "from_disk": src["disk"], "token_ids": r["token_ids"],
+           "logprobs": r["logprobs"], **(extra or {})}
+    rows.append(row)
+    print(f"[bench] {config:<10} {length:>6} {phase:<9} ttft {row['ttft_s'] * 1000:8.1f} ms  "
+          f"cached {row['cached_tokens']:>6} (gpu {src['device']:.0f} cpu {src['host']:.0f} "
+          f"disk {src['disk']:.0f})", flush=True)
+    return row
+
+
+def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, gpu_blocks):
+    """Phase engine (+ restart engine) of one config."""
+    cpu_bytes = int(a.cpu_gib * 2**30)
+    kvt = transfer_config(config, scratch, cpu_bytes, a.disk_gib, a.gpu_copy, a.promote)
+    timings = {}
+    warm = list(a.lengths)
+    eng = Engine(a, model, config, kvt, gpu_blocks, max_len, warm)
+    timings["init_s"], timings["weights_s"] = eng.init_s, eng.weights_s
+    try:
+        for length, p in lengths_prompts:
+            if "cold" in a.phases:
+                record(rows, a, eng, config, length, "cold", [p])
+            if "gpu" in a.phases:
+                record(rows, a, eng, config, length, "gpu", [p])
+            if "cpu" in a.phases:
+                eng.settle(0.5 + length * kvb / 20e9)
+                record(rows, a, eng, config, length, "cpu", [p])
+            if "recompute" in a.phases:
+                record(rows, a, eng, config, length, "recompute", [p], skip_cache=True)
+        if "disk" in a.phases and config != "none":
+            # filler prompts, together larger than the CPU tier, push everything out of it
+            per = max(a.lengths)
+            n_fill = int(cpu_bytes * 1.25 // (per * kvb)) + 1
+            eng.settle()
+            t = time.perf_counter()
+            for i in range(n_fill):
+                eng.generate([prompt(900 + i, per, SHAPES[a.shape][5])], 1)
+            timings["filler_s"] = time.perf_counter() - t
+            timings["filler_tokens"] = n_fill * per
+            written = sum(len(p) for _, p in lengths_prompts) * kvb + n_fill * per * kvb
+            eng.settle(1.0 + (written / (a.disk_gbps * 1e9) if config in HAS_DISK else 0))
+            for length, p in lengths_prompts:
+                eng.settle(0.2)
+                record(rows, a, eng, config, length, "disk", [p])
+        if "restart" in a.phases and config in HAS_DISK:
+            written = sum(len(p) for _, p in lengths_prompts) * kvb
+            eng.settle(1.0 + written / (a.disk_gbps * 1e9))
+    finally:
+        eng.close()
+    if "restart" in a.phases and config in HAS_DISK:
+        eng = Engine(a, model, config, kvt, gpu_blocks, max_len, warm)
+        timings["restart_init_s"] = eng.init_s
+        try:
+            for length, p in lengths_prompts:
+                eng.settle(0.2)
+                record(rows, a, eng, config, length, "restart", [p])
+        finally:
+            eng.close()
+    return timings
+
+
+def throughput_for(a, model, config, scratch, kvb, block_size):
+    """Concurrent requests over shared prefixes larger than a small GPU cache."""
+    import random
+
+    ws_tokens = a.tp_prefixes * a.tp_prefix_tokens
+    gpu_blocks = max(16, int(ws_tokens / a.tp_gpu_factor) // block_size)
+    cpu_bytes = int(ws_tokens * kvb * a.tp_cpu_fraction)
+    kvt = transfer_config(config, scratch / "tp", cpu_bytes, a.disk_gib, a.gpu_copy, a.promote)
+    vocab = SHAPES[a.shape][5]
+    prefixes = [prompt(5000 + i, a.tp_prefix_tokens, vocab) for i in range(a.tp_prefixes)]
+    r = random.Random(7)
+    order = [i % a.tp_prefixes for i in range(a.tp_requests)]
+    r.shuffle(order)
+    reqs = [prefixes[i] + prompt(7000 + k, 32, vocab) for k, i in enumerate(order)]
+    max_len = a.tp_prefix_tokens + 64 + a.max_tokens
+    eng = Engine(a, model, config, kvt, gpu_blocks, max_len, a.tp_prefix_tokens)
+    try:
+        # populate: each prefix once (stores to the tiers), then let writes settle
+        eng.generate([p + prompt(6000 + i, 32, vocab) for i, p in enumerate(prefixes)], 1)
+        eng.settle(1.0 + (ws_tokens * kvb / (a.disk_gbps * 1e9) if config in HAS_DISK else 0))
+        wall, src, res = eng.generate(reqs, a.max_tokens)
+    finally:
+        eng.close()
+    ttfts = sorted(x["ttft_s"] for x in res if x["ttft_s"] is not None)
+    p99 = ttfts[min(len(ttfts) - 1, int(round(0.99 * (len(ttfts) - 1))))] if ttfts else None
+    row = {"config": config, "requests": len(reqs), "wall_s": wall,
+           "requests_per_s": len(reqs) / wall,
+           "ttft_mean_s": statistics.mean(ttfts) if ttfts else None, "ttft_p99_s": p99,
+           "gpu_kv_tokens": gpu_blocks * block_size, "working_set_tokens": ws_tokens,
+           "cpu_tier_bytes": cpu_bytes, "from_gpu": src["device"], "from_cpu": src["host"],
+           "from_disk": src["disk"], "token_ids": [x["token_ids"] for x in res]}
+    print(f"[bench] throughput {config:<10} {row['requests_per_s']:6.2f} req/s  mean TTFT "
+          f"{(row['ttft_mean_s'] or 0) * 1000:8.1f} ms  p99 {(p99 or 0) * 1000:8.1f} ms  "
+          f"(gpu {src['device']:.0f} cpu {src['host']:.0f} disk {src['disk']:.0f} tokens)",
+          flush=True)
+    return row
+
+
+def compare(rows: list[dict], tp_rows: list[dict]) -> None:
+    """Check each row's greedy outputs (token ids and the sampled tokens' logprobs).
+
+    * ``same_tokens``/``max_logprob_diff``: against the no-offloading cold run of that length.
+    * ``exact_vs_gpu_hit``: for a prefix served from CPU, disk or after a restart, bitwise
+      equality (tokens and logprobs) with the same engine's GPU prefix-cache hit. That hit
+      recomputes the same number of tokens, so any difference is in the KV bytes. (A hit and
+      a full prefill multiply matrices of other shapes, so their bf16 roundings differ a
+      little; vLLM without offloading shows that too: compare its ``gpu`` row with ``cold``.)
+    """
+    ref = {r["length"]: r for r in rows if r["config"] == "none" and r["phase"] == "cold"}
+    gpu_hit = {(r["config"], r["length"]): r for r in rows if r["phase"] == "gpu"}
+    for r in rows:
+        base = ref.get(r["length"])
+        if base is None:
+            r["same_tokens"] = r["max_logprob_diff"] = None
+        else:
+            r["same_tokens"] = r["token_ids"] == base["token_ids"]
+            diffs = [abs(x - y) for x, y in zip(r["logprobs"], base["logprobs"], strict=False)
+                     if x is not None and y is not None]
+            r["max_logprob_diff"] = max(diffs) if diffs else None
+        hit = gpu_hit.get((r["config"], r["length"]))
+        r["exact_vs_gpu_hit"] = (None if hit is None or r["phase"] not in ("cpu", "disk", "restart")
+                                 or r["config"] == "none" else
+                                 r["token_ids"] == hit["token_ids"]
+                                 and r["logprobs"] == hit["logprobs"])
+    tp_ref = next((t for t in tp_rows if t["config"] == "none"), None)
+    for t in tp_rows:
+        if tp_ref is None:
+            t["same_tokens_fraction"] = None
+            continue
+        same = sum(x == y for x, y in zip(t["token_ids"], tp_ref["token_ids"], strict=True))
+        t["same_tokens_fraction"] = same / len(t["token_ids"])
+
+
+def table(rows: list[dict], tp_rows: list[dict], configs: list[str]) -> str:
+    lines = []
+    phases = [p for p in PHASES if p != "throughput" and any(r["phase"] == p for r in rows)]
+    lengths = sorted({r["length"] for r in rows})
+    for length in lengths:
+        lines.append(f"\nTTFT ms, {length} prompt tokens (source of the prefix: g=GPU c=CPU "
+                     f"d=disk r=recompute; * = greedy tokens differ from no offloading's cold "
+                     f"run; = : tokens and logprobs bitwise equal to this engine's GPU hit; "
+                     f"! : they are not)")
+        lines.append("| phase | " + " | ".join(configs) + " |")
+        lines.append("|---|" + "---|" * len(configs))
+        for ph in phases:
+            cells = []
+            for c in configs:
+                r = next((x for x in rows if x["config"] == c and x["length"] == length
+                          and x["phase"] == ph), None)
+                if r is None:
+                    cells.append("")
+                    continue
+                src = "".join(k for k, v in (("g", r["from_gpu"]), ("c", r["from_cpu"]),
+                                             ("d", r["from_disk"])) if v > 0) or "r"
+                part = ""
+                hit = r["from_gpu"] + r["from_cpu"] + r["from_disk"]
+                if src != "r" and hit < 0.9 * length:
+                    part = f" {100 * hit / length:.0f}%"
+                mark = "" if r.get("same_tokens") in (True, None) else " *"
+                exact = r.get("exact_vs_gpu_hit")
+                mark += "" if exact is None else (" =" if exact else " !")
+                cells.append(f"{r['ttft_s'] * 1000:.0f} ({src}{part}){mark}")
+            lines.append(f"| {ph} | " + " | ".join(cells) + " |")
+    if tp_rows:
+        lines.append("\nThroughput (concurrent requests over shared prefixes)")
+        lines.append("| config | req/s | mean TTFT ms | p99 TTFT ms | from GPU / CPU / disk "
+                     "tokens | same tokens |")
+        lines.append("|---|---|---|---|---|---|")
+        for t in tp_rows:
+            same = t.get("same_tokens_fraction")
+            lines.append(f"| {t['config']} | {t['requests_per_s']:.2f} | "
+                         f"{(t['ttft_mean_s'] or 0) * 1000:.0f} | {(t['ttft_p99_s'] or 0) * 1000:.0f} | "
+                         f"{t['from_gpu']:.0f} / {t['from_cpu']:.0f} / {t['from_disk']:.0f} | "
+                         f"{'' if same is None else f'{100 * same:.0f}%'} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], configs: list[str], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[bench] matplotlib missing: no plot", flush=True)
+        return
+    lengths = sorted({r["length"] for r in rows})
+    phases = [p for p in PHASES if p != "throughput" and any(r["phase"] == p for r in rows)]
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    width = 0.8 / max(1, len(configs))
+    for ax, length in zip(axes[0], lengths, strict=True):
+        for k, c in enumerate(configs):
+            ys = []
+            for ph in phases:
+                r = next((x for x in rows if x["config"] == c and x["length"] == length
+                          and x["phase"] == ph), None)
+                ys.append(r["ttft_s"] * 1000 if r else 0)
+            ax.bar([i + k * width for i in range(len(phases))], ys, width, label=c)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(phases))], phases, rotation=30)
+        ax.set_title(f"{length} prompt tokens")
+        ax.set_ylabel("TTFT ms")
+        ax.set_yscale("log")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"[bench] plot: {path}", flush=True)
+
+
+def render(path: Path) -> None:
+    """Recompute the checks and the table of a saved run (``--from-json``)."""
+    d = json.loads(path.read_text())
+    compare(d["phases"], d["throughput"])
+    path.write_text(json.dumps(d, indent=1))
+    text = table(d["phases"], d["throughput"], d["info"]["configs"])
+    path.with_suffix(".md").write_text(text + "\n")
+    print(text)
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--from-json":
+        render(Path(sys.argv[2]))
+        return
+    a = parse()
+    t0 = time.perf_counter()
+    if a.cpu_platform:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    import vllm
+
+    scratch = Path(a.scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    max_len = max(a.lengths) + 64 + a.max_tokens
+    model = write_model(scratch / f"model-{a.shape}", a.shape, max(max_len, 4096) * 2)
+    kvb = kv_bytes_per_token(a.shape, a.dtype)
+    block_size = 128 if a.cpu_platform else 16
+    gpu_blocks = a.gpu_blocks or -(-int(max_len * 1.25) // block_size)
+    vocab = SHAPES[a.shape][5]
+    lengths_prompts = [(n, prompt(n, n, vocab)) for n in a.lengths]
+    info = {"vllm": vllm.__version__, "shape": a.shape, "lengths": a.lengths,
+            "configs": a.configs, "phases": a.phases, "kv_bytes_per_token": kvb,
+            "cpu_gib": a.cpu_gib, "gpu_kv_tokens": gpu_blocks * block_size,
+            "max_tokens": a.max_tokens, "argv": sys.argv[1:]}
+    # no CUDA call in this process: vLLM then forks its engine processes instead of spawning
+    # them (an engine start without re-importing vLLM)
+    try:
+        import subprocess
+
+        import torch
+
+        info["torch"] = torch.__version__
+        info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
+                                      "--format=csv,noheader"], capture_output=True,
+                                     text=True, timeout=20).stdout.strip()
+    except Exception:  # noqa: BLE001
+        pass
+    print(f"[bench] {json.dumps(info)}", flush=True)
+    rows: list[dict] = []
+    tp_rows: list[dict] = []
+    timings: dict[str, dict] = {}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"gpu_bench_{a.tag}_{a.shape}"
+
+    def save() -> None:  # after every step: a run cut short still leaves its results
+        info["total_s"] = time.perf_counter() - t0
+        (out / f"{stem}.json").write_text(json.dumps(
+            {"info": info, "timings": timings, "phases": rows, "throughput": tp_rows}, indent=1))
+
+    def over_budget(what: str, config: str) -> bool:
+        if a.budget_s and time.perf_counter() - t0 > a.budget_s:
+            print(f"[bench] {config}: {what} skipped (--budget-s {a.budget_s} spent)", flush=True)
+            timings.setdefault(config, {})[f"{what}_skipped"] = "budget"
+            return True
+        return False
+
+    # all configs' phases first, then all configs' throughput: a budget cut loses whole steps
+    steps = []
+    if any(p in a.phases for p in PHASES if p != "throughput"):
+        steps += [("phases", c) for c in a.configs]
+    if "throughput" in a.phases:
+        steps += [("throughput", c) for c in a.configs]
+    for what, config in steps:
+        if over_budget(what, config):
+            continue
+        t = time.perf_counter()
+        try:
+            if what == "phases":
+                timings.setdefault(config, {}).update(phases_for(
+                    a, model, config, scratch, rows, lengths_prompts, kvb, max_len, gpu_blocks))
+            else:
+                tp_rows.append(throughput_for(a, model, config, scratch, kvb, block_size))
+        except Exception as exc:  # report and go on with the next config
+            import traceback
+
+            traceback.print_exc()
+            timings.setdefault(config, {})[f"{what}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
+        timings.setdefault(config, {})[f"{what}_wall_s"] = time.perf_counter() - t
+        for d in (scratch / config, scratch / "tp" / config):
+            shutil.rmtree(d, ignore_errors=True)
+        print(f"[bench] {config} {what} done in {time.perf_counter() - t:.0f}s", flush=True)
+        compare(rows, tp_rows)
+        save()
+    compare(rows, tp_rows)
+    save()
+    text = table(rows, tp_rows, a.configs)
+    (out / f"{stem}.md").write_text(text + "\n")
+    plot(rows, a.configs, out / f"{stem}.png")
+    print(text, flush=True)
+    bad = [r for r in rows if r.get("same_tokens") is False]
+    inexact = [r for r in rows if r.get("exact_vs_gpu_hit") is False]
+    print(f"[bench] {len(rows)} phase rows: {len(bad)} with tokens different from no "
+          f"offloading's cold run, {len(inexact)} tier hits not bitwise equal to the GPU hit; "
+          f"total {info['total_s']:.0f}s; results in {out}/{stem}.*", flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # do not hang on engine-core teardown
+
+
+if __name__ == "__main__":
+    main()
