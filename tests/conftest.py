@@ -22,3 +22,32 @@ def trials(request: pytest.FixtureRequest):
             return max(1, int(env))
         return max(100, default) if request.config.getoption("--long") else default
     return count
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """``mount_tmpfs(size, name)``: a real small filesystem (tmpfs) under tmp_path, so writes
+    meet a real ENOSPC; unmounted after the test. Skips where mounting is not allowed."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str = "3m", name: str = "mnt"):
+        mnt = tmp_path / name
+        mnt.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_fs(mount_tmpfs):
+    """A real 3 MiB filesystem."""
+    return mount_tmpfs("3m")

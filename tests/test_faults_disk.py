@@ -10,7 +10,6 @@ import contextlib
 import os
 import random
 import shutil
-import subprocess
 
 import pytest
 from faultutil import assert_tool_ok, cli
@@ -86,18 +85,6 @@ def test_slab_damage_is_a_miss_and_only_that_file_is_lost(tmp_path, trials):
     print(f"slab damage: {n} trials, {lost_total} rows in damaged files became misses, "
           "0 wrong bytes, 0 rows lost from intact files")
 
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real 3 MiB filesystem (tmpfs) so writes meet a real ENOSPC."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _fill(path, leave: int = 0) -> None:

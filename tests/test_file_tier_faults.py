@@ -150,18 +150,6 @@ def test_kill_9_mid_write_leaves_only_exact_rows(tmp_path):
     assert survived > 0, "no published row ever survived a kill: the test proves nothing"
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real 3 MiB filesystem (tmpfs) so writes meet a real ENOSPC."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
 
 def test_disk_full_rejects_writes_keeps_reads(small_fs):
     row = 64 * 1024

@@ -373,17 +373,6 @@ def test_failed_open_leaves_no_thread_and_no_lock(tmp_path, monkeypatch):
         store(t, [key(0)])
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
 
 def _fill(path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)

@@ -3,8 +3,6 @@ agrees with, validation that knows what the tier owns, counts that ignore vLLM's
 
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
 from tierutil import facts, key, open_tier, row_for
@@ -44,30 +42,22 @@ def test_stats_registry_rejects_unknown_counters():
     assert "rejections:full" in COUNTER_KEYS and "rejections:pinned" in COUNTER_KEYS
 
 
-def test_validation_counts_the_namespace_own_slabs(tmp_path):
+def test_validation_counts_the_namespace_own_slabs(mount_tmpfs):
     """A tier that takes most of its filesystem must pass validation again on restart."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.strip()}")
-    try:
-        cap = 5 << 20  # 62.5% of the filesystem: the second start must not count it as used
-        cfg = {"path": str(mnt), "capacity": cap, "io": "posix", "policy": "lru"}
-        with FileTier(dict(cfg), facts(ROW)) as t:
-            t.put([key(1)], [row_for(key(1))])
-            t.wait_idle()
-            ns = t.folder.name
-        # what the engine start checks (the spec calls this before opening anything)
-        assert validate(FileTierConfig.from_dict(dict(cfg)), ROW, ns)["n_slots"] == cap // ROW
-        with FileTier(dict(cfg), facts(ROW)) as t:  # the restart itself
-            assert t.contains(key(1))
-        # another namespace on the same drive does not get this one's space
-        with pytest.raises(ValueError, match="capacity: .* bytes free"):
-            validate(FileTierConfig.from_dict(dict(cfg)), ROW, "someone-else")
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    mnt = mount_tmpfs("8m", "fs")
+    cap = 5 << 20  # 62.5% of the filesystem: the second start must not count it as used
+    cfg = {"path": str(mnt), "capacity": cap, "io": "posix", "policy": "lru"}
+    with FileTier(dict(cfg), facts(ROW)) as t:
+        t.put([key(1)], [row_for(key(1))])
+        t.wait_idle()
+        ns = t.folder.name
+    # what the engine start checks (the spec calls this before opening anything)
+    assert validate(FileTierConfig.from_dict(dict(cfg)), ROW, ns)["n_slots"] == cap // ROW
+    with FileTier(dict(cfg), facts(ROW)) as t:  # the restart itself
+        assert t.contains(key(1))
+    # another namespace on the same drive does not get this one's space
+    with pytest.raises(ValueError, match="capacity: .* bytes free"):
+        validate(FileTierConfig.from_dict(dict(cfg)), ROW, "someone-else")
 
 
 def make_chain(tmp_path, rows=4, policy="lru", disk_policy="lru") -> TierChain:
