@@ -225,14 +225,25 @@ def test_advisor_loads_only_what_pays():
 
     a = PromotionAdvisor(1, row_bytes=1 << 20, chunk_tokens=16)
     assert a.pays(0)  # nothing measured yet: load, and so measure
+    a.observe_write_batch(0, 1 << 29, 1.0)  # before any read, the write rate stands in
+    assert a.read_rate(0) == 1 << 29
     a.observe_read_batch(0, 1 << 30, 1.0)  # ~1.07 GB/s: ~0.98 ms per 1 MiB chunk
-    for step in range(5):  # 16 chunks (256 tokens) per 10 ms step: 25.6k tokens/s
-        a.observe_stored_chunks(16)
-        a.observe_step_end(now=step * 0.01)
+    assert a.read_rate(0) == 1 << 30
+    # a 2560-token request computed from scratch in 100 ms: 25.6k tokens/s
+    a.request_lookup("r1", hit=False, now=10.0)
+    a.request_stored("r1", 80, now=10.05)
+    a.request_stored("r1", 80, now=10.1)
+    a.request_finished("r1")
+    assert a.prefill_rate() == pytest.approx(25_600)
+    # requests with a hit, or too short to measure, are not samples
+    a.request_lookup("r2", hit=True, now=20.0)
+    a.request_stored("r2", 160, now=20.001)
+    a.request_finished("r2")
+    a.request_lookup("r3", hit=False, now=30.0)
+    a.request_stored("r3", 1, now=30.0001)
+    a.request_finished("r3")
     assert a.prefill_rate() == pytest.approx(25_600)
     assert not a.pays(0)  # recomputing 16 tokens (0.63 ms) beats reading 1 MiB (0.98 ms)
-    a.observe_step_end(now=10.0)  # an idle gap is not compute time
-    assert a.prefill_rate() == pytest.approx(25_600)
     slow = PromotionAdvisor(1, row_bytes=1 << 20, chunk_tokens=16, prefill_tokens_per_s=4000)
     slow.observe_read_batch(0, 1 << 30, 1.0)
     assert slow.pays(0)  # 4 ms to recompute vs ~1 ms to read
@@ -249,14 +260,15 @@ def test_chain_declines_disk_hits_that_do_not_pay(tmp_path):
     fill(c, ks)
     c.wait_idle()
     c.reset()
-    assert c.lookup(ks[0]) is Lookup.PENDING  # first read: not measured yet, so loaded
-    c.wait_idle()
-    assert c.advisor.read_rate(0) > 0
+    writes = c.advisor.read_rate(0)
+    assert writes > 0  # the demotions' write rate stands in until a read is measured
     assert c.lookup(ks[1]) is Lookup.MISS  # an absurdly fast engine: recompute instead
     assert c.file_tiers[0].stats["promotions_declined"] == 1
     c.advisor.fixed_prefill = 1.0  # a slow engine: every disk hit pays
     assert c.lookup(ks[2]) is Lookup.PENDING
     c.wait_idle()
+    assert c.advisor.read_rate(0) != writes  # now measured on a read batch
+    assert c.lookup(ks[2]) is Lookup.HIT
     c.check()
     c.close()
 

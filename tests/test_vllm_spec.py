@@ -188,3 +188,25 @@ def test_replicated_layout_every_rank_reads_the_one_stored_copy():
         assert torch.equal(caches[rank][5], caches[0][3]), rank
     for w in workers:
         w.shutdown()
+
+
+def test_manager_feeds_the_promotion_advisor(tmp_path):
+    """A request computed from scratch is a prefill-rate sample; a request with a hit is not."""
+    m = TieredOffloadingSpec(config(good(tmp_path), engine="advisor")).get_manager()
+    advisor = m.chain.advisor
+    assert advisor is not None and advisor.prefill_rate() is None
+    keys = [bytes(32) + i.to_bytes(4, "big") for i in range(40)]  # 40 x 16 tokens = 640
+    ctx = ReqContext(req_id="fresh")
+    for k in keys:
+        assert m.lookup(k, ctx) == LookupResult.MISS
+    m.prepare_store(keys[:8], ctx)  # the CPU tier holds 8 rows: the rest is rejected, still
+    m.prepare_store(keys[8:], ctx)  # computed chunks for the rate
+    m.on_request_finished(ctx)
+    assert advisor.prefill_rate() and advisor.prefill_rate() > 0
+    m.shutdown()
+    off = TieredOffloadingSpec(config(good(tmp_path, tiers=[
+        {"medium": "cpu", "promote": "always"},
+        {"medium": "file", "path": str(tmp_path / "kv2"), "capacity": "4MiB", "io": "posix"}]),
+        engine="always")).get_manager()
+    assert off.chain.advisor is None  # promote: always loads every disk hit
+    off.shutdown()

@@ -5,10 +5,13 @@ recompute the chunk's tokens. Both rates are measured while serving:
 
 * **read rate** of each file tier: bytes per second of each promotion batch, submit to last
   completion (a batch's reads run in parallel on the tier's I/O threads, so this is the rate a
-  request's promotion actually gets), smoothed;
-* **prefill rate** of the engine: tokens of the chunks vLLM offers to store per second of
-  busy scheduler time (vLLM offers a chunk right after computing it), measured over steps that
-  follow each other closely (an idle gap is not compute time), smoothed. A fixed
+  request's promotion actually gets), smoothed. Until the first read, the tier's write rate
+  (measured the same way over demotion batches) stands in: a drive reads at least about as fast
+  as it writes.
+* **prefill rate** of the engine: for each request that was computed from scratch (no CPU or
+  disk hit), the tokens of the chunks vLLM offered to store (it offers a chunk right after
+  computing it) per second from its first lookup to its last store, smoothed. Queueing behind
+  other requests makes it an underestimate, which errs towards loading. A fixed
   ``prefill_tokens_per_s`` in the config replaces the measurement.
 
 The decision is per chunk and the same for every chunk of a tier: with both costs linear in the
@@ -26,7 +29,7 @@ import time
 
 from tiering.settings import (
     ADVISOR_EWMA_WEIGHT,
-    ADVISOR_MAX_STEP_GAP_S,
+    ADVISOR_MIN_SAMPLE_TOKENS,
     ADVISOR_PAYOFF_MARGIN,
     ADVISOR_REPROBE_AFTER,
 )
@@ -49,10 +52,11 @@ class PromotionAdvisor:
         self.row_bytes, self.chunk_tokens = row_bytes, max(1, chunk_tokens)
         self.fixed_prefill = prefill_tokens_per_s
         self._read = [_Ewma() for _ in range(n_file_tiers)]  # bytes/s per file tier
+        self._write = [_Ewma() for _ in range(n_file_tiers)]
         self._declined = [0] * n_file_tiers
         self._prefill = _Ewma()  # tokens/s
-        self._step_tokens = 0
-        self._last_step_end: float | None = None
+        # request id -> [first lookup time, tokens stored, last store time, had a hit]
+        self._requests: dict[str, list] = {}
 
     # -- measurements ------------------------------------------------------------------------
     def observe_read_batch(self, tier: int, nbytes: int, seconds: float) -> None:
@@ -60,20 +64,37 @@ class PromotionAdvisor:
         if nbytes > 0 and seconds > 0:
             self._read[tier].add(nbytes / seconds)
 
-    def observe_stored_chunks(self, n: int) -> None:
-        """vLLM offered ``n`` newly computed chunks for storing in this step."""
-        self._step_tokens += n * self.chunk_tokens
+    def observe_write_batch(self, tier: int, nbytes: int, seconds: float) -> None:
+        """A demotion batch of file tier ``tier`` (0-based) was written."""
+        if nbytes > 0 and seconds > 0:
+            self._write[tier].add(nbytes / seconds)
 
-    def observe_step_end(self, now: float | None = None) -> None:
-        now = time.perf_counter() if now is None else now
-        last, self._last_step_end = self._last_step_end, now
-        tokens, self._step_tokens = self._step_tokens, 0
-        if last is not None and tokens and 0 < now - last <= ADVISOR_MAX_STEP_GAP_S:
-            self._prefill.add(tokens / (now - last))
+    def request_lookup(self, req_id: str, hit: bool, now: float | None = None) -> None:
+        """A counted lookup of request ``req_id`` (its first one starts the clock)."""
+        state = self._requests.get(req_id)
+        if state is None:
+            now = time.perf_counter() if now is None else now
+            state = self._requests[req_id] = [now, 0, now, False]
+        state[3] |= hit
+
+    def request_stored(self, req_id: str, chunks: int, now: float | None = None) -> None:
+        """vLLM offered ``chunks`` newly computed chunks of ``req_id`` for storing."""
+        state = self._requests.get(req_id)
+        if state is not None and chunks:
+            state[1] += chunks * self.chunk_tokens
+            state[2] = time.perf_counter() if now is None else now
+
+    def request_finished(self, req_id: str) -> None:
+        state = self._requests.pop(req_id, None)
+        if state is None:
+            return
+        started, tokens, last, had_hit = state
+        if not had_hit and tokens >= ADVISOR_MIN_SAMPLE_TOKENS and last > started:
+            self._prefill.add(tokens / (last - started))
 
     # -- the decision --------------------------------------------------------------------------
     def read_rate(self, tier: int) -> float | None:
-        return self._read[tier].value
+        return self._read[tier].value or self._write[tier].value
 
     def prefill_rate(self) -> float | None:
         return self.fixed_prefill or self._prefill.value

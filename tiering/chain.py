@@ -67,7 +67,8 @@ class TierChain:
         for tier in self.file_tiers:  # every key leaving a file tier, whatever the cause
             tier.on_removed(lambda keys: self._event(list(keys), "disk", True))
         self._promote: list[list[tuple[bytes, int]]] = [[] for _ in self.file_tiers]
-        self._in_flight: dict[tuple[int, str, bytes], tuple[int, float]] = {}  # -> row, start
+        # (tier, "store" | "promotion", key) -> (row, started, batch id or None)
+        self._in_flight: dict[tuple[int, str, bytes], tuple[int, float, int | None]] = {}
         # (tier index, "store" | "promotion", seconds): read and cleared by the metrics layer
         self.transfer_samples: list[tuple[int, str, float]] = []
         self._writeback = [i for i, t in enumerate(self.file_tiers, start=1)
@@ -112,7 +113,7 @@ class TierChain:
             row, evicted = got
             self._evicted_from_cpu(evicted)
             self._promote[i - 1].append((key, row))
-            self._in_flight[(i, "promotion", key)] = (row, time.perf_counter())
+            self._in_flight[(i, "promotion", key)] = (row, time.perf_counter(), None)
             return Lookup.PENDING
         return Lookup.MISS
 
@@ -136,8 +137,6 @@ class TierChain:
         if self._owed:  # write down the rows this store is about to evict (they get pinned)
             self._keep_clean(len(keys))
         out = self.cpu.put(keys, None)
-        if self.advisor is not None:  # newly computed chunks: the prefill rate's measure
-            self.advisor.observe_stored_chunks(len(out.admitted) + len(out.rejected))
         if not out.admitted and any(r != "threshold" for r in out.rejected.values()):
             return None
         self._evicted_from_cpu(out.evicted)
@@ -187,9 +186,10 @@ class TierChain:
             tier = self.tiers[i]
             out = tier.put(keys, views)
             now = time.perf_counter()
+            b = self._new_batch(i, len(out.admitted), now)
             for k in out.admitted:
                 self.cpu.pin(k, io=True)
-                self._in_flight[(i, "store", k)] = (self.cpu.row_of(k), now)
+                self._in_flight[(i, "store", k)] = (self.cpu.row_of(k), now, b)
 
     # -- background completions: the one place they are applied ------------------------------
     def on_schedule_end(self) -> None:
@@ -199,7 +199,7 @@ class TierChain:
             batch, self._promote[i - 1] = self._promote[i - 1], []
             if not batch:
                 continue
-            b = self._next_batch
+            b = self._next_batch  # registered once we know how many reads started
             self._next_batch += 1
             started = tier.get([(k, self.region.row(r), (k, r, b)) for k, r in batch])
             if any(started):
@@ -211,8 +211,6 @@ class TierChain:
         if self._owed:
             self._keep_clean()
         self.poll()
-        if self.advisor is not None:
-            self.advisor.observe_step_end()
 
     def poll(self, wait: float = 0.0) -> None:
         """Apply finished file-tier I/O (``wait`` > 0 blocks up to that long per busy tier)."""
@@ -224,8 +222,32 @@ class TierChain:
                 else:
                     self._finish_promotion(i, done)
 
+    def _new_batch(self, i: int, n: int, now: float) -> int | None:
+        """A batch of ``n`` transfers of file tier ``i``: its last completion measures the
+        tier's rate for the advisor."""
+        if not n:
+            return None
+        b = self._next_batch
+        self._next_batch += 1
+        self._batches[b] = [i, n, 0, now]
+        return b
+
+    def _batch_done(self, batch: int | None, done: Completion, kind: str) -> None:
+        if batch is None:
+            return
+        entry = self._batches[batch]
+        entry[1] -= 1
+        entry[2] += done.nbytes if done.ok else 0
+        if entry[1] == 0:
+            del self._batches[batch]
+            if self.advisor is not None:
+                observe = (self.advisor.observe_read_batch if kind == "read"
+                           else self.advisor.observe_write_batch)
+                observe(entry[0] - 1, entry[2], time.perf_counter() - entry[3])
+
     def _finish_demotion(self, i: int, done: Completion) -> None:
-        row, started = self._in_flight.pop((i, "store", done.key), (None, 0.0))
+        row, started, batch = self._in_flight.pop((i, "store", done.key), (None, 0.0, None))
+        self._batch_done(batch, done, "write")
         if done.ok:
             self.transfer_samples.append((i, "store", time.perf_counter() - started))
             self._event([done.key], "disk", False)
@@ -234,16 +256,8 @@ class TierChain:
 
     def _finish_promotion(self, i: int, done: Completion) -> None:
         key, row, batch = done.token
-        if batch is not None:  # the batch's last read measures the tier's read rate
-            entry = self._batches[batch]
-            entry[1] -= 1
-            entry[2] += done.nbytes if done.ok else 0
-            if entry[1] == 0:
-                del self._batches[batch]
-                if self.advisor is not None:
-                    self.advisor.observe_read_batch(i - 1, entry[2],
-                                                    time.perf_counter() - entry[3])
-        _, started = self._in_flight.pop((i, "promotion", key), (None, 0.0))
+        self._batch_done(batch, done, "read")
+        _, started, _ = self._in_flight.pop((i, "promotion", key), (None, 0.0, None))
         if self.cpu.finish_promotion(key, row, done.ok):
             self.transfer_samples.append((i, "promotion", time.perf_counter() - started))
             self._event([key], "cpu", False)
@@ -288,7 +302,7 @@ class TierChain:
     def check(self) -> None:
         """Consistency checks across the chain (tests call it after each step)."""
         self.cpu.check()
-        for (i, kind, key), (row, _) in self._in_flight.items():
+        for (i, kind, key), (row, _, _) in self._in_flight.items():
             assert self.cpu.rows[row].io_pins > 0, (i, kind, key, self.cpu.rows[row])
 
     def close(self) -> None:

@@ -21,8 +21,9 @@ ADVISOR_EWMA_WEIGHT = 0.3
 # Load only if load time <= margin x recompute time: the copy to the GPU and measurement noise
 # are not in the model, and losing the bet costs TTFT.
 ADVISOR_PAYOFF_MARGIN = 0.9
-# Scheduler steps further apart than this are not one busy stretch (idle time is not compute).
-ADVISOR_MAX_STEP_GAP_S = 0.5
+# A request computed from scratch is a prefill-rate sample only with at least this many tokens
+# stored (short prompts are dominated by scheduling overhead, not by compute).
+ADVISOR_MIN_SAMPLE_TOKENS = 512
 # After this many declined chunks of a tier, one is loaded anyway, so a tier that was slow for a
 # while (a busy disk) gets measured again instead of being written off for good.
 ADVISOR_REPROBE_AFTER = 512

@@ -42,15 +42,22 @@ class TieredManager(OffloadingManager):
 
     def lookup(self, key, req_context: ReqContext) -> LookupResult:
         key = bytes(key)
-        seen = self._counted.setdefault(getattr(req_context, "req_id", ""), set())
+        req_id = getattr(req_context, "req_id", "")
+        seen = self._counted.setdefault(req_id, set())
+        count = key not in seen
         # the request's earlier chunks are protected from eviction by its own promotions
-        result = self.chain.lookup(key, count=key not in seen, protect=seen)
+        result = self.chain.lookup(key, count=count, protect=seen)
+        if count and self.chain.advisor is not None:  # the prefill-rate measure
+            self.chain.advisor.request_lookup(req_id, hit=result != Lookup.MISS)
         if result != Lookup.PENDING:  # pending lookups are counted when they resolve
             seen.add(key)
         return _LOOKUP[result]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._counted.pop(getattr(req_context, "req_id", ""), None)
+        req_id = getattr(req_context, "req_id", "")
+        self._counted.pop(req_id, None)
+        if self.chain.advisor is not None:
+            self.chain.advisor.request_finished(req_id)
 
     def get_load_source(self, key, req_context: ReqContext):
         return hit_source(self.chain.hit_source(bytes(key)))
@@ -66,7 +73,10 @@ class TieredManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection, req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
-        out = self.chain.prepare_store([bytes(k) for k in keys])
+        keys = [bytes(k) for k in keys]
+        if self.chain.advisor is not None:  # chunks vLLM just computed
+            self.chain.advisor.request_stored(getattr(req_context, "req_id", ""), len(keys))
+        out = self.chain.prepare_store(keys)
         if out is None:
             return None
         to_store, rows, evicted = out
