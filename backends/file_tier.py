@@ -36,11 +36,12 @@ from tiering.backends.file_io import (
     Job,
     PendingMeta,
     ReadItem,
+    ReadsDone,
     SlotsFreed,
     WriteItem,
     WriteResult,
-    adjacent_runs,
-    read_run,
+    WritesDone,
+    start_reads,
 )
 from tiering.backends.file_state import (
     OPEN_TIERS,
@@ -246,22 +247,7 @@ class FileTier:
         if not started:
             return answers
         self._inflight_reads += len(started)
-        t0 = time.perf_counter()
-        # Runs of adjacent slots become one preadv each, but no larger than ~4 MiB: huge
-        # vectored reads queue behind each other on one thread while others idle.
-        per_run = max(1, min(-(-len(started) // self.engine.threads),
-                             (4 << 20) // self.row_bytes))
-        results = self._results
-
-        def report(fut) -> None:
-            secs = time.perf_counter() - t0
-            for it, reason in fut.result():
-                results.put(ReadResult(it.key, not reason, reason, it.length, secs, it.token))
-
-        for run in adjacent_runs(started, self.slabs, per_run, lambda it: it.slot):
-            fut = self.engine.submit(read_run, self.engine, self.slabs, self.codec, run,
-                                     self.cfg.verify)
-            fut.add_done_callback(report)
+        start_reads(self.engine, self.slabs, self.codec, started, self.cfg.verify, self._results)
         return answers
 
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -290,10 +276,13 @@ class FileTier:
             except queue.Empty:
                 break
             block = False
-            if isinstance(r, WriteResult):
-                done.append(self._finish_write(r))
-            elif isinstance(r, ReadResult):
-                done.append(self._finish_read(r))
+            if isinstance(r, WritesDone):
+                done.extend([self._finish_write(w) for w in r.results])
+            elif isinstance(r, ReadsDone):
+                secs = r.seconds
+                done.extend([self._finish_read(ReadResult(it.key, not reason, reason, it.length,
+                                                          secs, it.token))
+                             for it, reason in r.outcomes])
             elif isinstance(r, SlotsFreed):
                 self._free.extend(r.slots)
             elif isinstance(r, AdminRequest):
