@@ -279,10 +279,7 @@ class FileTier:
             if isinstance(r, WritesDone):
                 done.extend([self._finish_write(w) for w in r.results])
             elif isinstance(r, ReadsDone):
-                secs = r.seconds
-                done.extend([self._finish_read(ReadResult(it.key, not reason, reason, it.length,
-                                                          secs, it.token))
-                             for it, reason in r.outcomes])
+                done.extend(self._finish_reads(r))
             elif isinstance(r, SlotsFreed):
                 self._free.extend(r.slots)
             elif isinstance(r, AdminRequest):
@@ -307,6 +304,25 @@ class FileTier:
                 self._stats["rejected_error"] += 1
                 self._stats["io_errors"] += 1
         return WriteDone(r.key, r.ok, r.reason, r.length, r.seconds)
+
+    def _finish_reads(self, batch: ReadsDone) -> list[ReadResult]:
+        """A run of reads: counted once; a failed row takes ``_finish_read``'s miss path."""
+        out, n_ok, ok_bytes, unpin, secs = [], 0, 0, self.policy.unpin, batch.seconds
+        for it, reason in batch.outcomes:
+            r = ReadResult(it.key, not reason, reason, it.length, secs, it.token)
+            if reason:
+                out.append(self._finish_read(r))
+                continue
+            self._inflight_reads -= 1
+            if it.key in self.entries:
+                unpin(it.key)
+            n_ok += 1
+            ok_bytes += it.length
+            out.append(r)
+        if n_ok:
+            self._count("reads", n_ok)
+            self._count("read_bytes", ok_bytes)
+        return out
 
     def _finish_read(self, r: ReadResult) -> ReadResult:
         self._inflight_reads -= 1

@@ -71,8 +71,7 @@ class FileTier(SecondaryTierManager):
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = [bytes(k) for k in job_metadata.keys]
-        rows = [self._row(int(c)) for c in job_metadata.chunk_ids]
-        accepted = self.tier.put(keys, rows)
+        accepted = self.tier.put(keys, self._rows_of(job_metadata.chunk_ids))
         if not accepted:  # nothing to write (present, not admitted, or full): done at once
             self._finished.append(JobResult(job_metadata.job_id, True))
             return
@@ -81,15 +80,22 @@ class FileTier(SecondaryTierManager):
             self._owner[k] = job_metadata.job_id
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        items = [(bytes(k), self._row(int(c)), job_metadata.job_id)
-                 for k, c in zip(job_metadata.keys, job_metadata.chunk_ids, strict=True)]
+        job_id = job_metadata.job_id
+        items = [(bytes(k), row, job_id) for k, row in
+                 zip(job_metadata.keys, self._rows_of(job_metadata.chunk_ids), strict=True)]
         started = self.tier.get_many(items)
         job = _Job({k for (k, _, _), s in zip(items, started, strict=True) if s},
                    is_promotion=True, failed=not all(started))
         if not job.keys:
-            self._finished.append(JobResult(job_metadata.job_id, False, successful_keys=[]))
+            self._finished.append(JobResult(job_id, False, successful_keys=[]))
             return
-        self._jobs[job_metadata.job_id] = job
+        self._jobs[job_id] = job
+
+    def _rows_of(self, chunk_ids: Any) -> list[memoryview]:
+        """The primary rows of a job's chunks (views, no copies); one tolist, no per-row int."""
+        rows, rb = self._rows, self._row_bytes
+        ids = chunk_ids.tolist() if hasattr(chunk_ids, "tolist") else [int(c) for c in chunk_ids]
+        return [rows[c * rb:(c + 1) * rb] for c in ids]
 
     def _poll(self, wait: float = 0.0) -> None:
         for r in self.tier.poll(wait=wait):
