@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,12 +175,15 @@ class Committer(threading.Thread):
         self.busy = threading.Event()
 
     def run(self) -> None:
-        # Two batches overlap: while one batch's rows are being written, the batch before it
-        # is synced and published. Only when jobs are queued: otherwise a batch is finished at
-        # once, so a lone write or flush never waits for the next one.
+        # Two batches overlap: once a batch's rows are written, the next batch (the jobs queued
+        # meanwhile) is reserved and its writes started before the first one is synced and
+        # published, so the device is not idle during fdatasync and the index commits. Only
+        # when jobs are queued: otherwise a batch is finished at once, so a lone write or a
+        # flush never waits for the next one.
         flight: _Flight | None = None
         while True:
             if flight is not None:
+                wait_futures(flight.futures)  # the next batch gathers while these are written
                 try:
                     job = self.jobs.get_nowait()
                 except queue.Empty:
@@ -220,6 +224,9 @@ class Committer(threading.Thread):
                 # not bring them back through an older access-stats record
                 self._finish(flight, {k for j in batch for k in j.drop_keys})
             flight = started
+            if not OVERLAP_BATCHES:
+                self._finish(flight, set())
+                flight = None
 
     def _start(self, batch: list[Job]) -> _Flight | None:
         """Reserve the batch's slots and start writing its rows; None if that failed (the
@@ -367,6 +374,7 @@ class Committer(threading.Thread):
         return results
 
 
+OVERLAP_BATCHES = True
 MIN_RUN_BYTES = 1 << 20  # smaller runs cost more in task and syscall overhead than they gain
 MAX_READ_RUN_BYTES = 4 << 20  # larger reads queue behind each other on one thread
 
