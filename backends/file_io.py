@@ -173,60 +173,72 @@ class Committer(threading.Thread):
         self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.pid = os.getpid()
         self.busy = threading.Event()
+        # overlap only batches that give every I/O thread at least one full-size run
+        self._overlap_rows = engine.threads * -(-MIN_RUN_BYTES // slabs.slot_bytes)
 
     def run(self) -> None:
-        # Two batches overlap: once a batch's rows are written, the next batch (the jobs queued
-        # meanwhile) is reserved and its writes started before the first one is synced and
-        # published, so the device is not idle during fdatasync and the index commits. Only
-        # when jobs are queued: otherwise a batch is finished at once, so a lone write or a
-        # flush never waits for the next one.
+        # Two batches overlap when enough work is queued: once a batch's rows are written, the
+        # next batch (the jobs queued meanwhile) is reserved and its writes started before the
+        # first one is synced and published, so the device is not idle during fdatasync and
+        # the index commits. With too little queued (a closed loop whose next jobs wait for
+        # this batch's completions), the batch in flight is finished first and the jobs gather
+        # into a larger group commit. A lone write or a flush never waits for a later job.
         flight: _Flight | None = None
         while True:
-            if flight is not None:
-                wait_futures(flight.futures)  # the next batch gathers while these are written
-                try:
-                    job = self.jobs.get_nowait()
-                except queue.Empty:
-                    self._finish(flight, set())
-                    flight = None
-                    continue
-            else:
+            if flight is None:
                 try:
                     job = self.jobs.get(timeout=1.0)
                 except queue.Empty:  # idle for a second
-                    self._take_requests()  # admin requests of tools
-                    records, stats = self.pending.take()
-                    if records or stats:
-                        try:
-                            self.index.publish(records, [], stat_delta=stats)
-                        except Exception:  # a full disk: keep serving, stats are best effort
-                            log.exception("file tier: persisting access stats failed")
+                    self._idle()
                     continue
-            if job is None:
-                if flight is not None:
+                if job is None:
+                    return
+                batch, stop = self._gather([job])
+            else:
+                wait_futures(flight.futures)  # the next batch gathers while these are written
+                batch, stop = self._gather([])
+                if not stop and sum(len(j.writes) for j in batch) < self._overlap_rows:
                     self._finish(flight, set())
-                return
-            batch = [job]
-            rows = len(job.writes)
-            while rows < self.max_batch:
-                try:
-                    nxt = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self.jobs.put(None)  # finish this batch, then stop
-                    break
-                batch.append(nxt)
-                rows += len(nxt.writes)
-            started = self._start(batch)
-            if flight is not None:
-                # keys this batch drops were deleted by its reserve: the batch before it must
-                # not bring them back through an older access-stats record
-                self._finish(flight, {k for j in batch for k in j.drop_keys})
-            flight = started
-            if not OVERLAP_BATCHES:
+                    flight = None
+                    if not batch:
+                        continue
+                    batch, stop = self._gather(batch)  # what came in during the commit
+            if batch:
+                started = self._start(batch)
+                if flight is not None:
+                    # keys this batch drops were deleted by its reserve: the batch before it
+                    # must not bring them back through an older access-stats record
+                    self._finish(flight, {k for j in batch for k in j.drop_keys})
+                flight = started
+                if not OVERLAP_BATCHES:
+                    self._finish(flight, set())
+                    flight = None
+            if stop:
                 self._finish(flight, set())
-                flight = None
+                return
+
+    def _gather(self, batch: list[Job]) -> tuple[list[Job], bool]:
+        """Add queued jobs (without waiting) up to ``max_batch`` rows; True if told to stop."""
+        rows = sum(len(j.writes) for j in batch)
+        while rows < self.max_batch:
+            try:
+                nxt = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                return batch, True
+            batch.append(nxt)
+            rows += len(nxt.writes)
+        return batch, False
+
+    def _idle(self) -> None:
+        self._take_requests()  # admin requests of tools
+        records, stats = self.pending.take()
+        if records or stats:
+            try:
+                self.index.publish(records, [], stat_delta=stats)
+            except Exception:  # a full disk: keep serving, stats are best effort
+                log.exception("file tier: persisting access stats failed")
 
     def _start(self, batch: list[Job]) -> _Flight | None:
         """Reserve the batch's slots and start writing its rows; None if that failed (the
