@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,7 +78,18 @@ class Job:
     reply: tuple[str, dict] | None = None  # admin reply written once this job is committed
 
 
-@dataclass
+@dataclass(slots=True)
+class ReadItem:
+    key: bytes
+    slot: int
+    length: int
+    codec: int
+    checksum: int
+    out: memoryview
+    token: object
+
+
+@dataclass(slots=True)
 class WriteResult:
     key: bytes
     slot: int
@@ -87,6 +99,21 @@ class WriteResult:
     checksum: int = 0
     reason: str = ""
     seconds: float = 0.0
+
+
+@dataclass
+class WritesDone:
+    """The outcome of one group commit: one WriteResult per row, in one queue message."""
+
+    results: list[WriteResult]
+
+
+@dataclass
+class ReadsDone:
+    """The outcome of one run of reads: (item, miss reason or '') per row, in one message."""
+
+    outcomes: list[tuple[ReadItem, str]]
+    seconds: float
 
 
 @dataclass
@@ -143,6 +170,17 @@ class PendingMeta:
         return records, stats
 
 
+@dataclass
+class _Flight:
+    """A batch whose slots are reserved and whose rows are being written."""
+
+    batch: list[Job]
+    writes: list[WriteItem]
+    drop: list[bytes]
+    slots: list[int]
+    futures: list[Future]
+
+
 class Committer(threading.Thread):
     """Single thread that owns every write transaction of one namespace."""
 
@@ -156,60 +194,132 @@ class Committer(threading.Thread):
         self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.pid = os.getpid()
         self.busy = threading.Event()
+        # overlap only batches that give every I/O thread at least one full-size run
+        self._overlap_rows = engine.threads * -(-MIN_RUN_BYTES // slabs.slot_bytes)
 
     # How often the committer looks for admin requests and dead readers while it is busy.
     HOUSEKEEPING_SECONDS = 0.25
 
     def run(self) -> None:
+        # Two batches overlap when enough work is queued: once a batch's rows are written, the
+        # next batch (the jobs queued meanwhile) is reserved and its writes started before the
+        # first one is synced and published, so the device is not idle during fdatasync and
+        # the index commits. With too little queued (a closed loop whose next jobs wait for
+        # this batch's completions), the batch in flight is finished first and the jobs gather
+        # into a larger group commit. A lone write or a flush never waits for a later job.
+        flight: _Flight | None = None
         next_housekeeping = 0.0
         while True:
             now = time.monotonic()
             if now >= next_housekeeping:  # bounded, however busy the writer is
                 next_housekeeping = now + self.HOUSEKEEPING_SECONDS
                 self._housekeeping()
-            try:
-                job = self.jobs.get(timeout=1.0)
-            except queue.Empty:  # idle for a second
-                records, stats = self.pending.take()
-                if records or stats:
-                    try:
-                        self.index.publish(records, [], stat_delta=stats)
-                    except Exception:  # a full disk: keep serving, counters go with a later txn
-                        log.exception("file tier: persisting access stats failed")
-                        self.pending.give_back(stats)
-                continue
-            if job is None:
-                return
-            batch = [job]
-            rows = len(job.writes)
-            while rows < self.max_batch:
+            if flight is None:
                 try:
-                    nxt = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self.jobs.put(None)  # finish this batch, then stop
-                    break
-                batch.append(nxt)
-                rows += len(nxt.writes)
+                    job = self.jobs.get(timeout=1.0)
+                except queue.Empty:  # idle for a second
+                    self._idle()
+                    continue
+                if job is None:
+                    return
+                batch, stop = self._gather([job])
+            else:
+                wait_futures(flight.futures)  # the next batch gathers while these are written
+                batch, stop = self._gather([])
+                if not stop and sum(len(j.writes) for j in batch) < self._overlap_rows:
+                    self._finish(flight, set())
+                    flight = None
+                    if not batch:
+                        continue
+                    batch, stop = self._gather(batch)  # what came in during the commit
+            if batch:
+                started = self._start(batch)
+                if flight is not None:
+                    # keys this batch drops were deleted by its reserve: the batch before it
+                    # must not bring them back through an older access-stats record
+                    self._finish(flight, {k for j in batch for k in j.drop_keys})
+                flight = started
+                if not OVERLAP_BATCHES:
+                    self._finish(flight, set())
+                    flight = None
+            if stop:
+                self._finish(flight, set())
+                return
+
+    def _gather(self, batch: list[Job]) -> tuple[list[Job], bool]:
+        """Add queued jobs (without waiting) up to ``max_batch`` rows; True if told to stop."""
+        rows = sum(len(j.writes) for j in batch)
+        while rows < self.max_batch:
             try:
-                self._commit(batch)
-            except Exception as exc:  # never let the thread die: fail the batch's writes
-                if sys.is_finalizing():  # the process is exiting without close(): nothing
-                    return  # was published, so the slots are free on the next open
-                reason = failure_reason(exc)
-                log.exception("file tier: batch commit failed (%s)", reason)
-                for j in batch:  # their counters are persisted with a later transaction
-                    self.pending.give_back(j.stats)
-                for j in batch:
-                    for w in j.writes:
-                        self.out.put(WriteResult(w.key, w.slot, False, reason=reason))
-            finally:
-                for j in batch:
-                    if j.reply is not None:
-                        self._reply(*j.reply)
-                    if j.done is not None:
-                        j.done.set()
+                nxt = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                return batch, True
+            batch.append(nxt)
+            rows += len(nxt.writes)
+        return batch, False
+
+    def _idle(self) -> None:
+        records, stats = self.pending.take()
+        if records or stats:
+            try:
+                self.index.publish(records, [], stat_delta=stats)
+            except Exception:  # a full disk: keep serving, counters go with a later txn
+                log.exception("file tier: persisting access stats failed")
+                self.pending.give_back(stats)
+
+    def _housekeeping(self) -> None:
+        """Between jobs: free the reader slots of killed tools (a dead reader pins LMDB's
+        oldest snapshot, so freed pages are never reused and the map fills up), then hand
+        the owner the tools' admin requests."""
+        try:
+            cleared = self.index.clear_stale_readers()
+            if cleared:
+                log.warning("file tier %s: cleared %d reader slot(s) of dead processes",
+                            self.index.path.parent, cleared)
+            self._take_requests()
+        except Exception:  # housekeeping must never stop the committer
+            log.exception("file tier: committer housekeeping failed")
+
+    def _start(self, batch: list[Job]) -> _Flight | None:
+        """Reserve the batch's slots and start writing its rows; None if that failed (the
+        batch's writes are then reported failed and its waiters released)."""
+        try:
+            return self._begin(batch)
+        except Exception as exc:  # never let the thread die: fail the batch's writes instead
+            self._fail(batch, exc)
+            return None
+
+    def _finish(self, flight: _Flight | None, later_drops: set[bytes]) -> None:
+        if flight is None:
+            return
+        try:
+            self._complete(flight, later_drops)
+        except Exception as exc:
+            self._fail(flight.batch, exc)
+            return
+        self._release(flight.batch)
+
+    def _fail(self, batch: list[Job], exc: BaseException) -> None:
+        if sys.is_finalizing():  # the process is exiting without close(): nothing
+            return  # was published, so the slots are free on the next open
+        reason = failure_reason(exc)
+        log.error("file tier: batch commit failed (%s): %s", reason, exc)
+        for j in batch:  # their counters are persisted with a later transaction
+            self.pending.give_back(j.stats)
+        failed = [WriteResult(w.key, w.slot, False, reason=reason)
+                  for j in batch for w in j.writes]
+        if failed:
+            self.out.put(WritesDone(failed))
+        self._release(batch)
+
+    def _release(self, batch: list[Job]) -> None:
+        for j in batch:
+            if j.reply is not None:
+                self._reply(*j.reply)
+            if j.done is not None:
+                j.done.set()
 
     def _housekeeping(self) -> None:
         """Between jobs: free the reader slots of killed tools (a dead reader pins LMDB's
@@ -246,24 +356,29 @@ class Committer(threading.Thread):
         except OSError as exc:
             log.warning("file tier: cannot write admin reply %s: %s", path, exc)
 
-    def _commit(self, batch: list[Job]) -> None:
+    def _begin(self, batch: list[Job]) -> _Flight:
         writes = [w for j in batch for w in j.writes]
         drop = [k for j in batch for k in j.drop_keys]
         slots = [w.slot for w in writes]
         # Deleting a key whose slot will hold other bytes must reach the disk first.
         durable = any(j.reused_slots or j.freed_slots for j in batch)
-        stats: dict[str, int] = {}
-        for j in batch:
-            for name, v in j.stats.items():
-                stats[name] = stats.get(name, 0) + v
         if writes or drop:
             self.index.reserve(slots, drop, self.pid, durable)
         # Adjacent slots are written with one vectored call; runs are sized so that every
         # engine thread gets work (the device sees as many I/Os in flight as there are threads).
-        per_run = max(1, -(-len(writes) // self.engine.threads))
-        runs = adjacent_runs(writes, self.slabs, per_run, lambda w: w.slot)
+        per_run = run_rows(len(writes), self.engine.threads, self.slabs.slot_bytes, 0)
+        runs = adjacent_runs(writes, self.slabs, per_run, _slot_of)
         futures: list[Future] = [self.engine.submit(self._write_run, run) for run in runs]
-        by_key = {r.key: r for f in futures for r in f.result()}
+        return _Flight(batch, writes, drop, slots, futures)
+
+    def _complete(self, flight: _Flight, later_drops: set[bytes]) -> None:
+        """Wait for the batch's rows, sync the slab files they went to, publish the batch."""
+        batch, writes, slots = flight.batch, flight.writes, flight.slots
+        stats: dict[str, int] = {}
+        for j in batch:
+            for name, v in j.stats.items():
+                stats[name] = stats.get(name, 0) + v
+        by_key = {r.key: r for f in flight.futures for r in f.result()}
         results: list[WriteResult] = [by_key[w.key] for w in writes]
         touched = {self.slabs.locate(r.slot)[2] for r in results if r.ok}
         for f in touched:
@@ -275,15 +390,15 @@ class Committer(threading.Thread):
                     if r.ok and self.slabs.locate(r.slot)[2] == f:
                         r.ok, r.reason = False, "error"
         # A key dropped in this batch must not come back through an older access-stats record.
-        dropped = set(drop)
+        dropped = set(flight.drop) | later_drops
         records = [rec for j in batch for rec in j.records if rec[0] not in dropped]
         for r, w in zip(results, writes, strict=True):
             if r.ok:  # (counted by the owner when it applies the result)
                 records.append((r.key, pack_record(r.slot, r.length, r.codec, r.checksum,
                                                    w.created, w.created, 0)))
         self.index.publish(records, slots, stat_delta=stats)
-        for r in results:
-            self.out.put(r)
+        if results:
+            self.out.put(WritesDone(results))
         freed = [s for j in batch for s in j.freed_slots]
         if freed:
             self.out.put(SlotsFreed(freed))
@@ -322,6 +437,45 @@ class Committer(threading.Thread):
                                WriteResult(w.key, w.slot, False, reason=reason))
             i = j
         return results
+
+
+OVERLAP_BATCHES = True
+MIN_RUN_BYTES = 1 << 20  # smaller runs cost more in task and syscall overhead than they gain
+MAX_READ_RUN_BYTES = 4 << 20  # larger reads queue behind each other on one thread
+
+
+def _slot_of(item: WriteItem | ReadItem) -> int:
+    return item.slot
+
+
+def run_rows(n: int, threads: int, row_bytes: int, max_bytes: int) -> int:
+    """Rows per run: ``n`` rows split evenly over ``threads``, but no run under MIN_RUN_BYTES
+    (one task and one syscall per row would cost more than a 256 KiB I/O on a fast device)
+    and none over ``max_bytes`` (0 = no cap)."""
+    rows = max(-(-n // threads), -(-MIN_RUN_BYTES // row_bytes))
+    if max_bytes:
+        rows = min(rows, max(1, max_bytes // row_bytes))
+    return max(1, rows)
+
+
+def start_reads(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, items: list[ReadItem],
+                verify: bool, out: queue.SimpleQueue) -> None:
+    """Read ``items`` on the engine's threads; each run's outcome reaches ``out`` as one
+    ``ReadsDone``. Runs of adjacent slots become one vectored read each (see ``run_rows``)."""
+    t0 = time.perf_counter()
+    per_run = run_rows(len(items), engine.threads, slabs.slot_bytes, MAX_READ_RUN_BYTES)
+    for run in adjacent_runs(items, slabs, per_run, _slot_of):
+        engine.post(_read_and_report, engine, slabs, codec, run, verify, out, t0)
+
+
+def _read_and_report(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, run: list[ReadItem],
+                     verify: bool, out: queue.SimpleQueue, t0: float) -> None:
+    try:
+        outcomes = read_run(engine, slabs, codec, run, verify)
+    except Exception:  # never lose a run: its keys are pinned until reported
+        log.exception("file tier: read of slots %d..%d failed", run[0].slot, run[-1].slot)
+        outcomes = [(it, "error") for it in run]
+    out.put(ReadsDone(outcomes, time.perf_counter() - t0))
 
 
 def adjacent_runs(items: list, slabs: SlabSet, max_rows: int, slot_of) -> list[list]:
@@ -377,17 +531,6 @@ def read_slot(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec | None, it: Rea
     except Exception as exc:  # a corrupt compressed payload
         log.warning("file tier: decoding slot %d failed: %s", it.slot, exc)
         return "corrupt"
-
-
-@dataclass
-class ReadItem:
-    key: bytes
-    slot: int
-    length: int
-    codec: int
-    checksum: int
-    out: memoryview
-    token: object
 
 
 def read_run(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, run: list[ReadItem],

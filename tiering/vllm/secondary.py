@@ -83,9 +83,6 @@ class FileTier(SecondaryTierManager):
         if self._events_on:
             self.tier.on_removed(self._removed)
 
-    def _row(self, chunk_id: int) -> memoryview:
-        return self._rows[chunk_id * self._row_bytes:(chunk_id + 1) * self._row_bytes]
-
     def _bad_chunk_ids(self, job_metadata: TransferJob) -> bool:
         """Chunk ids outside the primary tier: the job fails (logged), nothing raises."""
         n = len(self._rows) // self._row_bytes
@@ -115,8 +112,7 @@ class FileTier(SecondaryTierManager):
         if self._bad_chunk_ids(job_metadata):
             return
         keys = [bytes(k) for k in job_metadata.keys]
-        rows = [self._row(int(c)) for c in job_metadata.chunk_ids]
-        accepted = self.tier.put(keys, rows).admitted
+        accepted = self.tier.put(keys, self._rows_of(job_metadata.chunk_ids)).admitted
         if not accepted:  # nothing to write (present, not admitted, or full): done at once
             self._finished.append(JobResult(job_metadata.job_id, True))
             return
@@ -127,19 +123,26 @@ class FileTier(SecondaryTierManager):
     def submit_load(self, job_metadata: TransferJob) -> None:
         if self._bad_chunk_ids(job_metadata):
             return
-        items = [(bytes(k), self._row(int(c)), job_metadata.job_id)
-                 for k, c in zip(job_metadata.keys, job_metadata.chunk_ids, strict=True)]
+        job_id = job_metadata.job_id
+        items = [(bytes(k), row, job_id) for k, row in
+                 zip(job_metadata.keys, self._rows_of(job_metadata.chunk_ids), strict=True)]
         if not items:  # nothing asked, nothing failed
-            self._finished.append(JobResult(job_metadata.job_id, True))
+            self._finished.append(JobResult(job_id, True))
             return
         started = self.tier.get(items)
         job = _Job({k for (k, _, _), s in zip(items, started, strict=True) if s},
                    {k: i for i, (k, _, _) in enumerate(items)},
                    is_promotion=True, failed=not all(started))
         if not job.keys:  # none of them readable: all failed
-            self._finished.append(JobResult(job_metadata.job_id, False))
+            self._finished.append(JobResult(job_id, False))
             return
-        self._jobs[job_metadata.job_id] = job
+        self._jobs[job_id] = job
+
+    def _rows_of(self, chunk_ids: Any) -> list[memoryview]:
+        """The primary rows of a job's chunks (views, no copies); one tolist, no per-row int."""
+        rows, rb = self._rows, self._row_bytes
+        ids = chunk_ids.tolist() if hasattr(chunk_ids, "tolist") else [int(c) for c in chunk_ids]
+        return [rows[c * rb:(c + 1) * rb] for c in ids]
 
     def _poll(self, wait: float = 0.0) -> None:
         for r in self.tier.poll(wait=wait):
