@@ -48,6 +48,26 @@ def test_prefix_hash_algo_is_read_as_in_a_real_engine(model, tmp_path, algo, res
     h.manager.shutdown()
 
 
+@pytest.mark.parametrize("policy", ["TieringLRUPolicy", "TieringARCPolicy", "S3FIFOPolicy"])
+def test_our_policy_in_vllm_cpu_tier_keeps_a_chunked_prefill_prefix_head(model, policy):
+    """vLLM's own CPU spec with our policy, in a real scheduler: prompt A (8 chunks) is stored
+    over 4 steps (chunked prefill, 2 chunks a step) into an 8-chunk CPU tier; prompt B (6
+    chunks) pushes 6 out. A's tail must go, not its head: A again then finds its first 2 chunks
+    in the CPU tier (before the fix, its head went first and A found nothing)."""
+    ex = {"spec_name": "CPUOffloadingSpec", "block_size": 128, "cpu_bytes_to_use": 8 * (256 << 10),
+          "eviction_policy": policy, "cache_policy_module_path": "tiering.vllm"}
+    h = Harness(model, ex, delay=1, batched_tokens=256)
+    a = prompt(11, 1024)
+    h.add("a1", a)
+    h.run()
+    h.add("b1", prompt(12, 768))
+    h.run()
+    h.reset_gpu_prefix_cache()  # GPU forgets, the CPU tier keeps
+    h.add("a2", a)
+    h.run()
+    assert h.cached["a2"] == 256  # chunks 1 and 2 of A came from the CPU tier
+
+
 def test_store_then_load_from_cpu(model, tmp_path):
     h = Harness(model, extra(tmp_path), delay=1)
     a = prompt(1)
