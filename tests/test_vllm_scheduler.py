@@ -68,6 +68,36 @@ def test_our_policy_in_vllm_cpu_tier_keeps_a_chunked_prefill_prefix_head(model, 
     assert h.cached["a2"] == 256  # chunks 1 and 2 of A came from the CPU tier
 
 
+def test_our_file_tier_under_vllm_tiering_spec_serves_after_a_connector_reset(model, tmp_path):
+    """vLLM's own TieringOffloadingSpec with tiering.vllm.FileTier as its secondary tier, in a
+    real scheduler: A's chunks are written through to our tier; after a connector reset (CPU
+    tier emptied) A again is promoted from our tier and loaded."""
+    import time
+
+    ex = {"spec_name": "TieringOffloadingSpec", "block_size": 128,
+          "cpu_bytes_to_use": 8 * (256 << 10),
+          "secondary_tiers": [{"type": "FileTier", "module_path": "tiering.vllm",
+                               "path": str(tmp_path / "kv"), "capacity": "16MiB",
+                               "io": "posix", "locality": "LOCAL"}]}
+    h = Harness(model, ex, delay=1)
+    a = prompt(3)
+    h.add("a1", a)
+    h.run()
+    for _ in range(400):  # the write-through finishes on our tier's I/O threads
+        if not h.manager.has_pending_work():
+            break
+        h.step()
+        time.sleep(0.005)
+    (tier,) = h.manager.secondary_tiers
+    assert len(tier.tier) == 4
+    h.reset_gpu_prefix_cache(connector=True)  # GPU and vLLM's CPU tier forget; ours keeps
+    h.add("a2", a)
+    h.run()
+    assert tier.tier.counter("reads") >= 3  # promoted from our tier
+    assert h.loads == 1 and h.cached["a2"] >= 384
+    h.manager.shutdown()
+
+
 def test_store_then_load_from_cpu(model, tmp_path):
     h = Harness(model, extra(tmp_path), delay=1)
     a = prompt(1)
