@@ -51,6 +51,56 @@ def test_prefix_hash_algo_is_read_as_in_a_real_engine(model, tmp_path, algo, res
     h.manager.shutdown()
 
 
+@pytest.mark.parametrize("policy", ["TieringLRUPolicy", "TieringARCPolicy", "S3FIFOPolicy"])
+def test_our_policy_in_vllm_cpu_tier_keeps_a_chunked_prefill_prefix_head(model, policy):
+    """vLLM's own CPU spec with our policy, in a real scheduler: prompt A (8 chunks) is stored
+    over 4 steps (chunked prefill, 2 chunks a step) into an 8-chunk CPU tier; prompt B (6
+    chunks) pushes 6 out. A's tail must go, not its head: A again then finds its first 2 chunks
+    in the CPU tier (before the fix, its head went first and A found nothing)."""
+    ex = {"spec_name": "CPUOffloadingSpec", "block_size": 128, "cpu_bytes_to_use": 8 * (256 << 10),
+          "eviction_policy": policy, "cache_policy_module_path": "tiering.vllm"}
+    h = Harness(model, ex, delay=1, batched_tokens=256)
+    a = prompt(11, 1024)
+    h.add("a1", a)
+    h.run()
+    h.add("b1", prompt(12, 768))
+    h.run()
+    h.reset_gpu_prefix_cache()  # GPU forgets, the CPU tier keeps
+    h.add("a2", a)
+    h.run()
+    assert h.cached["a2"] == 256  # chunks 1 and 2 of A came from the CPU tier
+
+
+def test_our_file_tier_under_vllm_tiering_spec_serves_after_a_connector_reset(model, tmp_path):
+    """vLLM's own TieringOffloadingSpec with tiering.vllm.FileTier as its secondary tier, in a
+    real scheduler: A's chunks are written through to our tier; after a connector reset (CPU
+    tier emptied) A again is promoted from our tier and loaded."""
+    import time
+
+    ex = {"spec_name": "TieringOffloadingSpec", "block_size": 128,
+          "cpu_bytes_to_use": 8 * (256 << 10),
+          "secondary_tiers": [{"type": "FileTier", "module_path": "tiering.vllm",
+                               "path": str(tmp_path / "kv"), "capacity": "16MiB",
+                               "io": "posix", "locality": "LOCAL"}]}
+    h = Harness(model, ex, delay=1)
+    a = prompt(3)
+    h.add("a1", a)
+    h.run()
+    for _ in range(400):  # the write-through finishes on our tier's I/O threads
+        if not h.manager.has_pending_work():
+            break
+        h.step()
+        time.sleep(0.005)
+    (tier,) = h.manager.secondary_tiers
+    assert len(tier.tier) == 4
+    h.reset_gpu_prefix_cache(connector=True)  # GPU and vLLM's CPU tier forget; ours keeps
+    h.add("a2", a)
+    h.run()
+    assert tier.tier.counter("reads") >= 3  # promoted from our tier
+    assert h.loads == 1 and h.cached["a2"] >= 384
+    h.manager.shutdown()
+
+
 def test_store_then_load_from_cpu(model, tmp_path):
     h = Harness(model, extra(tmp_path), delay=1)
     a = prompt(1)

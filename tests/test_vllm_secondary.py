@@ -203,3 +203,26 @@ def test_load_of_a_missing_chunk_fails_and_keeps_the_present_ones(tmp_path, prim
         assert bytes(primary[6]) == want
     finally:
         tier.shutdown()
+
+
+def test_example_secondary_tier_config_is_accepted(tmp_path, primary):
+    """examples/tiering_secondary_tier.json's tier, through vLLM's own tier factory."""
+    import json
+    from pathlib import Path
+
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    example = Path(__file__).parent.parent / "examples" / "tiering_secondary_tier.json"
+    (tier_cfg,) = json.loads(example.read_text())["kv_connector_extra_config"]["secondary_tiers"]
+    tier_cfg.update(path=str(tmp_path / "kv"), capacity=4 * BLOCK)  # the machine's disk aside
+    tier = SecondaryTierFactory.create_secondary_tier(tier_cfg, memoryview(primary),
+                                                      spec_stub(events=True))
+    try:
+        assert isinstance(tier, FileTier) and tier.locality is Locality.LOCAL
+        ctx = ReqContext(req_id="x")
+        store(tier, 1, KEYS[:2], [0, 1])  # first offer: store_threshold 2 holds it back
+        assert tier.lookup(KEYS[1], ctx) == LookupResult.MISS
+        store(tier, 2, KEYS[:2], [0, 1])
+        assert tier.lookup(KEYS[1], ctx) == LookupResult.HIT
+    finally:
+        tier.shutdown()

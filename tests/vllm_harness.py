@@ -35,7 +35,7 @@ EOS = 2
 class Harness:
     def __init__(self, model: str, extra: dict, gpu_tokens: int = 5120, delay: int = 0,
                  max_len: int = 2048, hash_algo: str = "sha256",
-                 config_context: bool = True) -> None:
+                 config_context: bool = True, batched_tokens: int | None = None) -> None:
         """``config_context=False`` builds the scheduler as vLLM's EngineCore does, outside
         ``set_current_vllm_config``."""
         from vllm.platforms import current_platform
@@ -46,7 +46,8 @@ class Harness:
                                kv_connector_extra_config=extra)
         args = EngineArgs(model=model, dtype="float32", max_model_len=max_len,
                           enable_prefix_caching=True, kv_transfer_config=kvt,
-                          max_num_batched_tokens=max_len, max_num_seqs=4, enforce_eager=True,
+                          max_num_batched_tokens=batched_tokens or max_len, max_num_seqs=4,
+                          enforce_eager=True,
                           prefix_caching_hash_algo=hash_algo)
         self.config = args.create_engine_config()
         self.block_size = bs = self.config.cache_config.block_size
@@ -105,11 +106,13 @@ class Harness:
             req = self.scheduler.requests.get(rid)
             if req is not None and rid not in self.cached:  # first schedule: what was found
                 self.cached[rid] = req.num_computed_tokens - n
-        reqs = [r.request_id for r in self.scheduler.running
-                if out.num_scheduled_tokens.get(r.request_id)]
+        running = [r for r in self.scheduler.running if out.num_scheduled_tokens.get(r.request_id)]
+        reqs = [r.request_id for r in running]
+        # a partial prefill (chunked) samples nothing, as the model runner reports it
+        sampled = [[7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in running]
         mro = ModelRunnerOutput(
             req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
-            sampled_token_ids=[[7] for _ in reqs],
+            sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
                 finished_recving=recv or None,
                 kv_connector_worker_meta=OffloadingWorkerMetadata(
@@ -125,7 +128,8 @@ class Harness:
         else:
             raise AssertionError(f"not finished after {max_steps} steps")
         self.step()  # let the connector see the last completions
-        self.manager.chain.wait_idle()
+        if hasattr(self.manager, "chain"):  # our spec's manager (vLLM's own specs have none)
+            self.manager.chain.wait_idle()
 
     def reset_gpu_prefix_cache(self, connector: bool = False) -> None:
         assert self.scheduler.reset_prefix_cache(reset_connector=connector)

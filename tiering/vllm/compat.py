@@ -3,9 +3,12 @@
 0.33 added ``OffloadingManager.lock`` / ``on_reset_flushed`` / ``config_info`` (all with
 defaults in the base class, so inheriting is enough) and ``expedited`` to
 ``OffloadingWorker.submit_load`` (our worker accepts it either way), a ``req_context``
-argument to ``CachePolicy.insert`` (``tiering.vllm.cache_policy`` accepts both), and holds
+argument to ``CachePolicy.insert`` (``tiering.vllm.cache_policy`` accepts both, and only 0.33's
+lets it order a running request's batches), ``CachePolicy.on_request_access``, and holds
 promotions after ``reset_cache`` until ``on_reset_flushed``. Everything else we use has the same
-name and shape in both; ``make test`` runs the scheduler-side tests against both.
+name and shape in both (``OffloadingConfig.replicated_layout``, ``ReqContext`` positions and
+tier filters, ``CacheConfig.prefix_caching_hash_algo``); ``make test`` runs the scheduler-side
+tests against both and vLLM 0.33's own contract tests (tests/vllm_contract) against 0.33.
 """
 
 from __future__ import annotations
