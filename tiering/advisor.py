@@ -6,8 +6,8 @@ recompute the chunk's tokens. Both rates are measured while serving:
 * **read rate** of each file tier: bytes per second of each promotion batch, submit to last
   completion (a batch's reads run in parallel on the tier's I/O threads, so this is the rate a
   request's promotion actually gets), smoothed. Until the first read, the tier's write rate
-  (measured the same way over demotion batches) stands in: a drive reads at least about as fast
-  as it writes.
+  stands in (bytes of a demotion batch over its longest write run on the I/O threads, leaving
+  out the group commit's queueing and fdatasync): a drive reads about as fast as it writes.
 * **prefill rate** of the engine: for each request that was computed from scratch (no CPU or
   disk hit), the tokens of the chunks vLLM offered to store (it offers a chunk right after
   computing it) per second from its first lookup to its last store, smoothed. Queueing behind

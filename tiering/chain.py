@@ -77,7 +77,7 @@ class TierChain:
                                if t.cfg.demote != "on_evict"]
         self._owed: dict[bytes, list[int]] = {}  # READY key -> write-back tiers still owed it
         self.advisor = advisor  # None: every disk hit is loaded
-        # promotion batches in flight: batch id -> [tier index, reads left, bytes, started]
+        # transfer batches in flight: id -> [tier index, left, bytes, started, longest I/O s]
         self._batches: dict[int, list] = {}
         self._next_batch = 0
         self._reserve = max(WRITEBACK_RESERVE_MIN,
@@ -203,7 +203,7 @@ class TierChain:
             self._next_batch += 1
             started = tier.get([(k, self.region.row(r), (k, r, b)) for k, r in batch])
             if any(started):
-                self._batches[b] = [i, sum(started), 0, time.perf_counter()]
+                self._batches[b] = [i, sum(started), 0, time.perf_counter(), 0.0]
             for (k, r), ok in zip(batch, started, strict=True):
                 if not ok:  # gone from the tier since the lookup: a miss after all
                     self._finish_promotion(i, Completion("read", k, False, "gone",
@@ -229,7 +229,7 @@ class TierChain:
             return None
         b = self._next_batch
         self._next_batch += 1
-        self._batches[b] = [i, n, 0, now]
+        self._batches[b] = [i, n, 0, now, 0.0]
         return b
 
     def _batch_done(self, batch: int | None, done: Completion, kind: str) -> None:
@@ -238,12 +238,16 @@ class TierChain:
         entry = self._batches[batch]
         entry[1] -= 1
         entry[2] += done.nbytes if done.ok else 0
+        entry[4] = max(entry[4], done.seconds)
         if entry[1] == 0:
             del self._batches[batch]
-            if self.advisor is not None:
-                observe = (self.advisor.observe_read_batch if kind == "read"
-                           else self.advisor.observe_write_batch)
-                observe(entry[0] - 1, entry[2], time.perf_counter() - entry[3])
+            if self.advisor is None:
+                return
+            if kind == "read":  # what a request waits for: submit to the last read
+                self.advisor.observe_read_batch(entry[0] - 1, entry[2],
+                                                time.perf_counter() - entry[3])
+            else:  # the device's speed: the longest write run, not the group commit's queue
+                self.advisor.observe_write_batch(entry[0] - 1, entry[2], entry[4])
 
     def _finish_demotion(self, i: int, done: Completion) -> None:
         row, started, batch = self._in_flight.pop((i, "store", done.key), (None, 0.0, None))
