@@ -5,9 +5,9 @@ recompute the chunk's tokens. Both rates are measured while serving:
 
 * **read rate** of each file tier: bytes per second of each promotion batch, submit to last
   completion (a batch's reads run in parallel on the tier's I/O threads, so this is the rate a
-  request's promotion actually gets), smoothed. Until the first read, the tier's write rate
-  stands in (bytes of a demotion batch over its longest write run on the I/O threads, leaving
-  out the group commit's queueing and fdatasync): a drive reads about as fast as it writes.
+  request's promotion actually gets), smoothed. (The write rate is no stand-in: measured on the
+  build machine's virtual disk it was tens of times below the read rate, and it declined disk
+  hits that were ten times faster than recomputing.)
 * **prefill rate** of the engine: for each request that was computed from scratch (no CPU or
   disk hit), the tokens of the chunks vLLM offered to store (it offers a chunk right after
   computing it) per second from its first lookup to its last store, smoothed. Queueing behind
@@ -52,7 +52,6 @@ class PromotionAdvisor:
         self.row_bytes, self.chunk_tokens = row_bytes, max(1, chunk_tokens)
         self.fixed_prefill = prefill_tokens_per_s
         self._read = [_Ewma() for _ in range(n_file_tiers)]  # bytes/s per file tier
-        self._write = [_Ewma() for _ in range(n_file_tiers)]
         self._declined = [0] * n_file_tiers
         self._prefill = _Ewma()  # tokens/s
         # request id -> [first lookup time, tokens stored, last store time, had a hit]
@@ -63,11 +62,6 @@ class PromotionAdvisor:
         """A promotion batch of file tier ``tier`` (0-based) finished."""
         if nbytes > 0 and seconds > 0:
             self._read[tier].add(nbytes / seconds)
-
-    def observe_write_batch(self, tier: int, nbytes: int, seconds: float) -> None:
-        """A demotion batch of file tier ``tier`` (0-based) was written."""
-        if nbytes > 0 and seconds > 0:
-            self._write[tier].add(nbytes / seconds)
 
     def request_lookup(self, req_id: str, hit: bool, now: float | None = None) -> None:
         """A counted lookup of request ``req_id`` (its first one starts the clock)."""
@@ -94,7 +88,7 @@ class PromotionAdvisor:
 
     # -- the decision --------------------------------------------------------------------------
     def read_rate(self, tier: int) -> float | None:
-        return self._read[tier].value or self._write[tier].value
+        return self._read[tier].value
 
     def prefill_rate(self) -> float | None:
         return self.fixed_prefill or self._prefill.value

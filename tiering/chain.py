@@ -77,7 +77,7 @@ class TierChain:
                                if t.cfg.demote != "on_evict"]
         self._owed: dict[bytes, list[int]] = {}  # READY key -> write-back tiers still owed it
         self.advisor = advisor  # None: every disk hit is loaded
-        # transfer batches in flight: id -> [tier index, left, bytes, started, longest I/O s]
+        # promotion batches in flight: id -> [tier index, reads left, bytes, started]
         self._batches: dict[int, list] = {}
         self._next_batch = 0
         self._reserve = max(WRITEBACK_RESERVE_MIN,
@@ -186,10 +186,9 @@ class TierChain:
             tier = self.tiers[i]
             out = tier.put(keys, views)
             now = time.perf_counter()
-            b = self._new_batch(i, len(out.admitted), now)
             for k in out.admitted:
                 self.cpu.pin(k, io=True)
-                self._in_flight[(i, "store", k)] = (self.cpu.row_of(k), now, b)
+                self._in_flight[(i, "store", k)] = (self.cpu.row_of(k), now, None)
 
     # -- background completions: the one place they are applied ------------------------------
     def on_schedule_end(self) -> None:
@@ -203,7 +202,7 @@ class TierChain:
             self._next_batch += 1
             started = tier.get([(k, self.region.row(r), (k, r, b)) for k, r in batch])
             if any(started):
-                self._batches[b] = [i, sum(started), 0, time.perf_counter(), 0.0]
+                self._batches[b] = [i, sum(started), 0, time.perf_counter()]
             for (k, r), ok in zip(batch, started, strict=True):
                 if not ok:  # gone from the tier since the lookup: a miss after all
                     self._finish_promotion(i, Completion("read", k, False, "gone",
@@ -222,36 +221,22 @@ class TierChain:
                 else:
                     self._finish_promotion(i, done)
 
-    def _new_batch(self, i: int, n: int, now: float) -> int | None:
-        """A batch of ``n`` transfers of file tier ``i``: its last completion measures the
-        tier's rate for the advisor."""
-        if not n:
-            return None
-        b = self._next_batch
-        self._next_batch += 1
-        self._batches[b] = [i, n, 0, now, 0.0]
-        return b
-
-    def _batch_done(self, batch: int | None, done: Completion, kind: str) -> None:
+    def _read_done(self, batch: int | None, done: Completion) -> None:
+        """One read of a promotion batch ended: the batch's last one measures the tier's read
+        rate for the advisor (submit to last completion: what a request waits for)."""
         if batch is None:
             return
         entry = self._batches[batch]
         entry[1] -= 1
         entry[2] += done.nbytes if done.ok else 0
-        entry[4] = max(entry[4], done.seconds)
         if entry[1] == 0:
             del self._batches[batch]
-            if self.advisor is None:
-                return
-            if kind == "read":  # what a request waits for: submit to the last read
+            if self.advisor is not None:
                 self.advisor.observe_read_batch(entry[0] - 1, entry[2],
                                                 time.perf_counter() - entry[3])
-            else:  # the device's speed: the longest write run, not the group commit's queue
-                self.advisor.observe_write_batch(entry[0] - 1, entry[2], entry[4])
 
     def _finish_demotion(self, i: int, done: Completion) -> None:
-        row, started, batch = self._in_flight.pop((i, "store", done.key), (None, 0.0, None))
-        self._batch_done(batch, done, "write")
+        row, started, _ = self._in_flight.pop((i, "store", done.key), (None, 0.0, None))
         if done.ok:
             self.transfer_samples.append((i, "store", time.perf_counter() - started))
             self._event([done.key], "disk", False)
@@ -260,7 +245,7 @@ class TierChain:
 
     def _finish_promotion(self, i: int, done: Completion) -> None:
         key, row, batch = done.token
-        self._batch_done(batch, done, "read")
+        self._read_done(batch, done)
         _, started, _ = self._in_flight.pop((i, "promotion", key), (None, 0.0, None))
         if self.cpu.finish_promotion(key, row, done.ok):
             self.transfer_samples.append((i, "promotion", time.perf_counter() - started))
