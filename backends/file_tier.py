@@ -212,8 +212,7 @@ class FileTier(Tier):
             if key in self.entries:
                 continue
             if not self.admission.offer(key):
-                out.rejected[key] = "threshold"
-                self.stats.reject("threshold")
+                out.rejected[key] = "threshold"  # counted once per call, below
                 continue
             if not self._free:
                 victims = evict_or_none(self.policy, 1, protected=keys)
@@ -234,6 +233,8 @@ class FileTier(Tier):
             self._created[slot] = self._last[slot] = now
             items.append(WriteItem(key, slot, memoryview(row), now))
             accepted.append(key)
+        if out.rejected:
+            self.stats.reject("threshold", sum(r == "threshold" for r in out.rejected.values()))
         if accepted:
             self.policy.insert_many(accepted)
             for key in accepted:
@@ -307,6 +308,8 @@ class FileTier(Tier):
         """
         done: list[Completion] = []
         block = wait > 0 and self.has_pending_work()
+        if not block and self._results.empty():  # the scheduler's usual case: no exception
+            return done
         while True:
             try:
                 r = self._results.get(timeout=wait) if block else self._results.get_nowait()

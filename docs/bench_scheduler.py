@@ -36,7 +36,7 @@ def main() -> None:
     print(f"{'policy':<7} {'lookup hit':>11} {'lookup miss':>12} {'store (evicting)':>17}  µs/chunk")
     for policy in ("lru", "arc", "s3fifo"):
         disk = FileTier({"path": str(tmp / f"disk-{policy}"), "capacity": 2 * n * 4096,
-                         "io": "posix", "preallocate": False, "store_threshold": 1 << 30},
+                         "io": "posix", "preallocate": False, "store_threshold": 1_000_000},
                         facts)
         chain = TierChain(CpuTier(StagingRegion(f"bench-{policy}", n, 4096), policy, 0),
                           file_tiers=[disk])

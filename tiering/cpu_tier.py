@@ -208,10 +208,10 @@ class CpuTier(Tier):
             if k in self.key_row:
                 continue
             if not self.admission.offer(k):
-                out.rejected[k] = "threshold"
-                self.stats.reject("threshold")
+                out.rejected[k] = "threshold"  # counted once per call, below
                 continue
             wanted.append(k)
+        self.stats.reject("threshold", len(out.rejected))
         if not wanted:
             return out
         got = self._allocate(len(wanted), set(keys))
