@@ -366,7 +366,8 @@ class Committer(threading.Thread):
             self.index.reserve(slots, drop, self.pid, durable)
         # Adjacent slots are written with one vectored call; runs are sized so that every
         # engine thread gets work (the device sees as many I/Os in flight as there are threads).
-        per_run = run_rows(len(writes), self.engine.threads, self.slabs.slot_bytes, 0)
+        per_run = run_rows(len(writes), self.engine.threads, self.slabs.slot_bytes, 0,
+                           MIN_WRITE_RUN_BYTES)
         runs = adjacent_runs(writes, self.slabs, per_run, _slot_of)
         futures: list[Future] = [self.engine.submit(self._write_run, run) for run in runs]
         return _Flight(batch, writes, drop, slots, futures)
@@ -441,6 +442,7 @@ class Committer(threading.Thread):
 
 OVERLAP_BATCHES = True
 MIN_RUN_BYTES = 1 << 20  # smaller runs cost more in task and syscall overhead than they gain
+MIN_WRITE_RUN_BYTES = 1 << 20
 MAX_READ_RUN_BYTES = 4 << 20  # larger reads queue behind each other on one thread
 
 
@@ -448,11 +450,13 @@ def _slot_of(item: WriteItem | ReadItem) -> int:
     return item.slot
 
 
-def run_rows(n: int, threads: int, row_bytes: int, max_bytes: int) -> int:
-    """Rows per run: ``n`` rows split evenly over ``threads``, but no run under MIN_RUN_BYTES
-    (one task and one syscall per row would cost more than a 256 KiB I/O on a fast device)
-    and none over ``max_bytes`` (0 = no cap)."""
-    rows = max(-(-n // threads), -(-MIN_RUN_BYTES // row_bytes))
+def run_rows(n: int, threads: int, row_bytes: int, max_bytes: int,
+             min_bytes: int | None = None) -> int:
+    """Rows per run: ``n`` rows split evenly over ``threads``, but no run under ``min_bytes``
+    (default MIN_RUN_BYTES: one task and one syscall per row would cost more than a 256 KiB
+    I/O on a fast device) and none over ``max_bytes`` (0 = no cap)."""
+    floor = MIN_RUN_BYTES if min_bytes is None else min_bytes
+    rows = max(-(-n // threads), -(-floor // row_bytes))
     if max_bytes:
         rows = min(rows, max(1, max_bytes // row_bytes))
     return max(1, rows)

@@ -71,7 +71,7 @@ if [ -n "$fio_bin" ] && "$fio_bin" --version >/dev/null 2>&1; then
 else
   echo "fio: NOT FOUND (no \$FIO, no fio on PATH, no .device/fio/fio): the fio column stays" \
     "empty; scripts/build_fio.sh builds one"
-  unset TIERING_FIO
+  PARTS=$(echo "${PARTS:-tier,vllm_tier,vllm_fs,fio}" | tr ',' '\n' | grep -vx fio | paste -sd,)
 fi
 
 # RAM-backed ext4: room for one system's data at a time (each run's folder is removed after

@@ -158,20 +158,33 @@ def run_fio(folder: Path, row_bytes: int, total: int, threads: int) -> dict[str,
         os.posix_fallocate(fd, 0, share * threads)
     finally:
         os.close(fd)
-    for rw in ("write", "read"):
-        out["cold"] = drop_caches(folder) if rw == "read" else None
+
+    def run(rw: str, size: int) -> tuple[dict[str, Any] | str, float]:
         cmd = [fio, "--name=bench", f"--filename={path}", f"--rw={rw}", f"--bs={row_bytes}",
-               f"--size={share}", f"--offset_increment={share}", f"--numjobs={threads}",
+               f"--size={size}", f"--offset_increment={share}", f"--numjobs={threads}",
                "--thread", "--group_reporting", "--direct=1", "--ioengine=psync",
                "--end_fsync=1", "--output-format=json"]
         r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         res = subprocess.run(cmd, capture_output=True, text=True)
         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         if res.returncode != 0:
-            return f"fio failed: {res.stderr.strip()[:200]}"
-        job = json.loads(res.stdout[res.stdout.index("{"):])["jobs"][0]
-        out[f"{rw}_GBps"] = job[rw]["bw_bytes"] / 1e9
+            return f"fio failed: {res.stderr.strip()[:200]}", 0.0
         secs = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+        return json.loads(res.stdout[res.stdout.index("{"):])["jobs"][0], secs
+
+    # fio's own start (option parsing, thread and buffer setup) costs ~0.1-0.2 s of CPU; a run
+    # of one block per thread measures it, and it is taken out of the per-GB figures
+    job, startup = run("read", row_bytes)
+    if isinstance(job, str):
+        return job
+    out["startup_cpu_s"] = startup
+    for rw in ("write", "read"):
+        out["cold"] = drop_caches(folder) if rw == "read" else None
+        job, secs = run(rw, share)
+        if isinstance(job, str):
+            return job
+        out[f"{rw}_GBps"] = job[rw]["bw_bytes"] / 1e9
+        secs = max(0.0, secs - startup)
         out[f"{rw}_cpu_s_per_GB"] = secs / (share * threads / 1e9)
         cpu += secs
     out["cpu_s_per_GB"] = cpu / (2 * share * threads / 1e9)
