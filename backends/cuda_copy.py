@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tiering.backends.dma import CopyLayout, Finished, merge_runs
+from tiering.backends.block_copy import CopyLayout, Finished, merge_runs
 
 log = logging.getLogger(__name__)
 BATCH_MAX = 1024  # descriptors per cudaMemcpyBatchAsync call (larger calls measured slower)

@@ -43,7 +43,7 @@ BOXES = {
     "index": (390, 570, 290, 50, "LMDB index (the committer writes it)", "backends/index.py"),
     "worker": (750, 50, 260, 50, "TieredWorker", "tiering/vllm/worker.py"),
     "copy": (750, 130, 260, 60, "copy engine: CUDA batched DMA / Triton",
-             "backends/cuda_copy.py, dma.py"),
+             "backends/cuda_copy.py, block_copy.py"),
     "gpu": (750, 220, 260, 60, "GPU KV cache (paged blocks)", "vLLM's tensors"),
     "staging": (750, 370, 260, 60, "staging region: CPU rows", "backends/staging.py"),
     "slabs": (750, 530, 260, 50, "slab-NNNN.dat: fixed-size slots", "backends/slab.py"),

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build-gpu"))
 
 import torch  # noqa: E402
 
+from tiering.backends.block_copy import CopyLayout, TensorInfo  # noqa: E402
 from tiering.backends.cuda_copy import CudaCopyEngine  # noqa: E402
-from tiering.backends.dma import CopyLayout, TensorInfo  # noqa: E402
 from tiering.backends.io_engines import aligned_buffer  # noqa: E402
 
 LAYERS, PAGE, BLOCKS, JOB, ROWS, REPEAT = 32, 64 << 10, 2048, 512, 1024, 7

@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs an NVIDIA GPU (run scripts/gpu_tests.sh on a GPU machine)",
                 allow_module_level=True)
 
+from tiering.backends.block_copy import CopyLayout, TensorInfo  # noqa: E402
 from tiering.backends.cuda_copy import CudaCopyEngine  # noqa: E402
-from tiering.backends.dma import CopyLayout, TensorInfo  # noqa: E402
 from tiering.backends.io_engines import aligned_buffer  # noqa: E402
 
 PATHS = ["dma", "staged", "direct", "auto"]

@@ -13,8 +13,8 @@ import ctypes
 import numpy as np
 import pytest
 
+from tiering.backends.block_copy import CopyLayout, TensorInfo
 from tiering.backends.cuda_copy import plan_staged
-from tiering.backends.dma import CopyLayout, TensorInfo
 
 
 def build(pages=(512, 1024, 512), num_blocks=40, bpc=1, rows=24, rank=0, world=1, seed=0):

@@ -15,7 +15,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 import tiering.backends.staging as staging  # noqa: E402
-from tiering.backends.dma import MemcpyEngine, merge_runs  # noqa: E402
+from tiering.backends.block_copy import MemcpyEngine, merge_runs  # noqa: E402
 from tiering.backends.staging import StagingRegion  # noqa: E402
 from tiering.vllm.compat import GPULoadStoreSpec  # noqa: E402
 from tiering.vllm.worker import RowsSpec, TieredWorker, make_layout  # noqa: E402

@@ -39,7 +39,7 @@ from tiering.vllm.compat import (
     RequestOffloadingContext,
     share_vllm_logging,
 )
-from tiering.vllm.namespace import facts_from_config
+from tiering.vllm.engine_facts import facts_from_config
 
 log = logging.getLogger(__name__)
 

@@ -19,16 +19,16 @@ import logging
 from typing import Any
 
 from tiering.advisor import PromotionAdvisor
-from tiering.backends.dma import MemcpyEngine
+from tiering.backends.block_copy import MemcpyEngine
 from tiering.backends.file_tier import FileTier
 from tiering.backends.staging import StagingRegion, remove_stale
 from tiering.chain import TierChain
 from tiering.config import check_sizes, parse
 from tiering.cpu_tier import CpuTier
 from tiering.vllm.compat import CanonicalKVCaches, OffloadingSpec, share_vllm_logging
+from tiering.vllm.engine_facts import facts_from_config
 from tiering.vllm.manager import TieredManager
 from tiering.vllm.metrics import TierMetrics, definitions
-from tiering.vllm.namespace import facts_from_config
 from tiering.vllm.worker import TieredWorker, make_layout
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The worker side: vLLM's ``OffloadingWorker`` over our copy engines (``backends/dma.py``,
+"""The worker side: vLLM's ``OffloadingWorker`` over our copy engines (``backends/block_copy.py``,
 ``backends/cuda_copy.py``).
 
 Each job's GPU spec and staging rows become one descriptor list (``CopyLayout``), copied by
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from tiering.backends.dma import CopyLayout, TensorInfo
+from tiering.backends.block_copy import CopyLayout, TensorInfo
 from tiering.backends.staging import StagingRegion
 from tiering.vllm.compat import (
     BlockIDsLoadStoreSpec,

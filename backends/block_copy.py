@@ -1,4 +1,4 @@
-"""Copies between KV-cache blocks and staging rows: descriptors and copy engines.
+"""Copies between KV-cache blocks and staging rows (no DMA of its own): descriptors and the host copy engine.
 
 vLLM-agnostic on purpose, so the GPU benchmark runs where vLLM is not installed: the caller
 passes each KV tensor's base address, block stride and page size, and which tensors each KV

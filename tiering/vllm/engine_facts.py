@@ -1,4 +1,4 @@
-"""The namespace of an engine: what makes stored rows usable by another engine."""
+"""The facts of a vLLM engine that decide its namespace: what makes stored rows usable by another engine."""
 
 from __future__ import annotations
 
