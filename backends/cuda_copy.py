@@ -43,9 +43,10 @@ from typing import NamedTuple
 import numpy as np
 
 from tiering.backends.block_copy import CopyLayout, Finished, merge_runs
+from tiering.settings import CUDA_BATCH_MAX
 
 log = logging.getLogger(__name__)
-BATCH_MAX = 1024  # descriptors per cudaMemcpyBatchAsync call (larger calls measured slower)
+BATCH_MAX = CUDA_BATCH_MAX  # descriptors per cudaMemcpyBatchAsync call (tiering.settings)
 REGISTER_SEGMENT = 1 << 30
 COPY_MODES = ("auto", "dma", "staged", "direct")
 KERNEL_ALIGN = 16  # gpu_kernels.ALIGN, repeated here so that choosing a path needs no Triton

@@ -42,6 +42,13 @@ from tiering.backends.codec import ZstdCodec
 from tiering.backends.index import Index, pack_record
 from tiering.backends.io_engines import ALIGN, IoEngine, aligned_buffer
 from tiering.backends.slab import SlabSet
+from tiering.settings import (
+    HOUSEKEEPING_SECONDS,
+    MAX_READ_RUN_BYTES,
+    MIN_RUN_BYTES,
+    MIN_WRITE_RUN_BYTES,
+    OVERLAP_BATCHES,
+)
 
 log = logging.getLogger(__name__)
 
@@ -197,9 +204,6 @@ class Committer(threading.Thread):
         # overlap only batches that give every I/O thread at least one full-size run
         self._overlap_rows = engine.threads * -(-MIN_RUN_BYTES // slabs.slot_bytes)
 
-    # How often the committer looks for admin requests and dead readers while it is busy.
-    HOUSEKEEPING_SECONDS = 0.25
-
     def run(self) -> None:
         # Two batches overlap when enough work is queued: once a batch's rows are written, the
         # next batch (the jobs queued meanwhile) is reserved and its writes started before the
@@ -212,7 +216,7 @@ class Committer(threading.Thread):
         while True:
             now = time.monotonic()
             if now >= next_housekeeping:  # bounded, however busy the writer is
-                next_housekeeping = now + self.HOUSEKEEPING_SECONDS
+                next_housekeeping = now + HOUSEKEEPING_SECONDS
                 self._housekeeping()
             if flight is None:
                 try:
@@ -440,10 +444,6 @@ class Committer(threading.Thread):
         return results
 
 
-OVERLAP_BATCHES = True
-MIN_RUN_BYTES = 1 << 20  # smaller runs cost more in task and syscall overhead than they gain
-MIN_WRITE_RUN_BYTES = 1 << 20
-MAX_READ_RUN_BYTES = 4 << 20  # larger reads queue behind each other on one thread
 
 
 def _slot_of(item: WriteItem | ReadItem) -> int:

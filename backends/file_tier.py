@@ -55,6 +55,13 @@ from tiering.backends.io_engines import make_engine
 from tiering.backends.namespace import NamespaceFacts, check_folder, open_meta
 from tiering.backends.slab import SlabSet
 from tiering.policies import StoreThreshold, create, evict_or_none
+from tiering.settings import (
+    COMMIT_BATCH_BYTES,
+    COMMIT_BATCH_MAX_ROWS,
+    COMMIT_BATCH_MIN_ROWS,
+    INDEX_MAP_BASE_BYTES,
+    INDEX_MAP_BYTES_PER_SLOT,
+)
 from tiering.stats import TierStats
 from tiering.tier import Completion, Lookup, PutOutcome, Tier
 
@@ -108,7 +115,8 @@ class FileTier(Tier):
         check_folder(self.folder)  # no planted links, nothing of another user
         self.meta = open_meta(self.folder, facts, {"element_bytes": cfg.element_bytes, **info},
                               nums["slab_file_bytes"], self.n_slots)
-        self.index = Index.open_for_writer(self.folder, map_size=(64 << 20) + self.n_slots * 2048)
+        self.index = Index.open_for_writer(
+            self.folder, map_size=INDEX_MAP_BASE_BYTES + self.n_slots * INDEX_MAP_BYTES_PER_SLOT)
         reclaimed = self.index.reclaim_reservations()
         if reclaimed:
             log.warning("%s: reclaimed %d slots reserved by a writer that died mid-write",
@@ -126,7 +134,8 @@ class FileTier(Tier):
         self.pending = PendingMeta()  # access stats and counters not yet in LMDB
         self.committer = Committer(self.index, self.slabs, self.engine, self._results,
                                    self.codec if cfg.compression == "zstd" else None,
-                                   cfg.max_batch or max(8, min(1024, (64 << 20) // self.row_bytes)),
+                                   cfg.max_batch or max(COMMIT_BATCH_MIN_ROWS, min(
+                                       COMMIT_BATCH_MAX_ROWS, COMMIT_BATCH_BYTES // self.row_bytes)),
                                    self.pending)
         self.committer.start()
         self._inflight_reads = 0

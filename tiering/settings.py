@@ -38,9 +38,23 @@ INDEX_MAP_BYTES_PER_SLOT = 2048
 COMMIT_BATCH_BYTES = 64 << 20
 COMMIT_BATCH_MIN_ROWS = 8
 COMMIT_BATCH_MAX_ROWS = 1024
-# A run of adjacent slots is read with one vectored call of at most this many bytes: huge reads
-# queue on one I/O thread while the others idle.
-READ_RUN_MAX_BYTES = 4 << 20
+# A run of adjacent slots is one vectored call (preadv/pwritev) on one I/O thread. Runs are at
+# least MIN_RUN_BYTES (smaller ones cost more in task and syscall overhead than they gain; the
+# write floor is separate for A/B runs) and reads at most MAX_READ_RUN_BYTES (larger reads queue
+# behind each other on one thread while the others idle).
+MIN_RUN_BYTES = 1 << 20
+MIN_WRITE_RUN_BYTES = 1 << 20
+MAX_READ_RUN_BYTES = 4 << 20
+# Two group commits overlap (the next batch's writes start while the current one syncs and
+# publishes) when the queued jobs give every I/O thread a full run. False: strictly serial.
+OVERLAP_BATCHES = True
+# How often the committer clears LMDB reader slots of killed tools and picks up admin requests,
+# busy or idle: the bound on how long `tiering evict|clear` waits for a live writer.
+HOUSEKEEPING_SECONDS = 0.25
+
+# -- GPU copies ----------------------------------------------------------------------------------
+# Descriptors per cudaMemcpyBatchAsync call: larger calls measured slower on the H200.
+CUDA_BATCH_MAX = 1024
 
 # -- metrics -----------------------------------------------------------------------------------
 # Buckets of vllm:kv_tier_transfer_seconds: from one 64 KiB page on NVMe to a long prompt's
