@@ -122,8 +122,8 @@ def run_tier(folder: Path, pool: Pool, n_rows: int, threads: int, io: str) -> di
     failed, inflight, nxt = 0, 0, 0
     cpu0, t0 = _cpu(), time.perf_counter()
     while nxt < n_rows or inflight:
-        if inflight < window and nxt < n_rows:  # like a scheduler step: start what fits
-            hi = min(n_rows, nxt + window - inflight)
+        while inflight < window and nxt < n_rows:  # a scheduler step: requests of 16 chunks
+            hi = min(n_rows, nxt + 16, nxt + window - inflight)
             batch = [(keys[i], out_buf[i * rb:(i + 1) * rb], i) for i in range(nxt, hi)]
             assert all(tier.get(batch))
             inflight += hi - nxt
