@@ -45,7 +45,8 @@ def test_cold_reads_fall_back_to_fadvise_without_permission(tmp_path, monkeypatc
 
 def test_cli_rejects_an_unknown_part(tmp_path, capsys):
     assert main(["bench", str(tmp_path), "--parts", "tier,tape"]) == 2
-    assert "unknown part 'tape'" in capsys.readouterr().out
+    err = capsys.readouterr().err  # one line on stderr, like every usage error of the CLI
+    assert "unknown part 'tape'" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_json_reports_rows_and_no_bad_rows(tmp_path, capsys):

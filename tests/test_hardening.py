@@ -164,7 +164,10 @@ def test_killed_reader_does_not_pin_the_index(tmp_path):
             assert t.put(ks, [row_for(k) for k in ks]).admitted == ks
             assert all(d.ok for d in t.wait_idle())
         grown = data.stat().st_size
-        assert grown < 4 << 20, f"data.mdb grew to {grown} bytes: a dead reader pins it"
+        # Pinned for the whole churn, 1500 x 2 commits of a few copied pages each would grow it
+        # by tens of MiB; the dead reader pins it only until the committer's next housekeeping
+        # (<= 0.25 s), which faster group commits turn into a few hundred KiB of growth.
+        assert grown < 8 << 20, f"data.mdb grew to {grown} bytes: a dead reader pins it"
         assert f"{proc.pid} " not in t.index.env.readers()
 
 
