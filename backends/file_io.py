@@ -325,19 +325,6 @@ class Committer(threading.Thread):
             if j.done is not None:
                 j.done.set()
 
-    def _housekeeping(self) -> None:
-        """Between jobs: free the reader slots of killed tools (a dead reader pins LMDB's
-        oldest snapshot, so freed pages are never reused and the map fills up), then hand
-        the owner the tools' admin requests."""
-        try:
-            cleared = self.index.clear_stale_readers()
-            if cleared:
-                log.warning("file tier %s: cleared %d reader slot(s) of dead processes",
-                            self.index.path.parent, cleared)
-            self._take_requests()
-        except Exception:  # housekeeping must never stop the committer
-            log.exception("file tier: committer housekeeping failed")
-
     def _take_requests(self) -> None:
         req_dir = self.index.path.parent / "requests"
         if os.path.islink(req_dir) or not req_dir.is_dir():  # never read requests via a link
