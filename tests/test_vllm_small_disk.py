@@ -74,9 +74,11 @@ def test_tier_at_64_percent_of_its_filesystem_restarts_and_serves_from_disk(work
 
 def test_counters_agree_everywhere_after_a_disk_full_episode(work):
     work_dir, model, prompts, mounts = work
-    fs = mount_tmpfs(work_dir / "fsfull", "24m")
+    # 16 sparse slots (32 MiB) on 36 MiB: A's 8 rows fit, the filler eats the rest, B's stores
+    # hit ENOSPC, and once the filler is gone C's 8 rows fit beside A's, so A hits the disk
+    fs = mount_tmpfs(work_dir / "fsfull", "36m")
     mounts.append(fs)
-    kv = tiered_config(str(fs / "kv"), 4 * ROW, disk=str(10 * ROW))
+    kv = tiered_config(str(fs / "kv"), 4 * ROW, disk=str(16 * ROW))
     kv["kv_connector_extra_config"]["tiers"][1]["preallocate"] = False  # so the disk can fill
     args = server_args(20, TOKENS + 128)
     with Server(model, kv, args, log_path=work_dir / "fsfull.log") as s:
@@ -94,7 +96,7 @@ def test_counters_agree_everywhere_after_a_disk_full_episode(work):
         s.complete(prompts["B"])  # its stores hit ENOSPC
         time.sleep(1)
         filler.unlink()
-        s.complete(prompts["C"])  # evicts and writes again
+        s.complete(prompts["C"])  # writes again
         s.complete(prompts["A"])  # lookups and hits
         time.sleep(2)  # counters reach the index within a second of idling
         served = s.metrics()
