@@ -65,3 +65,11 @@ def test_both_tiers_through_vllms_interface_round_trip(tmp_path, kind):
     r = run_interface(kind, tmp_path, pool.arr, 40, 2, job_rows=6)  # a short last job too
     assert r["bad_rows"] == 0 and r["failed_jobs"] == 0
     assert r["write_GBps"] > 0 and r["read_GBps"] > 0
+
+
+def test_index_part_reopens_and_finds_every_entry(tmp_path):
+    from tiering.bench import run_index
+
+    r = run_index(tmp_path, 2000)
+    assert r["index_entries"] == 2000 and r["lookup_hits"] == 2000
+    assert r["reopen_s"] > 0 and r["lookups_per_s"] > 0

@@ -207,6 +207,7 @@ def run_index(folder: Path, entries: int) -> dict[str, Any]:
     from tiering.backends.file_tier import FileTier
     from tiering.backends.index import Index, pack_record
     from tiering.backends.namespace import NamespaceFacts
+    from tiering.tier import Lookup
 
     facts = NamespaceFacts("bench-index", "bfloat16", "bench", 4096, 16)
     cfg = {"path": str(folder), "capacity": entries * 4096, "policy": "arc", "io": "posix",
@@ -228,7 +229,7 @@ def run_index(folder: Path, entries: int) -> dict[str, Any]:
     reopen = time.perf_counter() - t0
     keys = [_key(i) for i in range(0, entries, max(1, entries // 200_000))]
     t0 = time.perf_counter()
-    hits = sum(map(tier.lookup, keys))
+    hits = sum(tier.lookup(k) is Lookup.HIT for k in keys)
     rate = len(keys) / (time.perf_counter() - t0)
     tier.close()
     return {"index_entries": entries, "reopen_s": reopen, "lookups_per_s": rate,
