@@ -1,4 +1,4 @@
-"""The file tier's background side: the committer thread and the per-slot I/O tasks.
+"""The file tier's write side: the committer thread and the write protocol (reads: ``slot_reads.py``).
 
 Write protocol (one batch = all jobs queued since the last one, up to ``max_batch`` rows):
 
@@ -40,11 +40,10 @@ import lmdb
 from tiering.backends.checksum import checksum_of
 from tiering.backends.codec import ZstdCodec
 from tiering.backends.index import Index, pack_record
-from tiering.backends.io_engines import ALIGN, IoEngine, aligned_buffer
-from tiering.backends.slab import SlabSet
+from tiering.backends.io_engines import ALIGN, IoEngine
+from tiering.backends.slab import SlabSet, adjacent_runs, run_rows
 from tiering.settings import (
     HOUSEKEEPING_SECONDS,
-    MAX_READ_RUN_BYTES,
     MIN_RUN_BYTES,
     MIN_WRITE_RUN_BYTES,
     OVERLAP_BATCHES,
@@ -86,17 +85,6 @@ class Job:
 
 
 @dataclass(slots=True)
-class ReadItem:
-    key: bytes
-    slot: int
-    length: int
-    codec: int
-    checksum: int
-    out: memoryview
-    token: object
-
-
-@dataclass(slots=True)
 class WriteResult:
     key: bytes
     slot: int
@@ -113,14 +101,6 @@ class WritesDone:
     """The outcome of one group commit: one WriteResult per row, in one queue message."""
 
     results: list[WriteResult]
-
-
-@dataclass
-class ReadsDone:
-    """The outcome of one run of reads: (item, miss reason or '') per row, in one message."""
-
-    outcomes: list[tuple[ReadItem, str]]
-    seconds: float
 
 
 @dataclass
@@ -359,7 +339,7 @@ class Committer(threading.Thread):
         # engine thread gets work (the device sees as many I/Os in flight as there are threads).
         per_run = run_rows(len(writes), self.engine.threads, self.slabs.slot_bytes, 0,
                            MIN_WRITE_RUN_BYTES)
-        runs = adjacent_runs(writes, self.slabs, per_run, _slot_of)
+        runs = adjacent_runs(writes, self.slabs, per_run, lambda w: w.slot)
         futures: list[Future] = [self.engine.submit(self._write_run, run) for run in runs]
         return _Flight(batch, writes, drop, slots, futures)
 
@@ -429,119 +409,3 @@ class Committer(threading.Thread):
                                WriteResult(w.key, w.slot, False, reason=reason))
             i = j
         return results
-
-
-
-
-def _slot_of(item: WriteItem | ReadItem) -> int:
-    return item.slot
-
-
-def run_rows(n: int, threads: int, row_bytes: int, max_bytes: int,
-             min_bytes: int | None = None) -> int:
-    """Rows per run: ``n`` rows split evenly over ``threads``, but no run under ``min_bytes``
-    (default MIN_RUN_BYTES: one task and one syscall per row would cost more than a 256 KiB
-    I/O on a fast device) and none over ``max_bytes`` (0 = no cap)."""
-    floor = MIN_RUN_BYTES if min_bytes is None else min_bytes
-    rows = max(-(-n // threads), -(-floor // row_bytes))
-    if max_bytes:
-        rows = min(rows, max(1, max_bytes // row_bytes))
-    return max(1, rows)
-
-
-def start_reads(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, items: list[ReadItem],
-                verify: bool, out: queue.SimpleQueue) -> None:
-    """Read ``items`` on the engine's threads; each run's outcome reaches ``out`` as one
-    ``ReadsDone``. Runs of adjacent slots become one vectored read each (see ``run_rows``)."""
-    t0 = time.perf_counter()
-    per_run = run_rows(len(items), engine.threads, slabs.slot_bytes, MAX_READ_RUN_BYTES)
-    for run in adjacent_runs(items, slabs, per_run, _slot_of):
-        engine.post(_read_and_report, engine, slabs, codec, run, verify, out, t0)
-
-
-def _read_and_report(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, run: list[ReadItem],
-                     verify: bool, out: queue.SimpleQueue, t0: float) -> None:
-    try:
-        outcomes = read_run(engine, slabs, codec, run, verify)
-    except Exception:  # never lose a run: its keys are pinned until reported
-        log.exception("file tier: read of slots %d..%d failed", run[0].slot, run[-1].slot)
-        outcomes = [(it, "error") for it in run]
-    out.put(ReadsDone(outcomes, time.perf_counter() - t0))
-
-
-def adjacent_runs(items: list, slabs: SlabSet, max_rows: int, slot_of) -> list[list]:
-    """Split items into runs of consecutive slots in one slab file, at most max_rows each."""
-    runs: list[list] = []
-    for item in sorted(items, key=slot_of):
-        slot = slot_of(item)
-        if runs:
-            last = runs[-1]
-            prev = slot_of(last[-1])
-            if (slot == prev + 1 and len(last) < max_rows
-                    and slot // slabs.slots_per_file == prev // slabs.slots_per_file):
-                last.append(item)
-                continue
-        runs.append([item])
-    return runs
-
-
-def read_slot(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec | None, it: ReadItem,
-              verify: bool) -> str:
-    """Read one slot into ``it.out``; returns '' on success or the miss reason."""
-    handle, offset, _ = slabs.locate(it.slot)
-    length, out = it.length, it.out
-    if not 0 < length <= slabs.slot_bytes:  # a damaged record: never read past the slot
-        return "corrupt"
-    try:
-        if it.codec == 0:
-            if length != len(out):
-                return "corrupt"
-            n = engine.read_into(handle, out, offset)
-            if n < length:
-                return "short_read"
-            if verify and checksum_of(slabs.seed, it.key, out) != it.checksum:
-                return "checksum"
-            return ""
-        if it.codec != 1:
-            return "corrupt"
-        padded = -(-length // ALIGN) * ALIGN
-        buf = aligned_buffer(padded)
-        n = engine.read_into(handle, buf, offset)
-        if n < length:
-            return "short_read"
-        payload = buf[:length]
-        if verify and checksum_of(slabs.seed, it.key, payload) != it.checksum:
-            return "checksum"
-        if codec is None:
-            codec = ZstdCodec()
-        codec.decode(payload, out)
-        return ""
-    except OSError as exc:
-        log.warning("file tier: read of slot %d failed: %s", it.slot, exc)
-        return "error"
-    except Exception as exc:  # a corrupt compressed payload
-        log.warning("file tier: decoding slot %d failed: %s", it.slot, exc)
-        return "corrupt"
-
-
-def read_run(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, run: list[ReadItem],
-             verify: bool) -> list[tuple[ReadItem, str]]:
-    """Read a run of consecutive slots (one vectored call when all are raw rows)."""
-    if len(run) == 1 or any(it.codec or it.length != len(it.out) for it in run):
-        return [(it, read_slot(engine, slabs, codec, it, verify)) for it in run]
-    handle, offset, _ = slabs.locate(run[0].slot)
-    try:
-        n = engine.readv(handle, [it.out for it in run], offset)
-    except OSError as exc:
-        log.warning("file tier: read of slots %d..%d failed: %s", run[0].slot, run[-1].slot, exc)
-        return [(it, "error") for it in run]
-    out = []
-    for it in run:
-        if n < it.length:
-            out.append((it, "short_read"))
-        elif verify and checksum_of(slabs.seed, it.key, it.out) != it.checksum:
-            out.append((it, "checksum"))
-        else:
-            out.append((it, ""))
-        n -= it.length
-    return out

@@ -35,13 +35,10 @@ from tiering.backends.file_io import (
     Committer,
     Job,
     PendingMeta,
-    ReadItem,
-    ReadsDone,
     SlotsFreed,
     WriteItem,
     WriteResult,
     WritesDone,
-    start_reads,
 )
 from tiering.backends.file_state import (
     Entry,
@@ -54,6 +51,7 @@ from tiering.backends.index import MAX_KEY_BYTES, Index, pack_record
 from tiering.backends.io_engines import make_engine
 from tiering.backends.namespace import NamespaceFacts, check_folder, open_meta
 from tiering.backends.slab import SlabSet
+from tiering.backends.slot_reads import ReadItem, ReadsDone, start_reads
 from tiering.policies import StoreThreshold, create, evict_or_none
 from tiering.settings import (
     COMMIT_BATCH_BYTES,

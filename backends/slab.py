@@ -19,6 +19,7 @@ from typing import Any
 
 from tiering.backends.checksum import namespace_seed
 from tiering.backends.io_engines import IoEngine
+from tiering.settings import MIN_RUN_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -114,3 +115,32 @@ class SlabSet:
         for p in self.folder.glob("slab-*.dat"):
             total += p.stat().st_blocks * 512
         return total
+
+
+# -- runs of adjacent slots: one vectored call (preadv/pwritev) each ------------------------------
+def run_rows(n: int, threads: int, row_bytes: int, max_bytes: int,
+             min_bytes: int | None = None) -> int:
+    """Rows per run: ``n`` rows split evenly over ``threads``, but no run under ``min_bytes``
+    (default ``MIN_RUN_BYTES``: one task and one syscall per row would cost more than a 256 KiB
+    I/O on a fast device) and none over ``max_bytes`` (0 = no cap)."""
+    floor = MIN_RUN_BYTES if min_bytes is None else min_bytes
+    rows = max(-(-n // threads), -(-floor // row_bytes))
+    if max_bytes:
+        rows = min(rows, max(1, max_bytes // row_bytes))
+    return max(1, rows)
+
+
+def adjacent_runs(items: list, slabs: SlabSet, max_rows: int, slot_of) -> list[list]:
+    """Split items into runs of consecutive slots in one slab file, at most max_rows each."""
+    runs: list[list] = []
+    for item in sorted(items, key=slot_of):
+        slot = slot_of(item)
+        if runs:
+            last = runs[-1]
+            prev = slot_of(last[-1])
+            if (slot == prev + 1 and len(last) < max_rows
+                    and slot // slabs.slots_per_file == prev // slabs.slots_per_file):
+                last.append(item)
+                continue
+        runs.append([item])
+    return runs

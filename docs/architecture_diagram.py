@@ -39,7 +39,7 @@ BOXES = {
     "committer": (390, 420, 290, 60, "Committer: reserve, write, fsync, publish",
                   "backends/file_io.py"),
     "io": (390, 500, 290, 50, "I/O threads: posix preadv/pwritev, kvikio",
-           "backends/io_engines.py"),
+           "backends/io_engines.py, slot_reads.py"),
     "index": (390, 570, 290, 50, "LMDB index (the committer writes it)", "backends/index.py"),
     "worker": (750, 50, 260, 50, "TieredWorker", "tiering/vllm/worker.py"),
     "copy": (750, 130, 260, 60, "copy engine: CUDA batched DMA / Triton",

@@ -14,12 +14,10 @@ from tiering.backends.file_io import (
     PendingMeta,
     WriteItem,
     WritesDone,
-    adjacent_runs,
-    run_rows,
 )
 from tiering.backends.index import Index, pack_record
 from tiering.backends.io_engines import PosixEngine
-from tiering.backends.slab import SlabSet
+from tiering.backends.slab import SlabSet, adjacent_runs, run_rows
 
 
 def test_overlapped_batches_never_bring_back_a_key_the_next_batch_drops(tmp_path):
