@@ -219,59 +219,6 @@ def test_demote_mode_is_validated(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
-def test_advisor_loads_only_what_pays():
-    from tiering.advisor import PromotionAdvisor
-    from tiering.settings import ADVISOR_REPROBE_AFTER as REPROBE_AFTER
-
-    a = PromotionAdvisor(1, row_bytes=1 << 20, chunk_tokens=16)
-    assert a.pays(0)  # nothing measured yet: load, and so measure
-    a.observe_read_batch(0, 1 << 30, 1.0)  # ~1.07 GB/s: ~0.98 ms per 1 MiB chunk
-    assert a.read_rate(0) == 1 << 30
-    # a 2560-token request computed from scratch in 100 ms: 25.6k tokens/s
-    a.request_lookup("r1", hit=False, now=10.0)
-    a.request_stored("r1", 80, now=10.05)
-    a.request_stored("r1", 80, now=10.1)
-    a.request_finished("r1")
-    assert a.prefill_rate() == pytest.approx(25_600)
-    # requests with a hit, or too short to measure, are not samples
-    a.request_lookup("r2", hit=True, now=20.0)
-    a.request_stored("r2", 160, now=20.001)
-    a.request_finished("r2")
-    a.request_lookup("r3", hit=False, now=30.0)
-    a.request_stored("r3", 1, now=30.0001)
-    a.request_finished("r3")
-    assert a.prefill_rate() == pytest.approx(25_600)
-    assert not a.pays(0)  # recomputing 16 tokens (0.63 ms) beats reading 1 MiB (0.98 ms)
-    slow = PromotionAdvisor(1, row_bytes=1 << 20, chunk_tokens=16, prefill_tokens_per_s=4000)
-    slow.observe_read_batch(0, 1 << 30, 1.0)
-    assert slow.pays(0)  # 4 ms to recompute vs ~1 ms to read
-    declined = sum(not a.pays(0) for _ in range(REPROBE_AFTER))
-    assert declined == REPROBE_AFTER - 1  # one probe per REPROBE_AFTER declines
-
-
-def test_chain_declines_disk_hits_that_do_not_pay(tmp_path):
-    from tiering.advisor import PromotionAdvisor
-
-    c = make_chain(tmp_path, rows=8)
-    c.advisor = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e12)
-    ks = [key(i) for i in range(6)]
-    fill(c, ks)
-    c.wait_idle()
-    c.reset()
-    assert c.advisor.read_rate(0) is None
-    assert c.lookup(ks[0]) is Lookup.PENDING  # not measured yet: loaded, and so measured
-    c.wait_idle()
-    assert c.advisor.read_rate(0) > 0
-    assert c.lookup(ks[1]) is Lookup.MISS  # an absurdly fast engine: recompute instead
-    assert c.file_tiers[0].stats["promotions_declined"] == 1
-    c.advisor.fixed_prefill = 1.0  # a slow engine: every disk hit pays
-    assert c.lookup(ks[2]) is Lookup.PENDING
-    c.wait_idle()
-    assert c.lookup(ks[2]) is Lookup.HIT
-    c.check()
-    c.close()
-
-
 def vllm_lookup_round(c: TierChain, keys: list[bytes], seen: set[bytes]) -> int | None:
     """What vLLM's scheduler does each step: ask chunks in order until a miss; None (ask again
     next step) while any asked chunk is pending; else the number of chunks it will load."""

@@ -142,7 +142,7 @@ def test_promote_auto_recomputes_when_the_engine_outruns_the_disk(model, tmp_pat
     h.add("a1", a)
     h.run()
     advisor = h.manager.chain.advisor
-    assert advisor.prefill_rate() and advisor.read_rate(0) is None
+    assert advisor.prefill.known() and advisor.read_rate(0) is None
     h.reset_gpu_prefix_cache(connector=True)
     h.add("a2", a)  # the read rate is not known yet: loaded, and so measured
     h.run()
@@ -173,7 +173,7 @@ def test_request_finish_clears_lookup_bookkeeping(model, tmp_path):
     h = Harness(model, extra(tmp_path))
     h.add("r", prompt(4))
     h.run()
-    assert h.manager._counted == {}
+    assert h.manager.live_requests() == 0
 
 
 def test_preemption_flushes_stores_and_leaves_no_row_pinned(model, tmp_path):

@@ -101,7 +101,7 @@ def test_manager_store_lookup_promote_through_vllm_types(tmp_path):
     m.complete_store(keys[8:], ctx)
     m.chain.wait_idle()
     gone = out2.evicted_keys[0]
-    assert m.lookup(gone, ctx) == LookupResult.HIT_PENDING  # promotion from disk
+    assert m.lookup(gone, ctx) == LookupResult.HIT_PENDING  # promotion from disk (unmeasured)
     m.on_schedule_end(None)
     m.chain.wait_idle()
     assert m.lookup(gone, ctx) == LookupResult.HIT
@@ -191,18 +191,26 @@ def test_replicated_layout_every_rank_reads_the_one_stored_copy():
 
 
 def test_manager_feeds_the_promotion_advisor(tmp_path):
-    """A request computed from scratch is a prefill-rate sample; a request with a hit is not."""
+    """A request computed from scratch is a prefill sample, placed where vLLM says its chunks
+    end in the prompt; a request with a hit is not."""
     m = TieredOffloadingSpec(config(good(tmp_path), engine="advisor")).get_manager()
     advisor = m.chain.advisor
-    assert advisor is not None and advisor.prefill_rate() is None
+    assert advisor is not None and not advisor.prefill.known()
     keys = [bytes(32) + i.to_bytes(4, "big") for i in range(40)]  # 40 x 16 tokens = 640
     ctx = ReqContext(req_id="fresh")
+    for i, k in enumerate(keys):
+        ctx.set_offload_key_position(k, 16 * (i + 1))
     for k in keys:
         assert m.lookup(k, ctx) == LookupResult.MISS
     m.prepare_store(keys[:8], ctx)  # the CPU tier holds 8 rows: the rest is rejected, still
-    m.prepare_store(keys[8:], ctx)  # computed chunks for the rate
+    m.prepare_store(keys[8:], ctx)  # computed chunks for the sample
+    m.complete_store(keys[:8], ctx)
     m.on_request_finished(ctx)
-    assert advisor.prefill_rate() and advisor.prefill_rate() > 0
+    assert advisor.prefill.samples == 1 and advisor.prefill.seconds(0, 640) > 0
+    hit = ReqContext(req_id="hit")  # a chunk the CPU tier holds: no sample
+    assert m.lookup(keys[0], hit) == LookupResult.HIT
+    m.prepare_store(keys[8:], hit)
+    assert advisor.prefill.samples == 1
     m.shutdown()
     off = TieredOffloadingSpec(config(good(tmp_path, tiers=[
         {"medium": "cpu", "promote": "always"},

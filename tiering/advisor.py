@@ -1,35 +1,46 @@
-"""PromotionAdvisor: is reading a chunk from a file tier faster than computing it again?
+"""PromotionAdvisor: is reading a request's disk hits faster than computing those tokens again?
 
-A disk hit only helps if loading the chunk's KV takes less time than the engine takes to
-recompute the chunk's tokens. Both rates are measured while serving:
+A disk hit only helps if loading its KV takes less time than the engine takes to recompute the
+same tokens. Both costs are measured while serving:
 
 * **read rate** of each file tier: bytes per second of each promotion batch, submit to last
   completion (a batch's reads run in parallel on the tier's I/O threads, so this is the rate a
   request's promotion actually gets), smoothed. (The write rate is no stand-in: measured on the
-  build machine's virtual disk it was tens of times below the read rate, and it declined disk
-  hits that were ten times faster than recomputing.)
-* **prefill rate** of the engine: for each request that was computed from scratch (no CPU or
-  disk hit), the tokens of the chunks vLLM offered to store (it offers a chunk right after
-  computing it) per second from its first lookup to its last store, smoothed. Queueing behind
-  other requests makes it an underestimate, which errs towards loading. A fixed
-  ``prefill_tokens_per_s`` in the config replaces the measurement.
+  build machine's virtual disk it was tens of times below the read rate.)
+* **prefill cost** of the engine, as a function of *where* in the prompt the tokens are: a token
+  at position ``p`` costs ``a + b * p`` seconds (``a``: the per-token layers; ``b``: attention
+  over the ``p`` tokens before it). Computing tokens ``[k, n)`` with ``k`` of them cached costs
+  ``a (n - k) + b (n^2 - k^2) / 2``. ``a`` and ``b`` are fitted by least squares, with
+  exponential forgetting, to the requests computed without any tier hit: the tokens of the
+  chunks vLLM offered to store (it offers a chunk right after computing it; vLLM 0.33 also says
+  where in the prompt each chunk ends) and the time from the request's first lookup to its last
+  store. Queueing behind other requests makes that an overestimate of cost, which errs towards
+  loading. A fixed ``prefill_tokens_per_s`` in the config replaces the measurement (``b = 0``).
 
-The decision is per chunk and the same for every chunk of a tier: with both costs linear in the
-number of chunks, a prefix either pays as a whole or not at all. Until both rates have been seen,
-disk hits are always loaded (that is also how the read rate gets measured), and a declining tier
-is probed again now and then. A chunk that does not
-pay is a miss (counted as ``promotions_declined`` on its tier): vLLM recomputes it.
+One rate for all prompt lengths was wrong on the H200: fitted on 2k-token prompts, it declined
+the disk hits of a 32k-token prompt that read in 3.6-3.9 s and took 4.55 s to recompute, since
+the tail of a long prompt costs several times more per token than a short prompt does.
+
+The decision is per request, for the whole run of chunks it would read from disk (after its
+CPU hits): reading costs the same per chunk wherever it is, computing costs more per chunk the
+further into the prompt, so the request's total time is concave in the number of disk chunks
+it loads, and its minimum is at one end: load the whole run or none of it. The chain surveys the
+run first (``tiering.request_lookups``) and asks ``loading_pays`` once — unless its first chunk
+alone pays (``first_chunk_pays``): then every longer run pays too, and loading starts at once. Until both costs have
+been seen, disk hits are loaded (that is also how the read rate gets measured), and a tier that
+keeps being declined is probed again now and then. A declined run is a miss (counted per chunk as
+``promotions_declined`` on its tier): vLLM recomputes it.
 
 All calls come from the scheduler thread; nothing here blocks.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 
 from tiering.settings import (
     ADVISOR_EWMA_WEIGHT,
-    ADVISOR_MIN_SAMPLE_TOKENS,
+    ADVISOR_MODEL_WEIGHT,
     ADVISOR_PAYOFF_MARGIN,
     ADVISOR_REPROBE_AFTER,
 )
@@ -46,16 +57,73 @@ class _Ewma:
         self.value = x if self.value is None else (1 - w) * self.value + w * x
 
 
+class PrefillModel:
+    """Seconds to compute prompt tokens ``[k, n)``: ``a (n - k) + b (n^2 - k^2) / 2``.
+
+    Fitted to samples by least squares with exponential forgetting (each new sample weighs
+    ``ADVISOR_MODEL_WEIGHT`` against the decayed history). With samples of one prompt length
+    only, ``a`` and ``b`` cannot be told apart: the model is then per-token only (``b = 0``)
+    until other lengths come. Both coefficients are kept non-negative."""
+
+    def __init__(self, tokens_per_s: float | None = None) -> None:
+        self.fixed = tokens_per_s
+        # decayed sums of x1 x1, x1 x2, x2 x2, x1 t, x2 t (x1 = n - k, x2 = (n^2 - k^2) / 2)
+        self._s = [0.0] * 5
+        self.samples = 0
+        self.a = 1.0 / tokens_per_s if tokens_per_s else 0.0
+        self.b = 0.0
+
+    @staticmethod
+    def _features(k: int, n: int) -> tuple[float, float]:
+        return float(n - k), (float(n) * n - float(k) * k) / 2.0
+
+    def add(self, k: int, n: int, seconds: float) -> None:
+        """Tokens ``[k, n)`` were computed in ``seconds``."""
+        if self.fixed or n <= k or seconds <= 0:
+            return
+        x1, x2 = self._features(k, n)
+        keep = 1.0 - ADVISOR_MODEL_WEIGHT if self.samples else 0.0
+        s = self._s
+        for i, v in enumerate((x1 * x1, x1 * x2, x2 * x2, x1 * seconds, x2 * seconds)):
+            s[i] = keep * s[i] + v
+        self.samples += 1
+        self._solve()
+
+    def _solve(self) -> None:
+        s11, s12, s22, s1t, s2t = self._s
+        a_only, b_only = s1t / s11, s2t / s22
+        det = s11 * s22 - s12 * s12
+        if det <= 1e-6 * s11 * s22:  # one prompt length so far: cannot tell a from b
+            self.a, self.b = a_only, 0.0
+            return
+        a = (s1t * s22 - s2t * s12) / det
+        b = (s2t * s11 - s1t * s12) / det
+        if a < 0 or b < 0:  # noise: the better of the two single-term fits
+            a, b = ((a_only, 0.0) if self._sq_error(a_only, 0.0) <= self._sq_error(0.0, b_only)
+                    else (0.0, b_only))
+        self.a, self.b = a, b
+
+    def _sq_error(self, a: float, b: float) -> float:
+        s11, s12, s22, s1t, s2t = self._s
+        # sum (t - a x1 - b x2)^2 without the constant sum t^2
+        return a * a * s11 + 2 * a * b * s12 + b * b * s22 - 2 * a * s1t - 2 * b * s2t
+
+    def known(self) -> bool:
+        return bool(self.fixed) or self.samples > 0
+
+    def seconds(self, k: int, n: int) -> float:
+        """Predicted seconds to compute tokens ``[k, n)`` with the first ``k`` cached."""
+        x1, x2 = self._features(k, n)
+        return self.a * x1 + self.b * x2
+
+
 class PromotionAdvisor:
     def __init__(self, n_file_tiers: int, row_bytes: int, chunk_tokens: int,
                  prefill_tokens_per_s: float | None = None) -> None:
         self.row_bytes, self.chunk_tokens = row_bytes, max(1, chunk_tokens)
-        self.fixed_prefill = prefill_tokens_per_s
+        self.prefill = PrefillModel(prefill_tokens_per_s)
         self._read = [_Ewma() for _ in range(n_file_tiers)]  # bytes/s per file tier
         self._declined = [0] * n_file_tiers
-        self._prefill = _Ewma()  # tokens/s
-        # request id -> [first lookup time, tokens stored, last store time, had a hit]
-        self._requests: dict[str, list] = {}
 
     # -- measurements ------------------------------------------------------------------------
     def observe_read_batch(self, tier: int, nbytes: int, seconds: float) -> None:
@@ -63,49 +131,48 @@ class PromotionAdvisor:
         if nbytes > 0 and seconds > 0:
             self._read[tier].add(nbytes / seconds)
 
-    def request_lookup(self, req_id: str, hit: bool, now: float | None = None) -> None:
-        """A counted lookup of request ``req_id`` (its first one starts the clock)."""
-        state = self._requests.get(req_id)
-        if state is None:
-            now = time.perf_counter() if now is None else now
-            state = self._requests[req_id] = [now, 0, now, False]
-        state[3] |= hit
-
-    def request_stored(self, req_id: str, chunks: int, now: float | None = None) -> None:
-        """vLLM offered ``chunks`` newly computed chunks of ``req_id`` for storing."""
-        state = self._requests.get(req_id)
-        if state is not None and chunks:
-            state[1] += chunks * self.chunk_tokens
-            state[2] = time.perf_counter() if now is None else now
-
-    def request_finished(self, req_id: str) -> None:
-        state = self._requests.pop(req_id, None)
-        if state is None:
-            return
-        started, tokens, last, had_hit = state
-        if not had_hit and tokens >= ADVISOR_MIN_SAMPLE_TOKENS and last > started:
-            self._prefill.add(tokens / (last - started))
+    def observe_prefill(self, first_token: int, end_token: int, seconds: float) -> None:
+        """A request without tier hits computed tokens ``[first_token, end_token)`` in
+        ``seconds`` (the chain times stretches of at least ``ADVISOR_MIN_SAMPLE_TOKENS``)."""
+        self.prefill.add(first_token, end_token, seconds)
 
     # -- the decision --------------------------------------------------------------------------
     def read_rate(self, tier: int) -> float | None:
         return self._read[tier].value
 
-    def prefill_rate(self) -> float | None:
-        return self.fixed_prefill or self._prefill.value
+    def first_chunk_pays(self, tier: int, first_token: int) -> bool:
+        """Does reading the chunk at ``first_token`` from ``tier`` beat computing it there? If
+        so, loading pays for any run that starts with it, however long (every later chunk costs
+        more to compute and the same to read), so the run needs no survey. True while unmeasured
+        (load, and so measure)."""
+        rate = self.read_rate(tier)
+        if not rate or not self.prefill.known():
+            return True
+        compute = self.prefill.seconds(first_token, first_token + self.chunk_tokens)
+        return self.row_bytes / rate <= ADVISOR_PAYOFF_MARGIN * compute
 
-    def pays(self, tier: int) -> bool:
-        """Is loading one chunk from file tier ``tier`` (0-based) faster than recomputing it?"""
-        read, prefill = self.read_rate(tier), self.prefill_rate()
-        if not read or not prefill:
+    def loading_pays(self, tiers: Sequence[int], first_token: int) -> bool:
+        """Is reading one chunk from each of ``tiers`` (0-based file tier per chunk, in prompt
+        order, starting at token ``first_token``) faster than computing those tokens?"""
+        if not tiers:
+            return True
+        rates = [self.read_rate(t) for t in tiers]
+        if not all(rates) or not self.prefill.known():
             return True  # not measured yet: load (and measure)
-        if self.row_bytes / read <= ADVISOR_PAYOFF_MARGIN * self.chunk_tokens / prefill:
+        read_s = sum(self.row_bytes / r for r in rates)
+        end = first_token + len(tiers) * self.chunk_tokens
+        if read_s <= ADVISOR_PAYOFF_MARGIN * self.prefill.seconds(first_token, end):
             return True
-        self._declined[tier] += 1
-        if self._declined[tier] >= ADVISOR_REPROBE_AFTER:
-            self._declined[tier] = 0
-            return True
-        return False
+        probe = False
+        for t in set(tiers):
+            self._declined[t] += 1
+            if self._declined[t] >= ADVISOR_REPROBE_AFTER:
+                self._declined[t] = 0
+                probe = True  # declined for long: load this run to measure the tier again
+        return probe
 
     def describe(self) -> dict[str, float | None]:
-        return {"prefill_tokens_per_s": self.prefill_rate(),
+        return {"prefill_s_per_token": self.prefill.a if self.prefill.known() else None,
+                "prefill_s_per_token_per_context_token": (
+                    self.prefill.b if self.prefill.known() else None),
                 **{f"read_bytes_per_s[{i}]": r.value for i, r in enumerate(self._read)}}

@@ -34,7 +34,12 @@ from dataclasses import dataclass
 from tiering.advisor import PromotionAdvisor
 from tiering.backends.file_tier import FileTier
 from tiering.cpu_tier import CpuTier
-from tiering.settings import WRITEBACK_RESERVE_FRACTION, WRITEBACK_RESERVE_MIN
+from tiering.request_lookups import DiskRun, RequestLookups, RunState
+from tiering.settings import (
+    ADVISOR_MIN_SAMPLE_TOKENS,
+    WRITEBACK_RESERVE_FRACTION,
+    WRITEBACK_RESERVE_MIN,
+)
 from tiering.tier import Completion, Lookup, Tier
 
 log = logging.getLogger(__name__)
@@ -88,24 +93,44 @@ class TierChain:
             self._events.append(Event(keys, medium, removed))
 
     # -- lookups and loads -------------------------------------------------------------------
-    def lookup(self, key: bytes, count: bool = True, protect: Collection[bytes] = ()) -> Lookup:
+    def lookup(self, key: bytes, count: bool = True, protect: Collection[bytes] = (),
+               request: RequestLookups | None = None, first_token: int | None = None) -> Lookup:
         """``count=False`` for a repeated lookup of the same chunk by the same request (vLLM
         asks again every step while any chunk is pending): hit ratios stay per chunk.
 
         ``protect``: the chunks the same request looked up before this one. A promotion never
         evicts them: vLLM loads a request's hits in one job, so a prefix larger than the CPU
         tier would otherwise evict its own head to promote its tail, forever. Such a request
-        gets the longest prefix the CPU tier holds and recomputes the rest."""
+        gets the longest prefix the CPU tier holds and recomputes the rest.
+
+        ``request``: the request's record (the vLLM adapter keeps one per live request); it
+        then supplies ``count`` and ``protect``, and with an advisor a run of disk hits is
+        surveyed on one scan and decided as a whole on the next (``tiering.request_lookups``).
+        ``first_token``: where this chunk starts in the prompt, when the caller knows."""
+        if request is not None:
+            count, protect = key not in request.counted, request.counted
+            request.start_clock()
         self.poll()
         found = self.cpu.lookup(key, count)
         if found is not Lookup.MISS:
+            if request is not None:
+                request.had_tier_hit = True
+                if found is Lookup.HIT:
+                    request.counted.add(key)
             return found
         for i, tier in enumerate(self.file_tiers, start=1):
             if tier.lookup(key, count) is not Lookup.HIT:
                 continue
-            if self.advisor is not None and not self.advisor.pays(i - 1):
-                tier.stats.add("promotions_declined")
-                return Lookup.MISS  # recomputing is faster than reading it
+            if self.advisor is not None:
+                decision = self._disk_decision(key, i, request, first_token)
+                if decision is None:  # surveyed: decided when vLLM asks again next step
+                    return Lookup.PENDING
+                if decision is RunState.RECOMPUTE:
+                    if request is not None:
+                        request.counted.add(key)
+                    return Lookup.MISS  # recomputing is faster than reading it
+            if request is not None:
+                request.had_tier_hit = True
             tier.touch([key])  # a promotion is a use: recency and the persisted hit count
             got = self.cpu.reserve_promotion(key, tier_label(i), protect)
             if got is None:  # no CPU row free now: a miss (counted on the CPU tier)
@@ -115,7 +140,66 @@ class TierChain:
             self._promote[i - 1].append((key, row))
             self._in_flight[(i, "promotion", key)] = (row, time.perf_counter(), None)
             return Lookup.PENDING
+        if request is not None:
+            request.counted.add(key)
         return Lookup.MISS
+
+    def _disk_decision(self, key: bytes, i: int, request: RequestLookups | None,
+                       first_token: int | None) -> RunState | None:
+        """Load the request's run of disk hits, or recompute it? None: still surveying."""
+        advisor = self.advisor
+        assert advisor is not None
+        if request is None:  # no request to survey: a run of this one chunk
+            run = DiskRun()
+            run.note(key, i, first_token)
+            j = 0
+        else:
+            run = request.disk_run
+            if run.state is not RunState.SURVEY:
+                return run.state
+            j = run.position(key)
+            if j is None:  # first scan: note it, answer pending, read nothing yet
+                first = not run.keys
+                if first and first_token is None:  # position unknown: count chunks
+                    first_token = len(request.counted) * advisor.chunk_tokens
+                run.note(key, i, first_token)
+                if first and advisor.first_chunk_pays(i - 1, first_token):
+                    run.move(RunState.LOAD)  # pays at its start: pays for any run length
+                    return run.state
+                request.counted.add(key)
+                return None
+        start = (run.first_token or 0) + j * advisor.chunk_tokens
+        tiers = [t - 1 for t in run.tiers[j:]]
+        if advisor.loading_pays(tiers, start):
+            run.move(RunState.LOAD)
+        else:
+            run.move(RunState.RECOMPUTE)
+            for t in run.tiers[j:]:
+                self.tiers[t].stats.add("promotions_declined")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: %s %d disk chunks from token %d (%s)",
+                      request.req_id if request else "-", run.state.value, len(tiers), start,
+                      advisor.describe())
+        return run.state
+
+    def stored(self, request: RequestLookups, chunks: int,
+               end_token: int | None = None) -> None:
+        """vLLM offered ``chunks`` chunks of ``request`` it just computed, the last ending at
+        ``end_token`` when it says: a prefill sample for the advisor (requests without tier
+        hits; tokens since the previous sample, timed from it or from the first lookup)."""
+        advisor = self.advisor
+        if advisor is None or request.had_tier_hit or chunks <= 0:
+            return
+        now = time.perf_counter()
+        request.start_clock(now)
+        tokens = chunks * advisor.chunk_tokens
+        if request.segment_token is None:
+            request.segment_token = (end_token - tokens) if end_token is not None else 0
+        end = end_token if end_token is not None else request.segment_token + tokens
+        if end - request.segment_token < ADVISOR_MIN_SAMPLE_TOKENS:
+            return  # too few tokens yet to time: the segment goes on
+        advisor.observe_prefill(request.segment_token, end, now - request.segment_start)
+        request.segment_token, request.segment_start = end, now
 
     def hit_source(self, key: bytes) -> str:
         return "disk" if self.cpu.source_of(key) != "cpu" else "cpu"

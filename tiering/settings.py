@@ -15,18 +15,22 @@ WRITEBACK_RESERVE_FRACTION = 1 / 8
 WRITEBACK_RESERVE_MIN = 2
 
 # -- promotion advisor: load a disk hit, or recompute it? ------------------------------------------
-# Weight of a new sample in the exponential moving averages of read and prefill rates: recent
+# Weight of a new sample in the exponential moving average of each file tier's read rate: recent
 # enough to follow a busy disk, smooth enough to ignore one slow batch.
 ADVISOR_EWMA_WEIGHT = 0.3
+# Weight of a new sample in the least-squares fit of the prefill cost model (a + b * position
+# per token): about the last ten prefills, enough lengths to tell the two terms apart.
+ADVISOR_MODEL_WEIGHT = 0.1
 # Load only if load time <= margin x recompute time: the copy to the GPU and measurement noise
 # are not in the model, and losing the bet costs TTFT.
 ADVISOR_PAYOFF_MARGIN = 0.9
-# A request computed from scratch is a prefill-rate sample only with at least this many tokens
-# stored (short prompts are dominated by scheduling overhead, not by compute).
+# A prefill sample (tokens a request computed between two of its stores, without tier hits)
+# needs at least this many tokens: shorter ones are dominated by scheduling overhead.
 ADVISOR_MIN_SAMPLE_TOKENS = 512
-# After this many declined chunks of a tier, one is loaded anyway, so a tier that was slow for a
-# while (a busy disk) gets measured again instead of being written off for good.
-ADVISOR_REPROBE_AFTER = 512
+# After this many declined runs (a request's chunks on that tier) the next run is loaded anyway,
+# so a tier that was slow for a while (a busy disk) gets measured again instead of being written
+# off for good. Counted in runs, not chunks: one 32k-token prompt is 2048 chunks of 16 tokens.
+ADVISOR_REPROBE_AFTER = 32
 
 # -- file tier ---------------------------------------------------------------------------------
 # LMDB map size: a fixed headroom plus a generous per-slot share (a record is 44 bytes plus the

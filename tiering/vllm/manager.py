@@ -13,6 +13,7 @@ import logging
 from collections.abc import Collection, Iterable
 
 from tiering.chain import Lookup, TierChain
+from tiering.request_lookups import RequestLookups
 from tiering.vllm.compat import (
     LookupResult,
     Medium,
@@ -38,26 +39,33 @@ class TieredManager(OffloadingManager):
         self.chain = chain
         self.metrics = metrics
         self._on_shutdown = on_shutdown
-        self._counted: dict[str, set[bytes]] = {}  # request -> chunks whose lookup was counted
+        self._requests: dict[str, RequestLookups] = {}  # live requests' lookup records
+
+    def live_requests(self) -> int:
+        """Requests with a lookup record (dropped when vLLM reports them finished)."""
+        return len(self._requests)
+
+    def _request(self, req_context: ReqContext) -> RequestLookups:
+        req_id = getattr(req_context, "req_id", "")
+        rec = self._requests.get(req_id)
+        if rec is None:
+            rec = self._requests[req_id] = RequestLookups(req_id)
+        return rec
+
+    def _end_token(self, key, req_context: ReqContext) -> int | None:
+        """Where chunk ``key`` ends in the request's prompt (vLLM records it), or None."""
+        get = getattr(req_context, "get_offload_key_position", None)
+        return get(key) if get is not None else None
 
     def lookup(self, key, req_context: ReqContext) -> LookupResult:
-        key = bytes(key)
-        req_id = getattr(req_context, "req_id", "")
-        seen = self._counted.setdefault(req_id, set())
-        count = key not in seen
-        # the request's earlier chunks are protected from eviction by its own promotions
-        result = self.chain.lookup(key, count=count, protect=seen)
-        if count and self.chain.advisor is not None:  # the prefill-rate measure
-            self.chain.advisor.request_lookup(req_id, hit=result != Lookup.MISS)
-        if result != Lookup.PENDING:  # pending lookups are counted when they resolve
-            seen.add(key)
+        advisor, end = self.chain.advisor, self._end_token(key, req_context)
+        first = end - advisor.chunk_tokens if advisor is not None and end is not None else None
+        result = self.chain.lookup(bytes(key), request=self._request(req_context),
+                                   first_token=first)
         return _LOOKUP[result]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        req_id = getattr(req_context, "req_id", "")
-        self._counted.pop(req_id, None)
-        if self.chain.advisor is not None:
-            self.chain.advisor.request_finished(req_id)
+        self._requests.pop(getattr(req_context, "req_id", ""), None)
 
     def get_load_source(self, key, req_context: ReqContext):
         return hit_source(self.chain.hit_source(bytes(key)))
@@ -73,9 +81,12 @@ class TieredManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection, req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
+        if keys and self.chain.advisor is not None:  # chunks vLLM just computed: prefill clock
+            ends = [self._end_token(k, req_context) for k in keys]
+            known = [e for e in ends if e is not None]
+            self.chain.stored(self._request(req_context), len(keys),
+                              max(known) if len(known) == len(ends) else None)
         keys = [bytes(k) for k in keys]
-        if self.chain.advisor is not None:  # chunks vLLM just computed
-            self.chain.advisor.request_stored(getattr(req_context, "req_id", ""), len(keys))
         out = self.chain.prepare_store(keys)
         if out is None:
             return None

@@ -1,0 +1,244 @@
+"""The promotion advisor: a disk hit is loaded only where reading beats recomputing, decided per
+request for its whole run of disk chunks, with a prefill cost that grows with the position in
+the prompt (attention), measured from the requests vLLM computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tierutil import facts, key, row_for
+
+import tiering.backends.staging as staging
+from tiering.advisor import PrefillModel, PromotionAdvisor
+from tiering.backends.file_tier import FileTier
+from tiering.backends.staging import StagingRegion
+from tiering.chain import Lookup, TierChain
+from tiering.cpu_tier import CpuTier
+from tiering.request_lookups import DiskRun, IllegalRunTransition, RequestLookups, RunState
+from tiering.settings import ADVISOR_REPROBE_AFTER
+
+ROW = 8192
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def shm_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setattr(staging, "SHM_DIR", tmp_path / "shm")
+
+
+def cost(a: float, b: float, k: int, n: int) -> float:
+    return a * (n - k) + b * (n * n - k * k) / 2
+
+
+def test_prefill_model_separates_per_token_and_attention_cost():
+    a, b = 20e-6, 8e-9  # 20 µs per token, plus 8 ns per token per earlier token
+    m = PrefillModel()
+    for n in (2048, 8192, 32768, 4096, 16384):
+        m.add(0, n, cost(a, b, 0, n))
+    assert m.a == pytest.approx(a, rel=1e-3) and m.b == pytest.approx(b, rel=1e-3)
+    # a stretch deep in a long prompt costs more than the same number of tokens at its start
+    assert m.seconds(24576, 32768) > 3 * m.seconds(0, 8192)
+    assert m.seconds(24576, 32768) == pytest.approx(cost(a, b, 24576, 32768), rel=1e-3)
+
+
+def test_prefill_model_with_one_length_is_per_token_only():
+    m = PrefillModel()
+    for _ in range(3):
+        m.add(0, 2048, 0.1)
+    assert (m.a, m.b) == (pytest.approx(0.1 / 2048), 0.0)
+    fixed = PrefillModel(tokens_per_s=1000)
+    fixed.add(0, 4096, 99.0)  # a fixed rate ignores measurements
+    assert fixed.seconds(0, 1000) == pytest.approx(1.0)
+
+
+def test_prefill_model_forgets_old_samples():
+    m = PrefillModel()
+    for n in (2048, 8192, 32768):
+        m.add(0, n, cost(20e-6, 8e-9, 0, n))
+    for _ in range(60):  # the engine got twice as slow (a busier GPU)
+        for n in (2048, 8192, 32768):
+            m.add(0, n, 2 * cost(20e-6, 8e-9, 0, n))
+    assert m.seconds(0, 32768) == pytest.approx(2 * cost(20e-6, 8e-9, 0, 32768), rel=0.02)
+
+
+def h200_advisor() -> PromotionAdvisor:
+    """The H200 run of docs/benchmarks.md: Llama-8B shape (128 KiB of KV per token, 16-token
+    chunks of 2 MiB), prefill 72 ms / 440 ms / 4530 ms at 2k / 8k / 32k tokens, file tier on
+    a virtual disk reading ~1.15 GB/s."""
+    adv = PromotionAdvisor(1, row_bytes=2 * MiB, chunk_tokens=16)
+    for n, s in ((2048, 0.072), (8192, 0.440), (32768, 4.530)):
+        adv.observe_prefill(0, n, s)
+    adv.observe_read_batch(0, 4 << 30, (4 << 30) / 1.15e9)
+    return adv
+
+
+def test_long_prompts_load_from_disk_short_ones_recompute():
+    """The defect seen on the H200: one prefill rate for every length (fitted mostly on short
+    prompts) declined a 32k-token prefix that read in 3.6-3.9 s and took 4.55 s to recompute.
+    The old single-rate advisor, fed these same three samples, rated the engine at ~20k tokens/s
+    and declined every run (0.8 ms to compute a chunk against 1.8 ms to read it)."""
+    adv = h200_advisor()
+    assert adv.loading_pays([0] * (32768 // 16), first_token=0)  # 3.7 s read vs 4.5 s compute
+    assert not adv.loading_pays([0] * (8192 // 16), first_token=0)  # 0.93 s vs 0.44 s
+    assert not adv.loading_pays([0] * (2048 // 16), first_token=0)  # 0.23 s vs 0.07 s
+    # the same 8k tokens deep in a long prompt: attention over 24k earlier tokens makes
+    # computing them dearer than reading them
+    assert adv.loading_pays([0] * (8192 // 16), first_token=24576)
+
+
+def test_unmeasured_tiers_are_loaded_and_declines_are_probed_again():
+    adv = PromotionAdvisor(1, row_bytes=MiB, chunk_tokens=16)
+    assert adv.loading_pays([0] * 10, first_token=0)  # nothing measured: load, and so measure
+    adv.observe_read_batch(0, 1 << 30, 1.0)
+    assert adv.loading_pays([0] * 10, first_token=0)  # prefill still unmeasured
+    adv.observe_prefill(0, 4096, 0.001)  # an absurdly fast engine
+    decisions = [adv.loading_pays([0] * 16, first_token=0)
+                 for _ in range(3 * ADVISOR_REPROBE_AFTER)]
+    # one run in every ADVISOR_REPROBE_AFTER declined runs is loaded, to measure again
+    assert decisions.count(True) == 3 and not decisions[0]
+
+
+def test_disk_run_transitions_are_asserted():
+    run = DiskRun()
+    run.note(key(1), 1, 0)
+    with pytest.raises(AssertionError, match="noted twice"):
+        run.note(key(1), 1, 0)
+    run.move(RunState.RECOMPUTE)
+    with pytest.raises(IllegalRunTransition, match="recompute -> load"):
+        run.move(RunState.LOAD)
+    with pytest.raises(AssertionError):
+        run.note(key(2), 1, 16)
+
+
+# -- through the chain: survey one scan, decide on the next ------------------------------------
+
+def make_chain(tmp_path, rows: int, advisor: PromotionAdvisor) -> TierChain:
+    tier = FileTier({"path": str(tmp_path / "disk"), "capacity": 64 * ROW, "io": "posix",
+                     "policy": "lru"}, facts(ROW))
+    return TierChain(CpuTier(StagingRegion("e", rows, ROW), "lru"), [tier], advisor=advisor)
+
+
+def fill(chain: TierChain, keys) -> None:
+    stored, rows, _ = chain.prepare_store(keys)
+    for k, r in zip(stored, rows, strict=True):
+        np.frombuffer(chain.region.row(r), np.uint8)[:] = np.frombuffer(row_for(k), np.uint8)
+    chain.complete_store(stored)
+
+
+def scan(c: TierChain, req: RequestLookups, keys: list[bytes]) -> int | None:
+    """One scheduler step of vLLM: ask in order until a miss; None (ask again next step) if
+    any answer was pending, else the number of chunks it will load."""
+    hits, pending = 0, False
+    for i, k in enumerate(keys):
+        r = c.lookup(k, request=req, first_token=i * 16)
+        if r is Lookup.MISS:
+            break
+        hits += 1
+        pending |= r is Lookup.PENDING
+    c.on_schedule_end()
+    return None if pending else hits
+
+
+def on_disk(tmp_path, advisor: PromotionAdvisor, n_cpu: int, n_disk: int):
+    """A chain whose CPU tier holds the first ``n_cpu`` chunks of a prompt and whose file tier
+    holds all of them (the rest only there)."""
+    c = make_chain(tmp_path, rows=n_cpu + n_disk + 2, advisor=advisor)
+    ks = [key(i) for i in range(n_cpu + n_disk)]
+    fill(c, ks)
+    c.wait_idle()
+    c.reset()
+    fill(c, ks[:n_cpu])
+    c.wait_idle()
+    return c, ks
+
+
+def test_a_declined_run_is_surveyed_then_recomputed_as_a_whole(tmp_path):
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e12)  # instant engine
+    adv.observe_read_batch(0, 1 << 30, 1.0)
+    c, ks = on_disk(tmp_path, adv, n_cpu=2, n_disk=6)
+    disk = c.file_tiers[0]
+    req = RequestLookups("r")
+    assert scan(c, req, ks + [key("absent")]) is None  # surveyed: pending, nothing read
+    assert not c.has_pending_work() and disk.stats["promotions"] == 0
+    assert req.disk_run.keys == ks[2:]
+    assert scan(c, req, ks) == 2  # decided: the CPU hits load, the disk run is recomputed
+    assert disk.stats["promotions_declined"] == 6 and disk.stats["promotions"] == 0
+    assert scan(c, req, ks) == 2  # the decision stays for the request
+    # each chunk's lookup counted once on each tier, however often vLLM asked
+    assert (disk.stats["lookups"], disk.stats["hits"]) == (7, 6)  # + the absent chunk
+    assert (c.cpu.stats["lookups"], c.cpu.stats["hits"]) == (9, 2)
+    c.check()
+    c.close()
+
+
+def test_a_run_that_pays_is_loaded_whole_and_bytes_round_trip(tmp_path):
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1.0)  # slow engine
+    adv.observe_read_batch(0, 1 << 30, 1.0)
+    c, ks = on_disk(tmp_path, adv, n_cpu=1, n_disk=5)
+    disk = c.file_tiers[0]
+    req = RequestLookups("r")
+    # the first disk chunk alone pays: loaded at once, no survey step
+    assert scan(c, req, ks) is None and req.disk_run.state is RunState.LOAD
+    c.wait_idle()
+    assert scan(c, req, ks) == 6
+    rows = c.prepare_load(ks)
+    assert [bytes(c.region.row(r)) for r in rows] == [bytes(row_for(k)) for k in ks]
+    c.complete_load(ks)
+    assert disk.stats["promotions"] == 5 and disk.stats["promotions_declined"] == 0
+    assert (disk.stats["lookups"], disk.stats["hits"]) == (5, 5)
+    c.check()
+    c.close()
+
+
+def test_a_run_whose_first_chunk_does_not_pay_can_still_pay_as_a_whole(tmp_path):
+    """Reading costs the same per chunk, computing more per chunk the further into the prompt:
+    a run that starts cheap to compute is surveyed, and loaded when its later, dearer chunks
+    make up for the first ones."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1  # attention-bound engine
+    # a chunk reads in 0.5 ms; computing one costs ~0.13 ms at token 0, ~1.9 ms at token 112:
+    # the 8-chunk run reads in 4 ms and computes in 8.2 ms
+    adv.observe_read_batch(0, ROW, 0.5e-3)
+    assert not adv.first_chunk_pays(0, 0)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
+    req = RequestLookups("r")
+    assert scan(c, req, ks) is None and req.disk_run.state is RunState.SURVEY
+    assert scan(c, req, ks) is None and req.disk_run.state is RunState.LOAD
+    c.wait_idle()
+    assert scan(c, req, ks) == 8
+    c.close()
+
+
+def test_the_decision_depends_on_where_the_run_starts(tmp_path):
+    """Same run length, same disk: recomputed at the start of a prompt, loaded deep inside a
+    long one, where each token attends to many earlier ones."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-9, 1  # attention-bound engine
+    adv.observe_read_batch(0, 8 * ROW, 8 * 16 * 1e-9 * 3000)  # a chunk reads in 16 x 3 µs
+    assert not adv.loading_pays([0] * 4, first_token=0)
+    assert adv.loading_pays([0] * 4, first_token=16 * 1000)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=4)
+    req = RequestLookups("deep")
+    for _ in range(2):  # survey, then decide: positions say the run starts at token 16000
+        for i, k in enumerate(ks):
+            c.lookup(k, request=req, first_token=16 * (1000 + i))
+        c.on_schedule_end()
+    assert req.disk_run.state is RunState.LOAD
+    c.close()
+
+
+def test_prefill_samples_come_from_requests_without_tier_hits(tmp_path):
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    c = make_chain(tmp_path, rows=4, advisor=adv)
+    cold = RequestLookups("cold")
+    cold.start_clock(now=0.0)
+    cold.segment_start = 0.0
+    c.stored(cold, chunks=8, end_token=128)  # 128 tokens: too few to time, the segment goes on
+    assert adv.prefill.samples == 0
+    c.stored(cold, chunks=32, end_token=640)
+    assert adv.prefill.samples == 1 and cold.segment_token == 640
+    warm = RequestLookups("warm")
+    warm.had_tier_hit = True  # its time includes loading: no sample
+    c.stored(warm, chunks=64, end_token=1024)
+    assert adv.prefill.samples == 1
+    c.close()
