@@ -113,6 +113,10 @@ def check_data_file(path: Path) -> str | None:
             if psize < 512 or psize > 65536 or psize & (psize - 1):
                 return f"{path.name}: meta page 0 names page size {psize}"
             pages = [first, os.pread(fd, 4096, psize)]
+            # The size after the meta pages: a writer extends the file before it commits a
+            # meta page that names the new pages (and LMDB never shrinks it), so a size read
+            # first could be older than the meta pages and call a busy index truncated.
+            size = os.fstat(fd).st_size
         finally:
             os.close(fd)
     except OSError as exc:
@@ -124,8 +128,8 @@ def check_data_file(path: Path) -> str | None:
         if magic != _LMDB_MAGIC or version != _LMDB_DATA_VERSION:
             return f"{path.name}: meta page {i} is not an LMDB meta page"
         last_page, _ = _META_TAIL.unpack_from(page, 136)
-        if (last_page + 1) * psize > st.st_size:
-            return (f"{path.name} is {st.st_size} bytes but meta page {i} uses pages up to "
+        if (last_page + 1) * psize > size:
+            return (f"{path.name} is {size} bytes but meta page {i} uses pages up to "
                     f"{last_page} of {psize} bytes (truncated)")
     return None
 

@@ -137,6 +137,31 @@ def test_truncated_index_gives_cli_one_line_not_sigbus(tmp_path):
         assert "index.lmdb" in proc.stderr
 
 
+def test_index_growing_under_the_check_is_not_called_truncated(tmp_path, monkeypatch):
+    """A writer that extends data.mdb and commits between the check's size reading and its meta
+    page reading must not make a healthy index look truncated (CI saw `tiering export` refuse a
+    busy writer's index this way). Modelled here: the size the check sees is the one from
+    before the writer's last commit."""
+    import tiering.backends.index as index
+
+    with open_tier(tmp_path) as t:
+        store(t, [key(i) for i in range(2)])
+        data = t.folder / "index.lmdb" / "data.mdb"
+        before = os.stat(data)
+        store(t, [key(i) for i in range(2, 200)])  # more pages: the file grows, meta moves on
+        assert os.stat(data).st_size > before.st_size
+        real_lstat = os.lstat
+
+        def stale_lstat(path, *a, **kw):
+            st = real_lstat(path, *a, **kw)
+            if os.fspath(path) == os.fspath(data):
+                return os.stat_result((*st[:6], before.st_size, *st[7:]))
+            return st
+
+        monkeypatch.setattr(index.os, "lstat", stale_lstat)
+        assert index.check_data_file(data) is None
+
+
 # -- 1: a killed reader does not stop writes ----------------------------------------------------
 READER = textwrap.dedent("""
     import sys, time
