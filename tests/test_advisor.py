@@ -237,6 +237,9 @@ def test_prefill_samples_come_from_requests_without_tier_hits(tmp_path):
     assert adv.prefill.samples == 0
     c.stored(cold, chunks=32, end_token=640)
     assert adv.prefill.samples == 1 and cold.segment_token == 640
+    untimed = RequestLookups("no-lookup")  # stores without a lookup: the clock starts there
+    c.stored(untimed, chunks=64, end_token=1024)
+    assert adv.prefill.samples == 1 and untimed.segment_token == 1024
     warm = RequestLookups("warm")
     warm.had_tier_hit = True  # its time includes loading: no sample
     c.stored(warm, chunks=64, end_token=1024)

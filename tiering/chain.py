@@ -191,8 +191,11 @@ class TierChain:
         if advisor is None or request.had_tier_hit or chunks <= 0:
             return
         now = time.perf_counter()
-        request.start_clock(now)
         tokens = chunks * advisor.chunk_tokens
+        if request.segment_start is None:  # no lookup seen: untimed, the clock starts here
+            request.start_clock(now)
+            request.segment_token = end_token if end_token is not None else tokens
+            return
         if request.segment_token is None:
             request.segment_token = (end_token - tokens) if end_token is not None else 0
         end = end_token if end_token is not None else request.segment_token + tokens
