@@ -102,7 +102,7 @@ def test_alert_rules_load_and_evaluate(live):
     rules = [rule for g in groups for rule in g["rules"]]
     assert {r["name"] for r in rules if r["type"] == "alerting"} == {
         "TieringTierNearlyFullAndEvicting", "TieringChecksumFailures", "TieringIOErrors",
-        "TieringDiskHitRateCollapse"}
+        "TieringDiskHitRateCollapse", "TieringDiskBehindStores"}
     assert all(r["health"] == "ok" for r in rules), [r for r in rules if r["health"] != "ok"]
 
 

@@ -297,3 +297,38 @@ def test_counters_survive_a_failed_index_commit(tmp_path):
     with open_tier(tmp_path, slots=8) as again:
         persisted = again.index.read_stats()
     assert persisted["lookups"] == 3 and persisted["rejections:full"] == 1
+
+
+def test_a_disk_behind_the_stores_never_pins_the_whole_cpu_tier(tmp_path):
+    """Stores arriving faster than the disk writes them: the chain used to pin every CPU row for
+    its write-down and then refuse stores (rejections{reason="pinned"}), so under write pressure
+    the CPU tier served fewer hits than vLLM's own CPU offloading. Now at most a quarter of the
+    rows are pinned by writes; the rest wait unpinned and are written oldest first."""
+    tier = FileTier({"path": str(tmp_path / "disk"), "capacity": 64 * ROW, "io": "posix",
+                     "policy": "lru"}, facts(ROW))
+    c = TierChain(CpuTier(StagingRegion("behind", 16, ROW), "lru"), [tier], events=True)
+    ks = [key(i) for i in range(48)]
+    for i in range(0, 48, 2):  # no poll in between: no write completion is applied
+        out = c.prepare_store(ks[i:i + 2])
+        assert out is not None, f"store {i} refused"
+        for k, r in zip(out[0], out[1], strict=True):  # what the GPU would write
+            np.frombuffer(c.region.row(r), np.uint8)[:] = np.frombuffer(row_for(k), np.uint8)
+        c.complete_store(out[0])
+        assert c.cpu.pinned_rows() <= 16 // 4
+    assert c.cpu.stats["rejections:pinned"] == 0
+    assert tier.stats["demotions_deferred"] > 0
+    for _ in range(10):  # steps: completions free the budget, waiting rows follow
+        c.wait_idle()
+    held = [k for k in ks if c.cpu.contains(k)]
+    assert len(held) == 16 and all(tier.contains(k) for k in held)
+    lost = [k for k in ks if not tier.contains(k)]  # evicted before their turn: counted
+    assert len(lost) == tier.stats["writeback_misses"]
+    c.reset()
+    for k in held:  # what reached the disk reads back exactly
+        assert c.lookup(k) is Lookup.PENDING
+        c.wait_idle()
+        rows = c.prepare_load([k])
+        assert bytes(c.region.row(rows[0])) == bytes(row_for(k))
+        c.complete_load([k])
+    c.check()
+    c.close()

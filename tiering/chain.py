@@ -37,6 +37,8 @@ from tiering.cpu_tier import CpuTier
 from tiering.request_lookups import DiskRun, RequestLookups, RunState
 from tiering.settings import (
     ADVISOR_MIN_SAMPLE_TOKENS,
+    DEMOTION_PIN_FRACTION,
+    DEMOTION_PIN_MIN,
     WRITEBACK_RESERVE_FRACTION,
     WRITEBACK_RESERVE_MIN,
 )
@@ -57,6 +59,51 @@ class Event:
 def tier_label(i: int) -> str:
     """The ``tier`` label of tier ``i`` in metrics and hit sources."""
     return "cpu" if i == 0 else ("disk" if i == 1 else f"disk{i}")
+
+
+class OwedRows:
+    """Rows whose write to a file tier is still due, per tier.
+
+    Two reasons: a write-back tier gets a row only when it nears eviction (``_keep_clean``); a
+    write-through tier gets it at once unless the demotion budget is spent (the disk is behind),
+    and then as soon as the budget allows, oldest first (``behind``, insertion-ordered)."""
+
+    def __init__(self) -> None:
+        self.tiers: dict[bytes, list[int]] = {}  # READY key -> chain indexes of tiers owed it
+        self.behind: dict[bytes, None] = {}  # keys owed to a write-through tier, oldest first
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    def add(self, key: bytes, tier: int, eager: bool) -> None:
+        owed = self.tiers.setdefault(key, [])
+        if tier not in owed:
+            owed.append(tier)
+        if eager:
+            self.behind[key] = None
+
+    def take(self, key: bytes, only: Collection[int] | None = None) -> list[int]:
+        """Remove and return the tiers ``key`` is owed to (those in ``only``, if given)."""
+        owed = self.tiers.get(key)
+        if not owed:
+            return []
+        taken = owed if only is None else [i for i in owed if i in only]
+        rest = [] if only is None else [i for i in owed if i not in only]
+        if rest:
+            self.tiers[key] = rest
+        else:
+            del self.tiers[key]
+        if only is None or not rest or all(i not in only for i in rest):
+            self.behind.pop(key, None)
+        return taken
+
+    def oldest_behind(self, n: int) -> list[bytes]:
+        out = []
+        for k in self.behind:
+            if len(out) >= n:
+                break
+            out.append(k)
+        return out
 
 
 class TierChain:
@@ -80,7 +127,11 @@ class TierChain:
                            if t.cfg.demote == "on_evict"]
         self._write_through = [i for i, t in enumerate(self.file_tiers, start=1)
                                if t.cfg.demote != "on_evict"]
-        self._owed: dict[bytes, list[int]] = {}  # READY key -> write-back tiers still owed it
+        self._write_through_set = frozenset(self._write_through)
+        self._owed = OwedRows()
+        # rows pinned by writes down (a row written to two tiers counts twice), and the cap
+        self._demoting = 0
+        self._demote_budget = max(DEMOTION_PIN_MIN, int(self.num_rows * DEMOTION_PIN_FRACTION))
         self.advisor = advisor  # None: every disk hit is loaded
         # promotion batches in flight: id -> [tier index, reads left, bytes, started]
         self._batches: dict[int, list] = {}
@@ -233,7 +284,7 @@ class TierChain:
         self._event(keys, "cpu", True)
         if self._owed:
             for k in keys:
-                for i in self._owed.pop(k, ()):
+                for i in self._owed.take(k):
                     self.tiers[i].stats.add("writeback_misses")
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
@@ -241,10 +292,15 @@ class TierChain:
         if not ready:
             return
         self._event(list(ready), "cpu", False)
-        self._demote(ready, self._write_through)
-        if self._writeback:
-            for k in ready:
-                self._owed[k] = list(self._writeback)
+        for i in self._write_through:
+            later = self._demote(ready, i)
+            if later:
+                self.tiers[i].stats.add("demotions_deferred", len(later))
+                for k in later:
+                    self._owed.add(k, i, eager=True)
+        for k in ready:
+            for i in self._writeback:
+                self._owed.add(k, i, eager=False)
 
     def _keep_clean(self, extra: int = 0) -> None:
         """Write back owed rows at the head of the eviction order until free rows plus clean
@@ -253,34 +309,46 @@ class TierChain:
         if short > 0:
             self._write_back(self.cpu.next_victims(short))
 
-    def _write_back(self, keys: Iterable[bytes]) -> None:
-        """Write owed rows down now (pinned until written; each tier's admission decides)."""
+    def _catch_up(self) -> None:
+        """Write rows that wait for a write-through tier, oldest first, as far as the budget
+        allows (writes that completed since the last step freed it)."""
+        room = self._demote_budget - self._demoting
+        if room > 0 and self._owed.behind:
+            self._write_back(self._owed.oldest_behind(room), only=self._write_through_set)
+
+    def _write_back(self, keys: Iterable[bytes], only: Collection[int] | None = None,
+                    force: bool = False) -> None:
+        """Write owed rows down now (pinned until written; each tier's admission decides), to
+        the tiers in ``only`` if given, within the demotion budget unless ``force``."""
         per_tier: dict[int, list[bytes]] = {}
         for k in keys:
             if not self.cpu.contains(k):  # only READY rows are owed; a dropped one is gone
-                self._owed.pop(k, None)
+                self._owed.take(k)
                 continue
-            for i in self._owed.pop(k, ()):
+            for i in self._owed.take(k, only):
                 per_tier.setdefault(i, []).append(k)
         for i, ks in per_tier.items():
-            self._demote(ks, [i])
+            for k in self._demote(ks, i, force):  # no budget left: still owed
+                self._owed.add(k, i, eager=i in self._write_through_set)
 
-    def _demote(self, keys: list[bytes], tier_indexes: Sequence[int]) -> None:
-        if not keys or not tier_indexes:
-            return
-        views = [self.cpu.view(k) for k in keys]
-        for i in tier_indexes:
-            tier = self.tiers[i]
-            out = tier.put(keys, views)
+    def _demote(self, keys: list[bytes], i: int, force: bool = False) -> list[bytes]:
+        """Offer READY rows to file tier ``i``; those it admits are pinned until written.
+        Returns the keys not offered because the demotion budget is spent (all, if it is)."""
+        room = len(keys) if force else max(0, self._demote_budget - self._demoting)
+        keys, later = keys[:room], keys[room:]
+        if keys:
+            out = self.tiers[i].put(keys, [self.cpu.view(k) for k in keys])
             now = time.perf_counter()
             for k in out.admitted:
                 self.cpu.pin(k, io=True)
                 self._in_flight[(i, "store", k)] = (self.cpu.row_of(k), now, None)
+                self._demoting += 1
+        return later
 
     # -- background completions: the one place they are applied ------------------------------
     def on_schedule_end(self) -> None:
-        """Issue the step's promotions (one batch per tier), write back rows near eviction,
-        then apply what finished."""
+        """Issue the step's promotions (one batch per tier), apply what finished, write back
+        rows near eviction, then rows that wait for a write-through tier."""
         for i, tier in enumerate(self.file_tiers, start=1):
             batch, self._promote[i - 1] = self._promote[i - 1], []
             if not batch:
@@ -294,9 +362,10 @@ class TierChain:
                 if not ok:  # gone from the tier since the lookup: a miss after all
                     self._finish_promotion(i, Completion("read", k, False, "gone",
                                                          token=(k, r, None)))
+        self.poll()
         if self._owed:
             self._keep_clean()
-        self.poll()
+            self._catch_up()
 
     def poll(self, wait: float = 0.0) -> None:
         """Apply finished file-tier I/O (``wait`` > 0 blocks up to that long per busy tier)."""
@@ -329,6 +398,7 @@ class TierChain:
             self._event([done.key], "disk", False)
         if row is not None:
             self.cpu.unpin_row(row, io=True)
+            self._demoting -= 1
 
     def _finish_promotion(self, i: int, done: Completion) -> None:
         key, row, batch = done.token
@@ -337,9 +407,9 @@ class TierChain:
         if self.cpu.finish_promotion(key, row, done.ok):
             self.transfer_samples.append((i, "promotion", time.perf_counter() - started))
             self._event([key], "cpu", False)
-            owed = [j for j in self._writeback if j != i and not self.tiers[j].contains(key)]
-            if owed:  # another write-back tier below does not have it yet
-                self._owed[key] = owed
+            for j in self._writeback:  # another write-back tier below does not have it yet
+                if j != i and not self.tiers[j].contains(key):
+                    self._owed.add(key, j, eager=False)
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Block until all file-tier I/O has been applied (tests, tools, shutdown)."""
@@ -349,9 +419,13 @@ class TierChain:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"tier chain: I/O still in flight after {timeout}s")
             self.poll(wait=0.01)
+            self._catch_up()
 
     def has_pending_work(self) -> bool:
-        return any(self._promote) or any(t.has_pending_work() for t in self.file_tiers)
+        """I/O in flight, promotions to issue, or rows waiting for a write-through tier (vLLM
+        keeps stepping while this is True, so they are written even when no request runs)."""
+        return (any(self._promote) or bool(self._owed.behind)
+                or any(t.has_pending_work() for t in self.file_tiers))
 
     def take_events(self) -> list[Event]:
         events, self._events = self._events, []
@@ -363,7 +437,8 @@ class TierChain:
         vLLM discards its in-flight jobs on a reset (their completions never come), so its pins
         go too; rows still read or written by a file tier stay detached until that I/O ends.
         """
-        self._write_back(list(self._owed))  # nothing owed is lost: written before the drop
+        # nothing owed is lost: written before the drop, whatever the budget
+        self._write_back(list(self._owed.tiers), force=True)
         for i, queued in enumerate(self._promote, start=1):  # not issued yet: nothing to wait for
             for key, row in queued:
                 self._in_flight.pop((i, "promotion", key), None)
@@ -383,7 +458,7 @@ class TierChain:
 
     def close(self) -> None:
         try:
-            self._write_back(list(self._owed))  # a restart finds every chunk it had
+            self._write_back(list(self._owed.tiers), force=True)  # a restart finds them all
             self.wait_idle()
         except Exception:  # never let a stuck tier stop the shutdown of the others
             log.exception("tier chain: waiting for in-flight I/O at shutdown failed")

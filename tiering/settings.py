@@ -14,6 +14,16 @@ from __future__ import annotations
 WRITEBACK_RESERVE_FRACTION = 1 / 8
 WRITEBACK_RESERVE_MIN = 2
 
+# -- tier chain: demotion budget -------------------------------------------------------------------
+# At most this fraction of the CPU rows (at least DEMOTION_PIN_MIN) is pinned by writes down to
+# file tiers at any time. A disk slower than the stores would otherwise pin every row, stores
+# would fail (rejections{reason="pinned"}) and the CPU tier would serve fewer hits than vLLM's
+# own CPU offloading. Past the budget a write-through row waits, unpinned and evictable
+# (demotions_deferred), and is written oldest first as writes complete. A quarter keeps gigabytes
+# in flight for a multi-GiB CPU tier, far more than a drive needs to stay busy.
+DEMOTION_PIN_FRACTION = 1 / 4
+DEMOTION_PIN_MIN = 2
+
 # -- promotion advisor: load a disk hit, or recompute it? ------------------------------------------
 # Weight of a new sample in the exponential moving average of each file tier's read rate: recent
 # enough to follow a busy disk, smooth enough to ignore one slow batch.

@@ -47,8 +47,12 @@ METRICS: tuple[Metric, ...] = (
            "(threshold: store_threshold not reached; full: no room, disk full included; "
            "error: the write failed; pinned: every candidate victim is in use).",
            ("reason",), REJECT_REASONS),
-    Metric("writeback_misses", "counter", "Chunks a write-back tier (demote: on_evict) never "
-           "got: the CPU tier evicted them before they were written down."),
+    Metric("writeback_misses", "counter", "Chunks a file tier never got although they were "
+           "owed to it (write-back, or write-through deferred by a disk that was behind): the CPU "
+           "tier evicted them before they were written down."),
+    Metric("demotions_deferred", "counter", "Write-through chunks whose write waited because the "
+           "rows already being written to file tiers had reached the demotion budget (the disk "
+           "was behind the stores); they are written oldest first as writes complete."),
     Metric("io_errors", "counter", "Failed reads and writes of this tier."),
     Metric("index_resets", "counter", "Times a file tier found its index damaged at open and "
            "rebuilt it from what it could verify (or set it aside and started empty)."),
