@@ -9,6 +9,8 @@ only what is between tiers — which rows are being written down (demotions) or 
 Store path: vLLM asks ``prepare_store`` (the CPU tier reserves rows; the GPU fills them), then
 ``complete_store``: the rows become READY and are offered to every file tier (demotion; each
 tier's own ``store_threshold`` decides). A demoted row stays pinned until its write completes.
+Writes down pin at most ``DEMOTION_PIN_FRACTION`` of the rows: past that budget a write-through
+row is owed (``OwedRows.behind``) and written oldest first as writes complete.
 
 Write-back (a file tier with ``demote: on_evict``): a READY row is only *owed* to that tier
 (``_owed``). Rows are written down when they come near the head of the CPU tier's eviction order:
