@@ -46,6 +46,8 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from tiering.settings import INDEX_WALK_TIMEOUT_S
+
 RECORD = np.dtype([
     ("slot", "<u8"), ("length", "<u4"), ("codec", "u1"), ("flags", "u1"), ("_pad", "<u2"),
     ("checksum", "<u8"), ("created", "<f8"), ("last_access", "<f8"), ("hits", "<u4"),
@@ -92,8 +94,12 @@ def _fallocate_keep_size(fd: int, offset: int, length: int) -> int:
 def check_data_file(path: Path) -> str | None:
     """Why ``data.mdb`` cannot be mapped safely, or None (also None when it does not exist).
 
-    LMDB maps the file and touches pages its meta pages name: a file shorter than that is a
-    SIGBUS in whatever process reads it, which no ``except`` can catch. Checked before opening.
+    LMDB maps the file and touches pages its B-tree references: a file shorter than that is a
+    SIGBUS in whatever process reads it, which no ``except`` can catch. Checked before opening:
+    the meta pages must be LMDB's, and the file must reach the last page they name. A healthy
+    file may end before that page (a transaction's last pages can be freed again before commit
+    and never written), so a file that looks short is walked by LMDB itself in a child process
+    (``_walk_in_child``): a SIGBUS there means truncated, a clean walk means healthy.
     """
     try:
         st = os.lstat(path)
@@ -113,25 +119,65 @@ def check_data_file(path: Path) -> str | None:
             if psize < 512 or psize > 65536 or psize & (psize - 1):
                 return f"{path.name}: meta page 0 names page size {psize}"
             pages = [first, os.pread(fd, 4096, psize)]
-            # The size after the meta pages: a writer extends the file before it commits a
-            # meta page that names the new pages (and LMDB never shrinks it), so a size read
-            # first could be older than the meta pages and call a busy index truncated.
+            # the size after the meta pages: a writer extends the file before it commits a
+            # meta page naming the new pages, and LMDB never shrinks it
             size = os.fstat(fd).st_size
         finally:
             os.close(fd)
     except OSError as exc:
         return f"{path.name}: unreadable ({exc})"
+    short = None
     for i, page in enumerate(pages):
         if len(page) < 152:
-            return f"{path.name} is {st.st_size} bytes, shorter than its two meta pages"
+            return f"{path.name} is {size} bytes, shorter than its two meta pages"
         magic, version, _, _ = _META_HEAD.unpack_from(page, 16)
         if magic != _LMDB_MAGIC or version != _LMDB_DATA_VERSION:
             return f"{path.name}: meta page {i} is not an LMDB meta page"
         last_page, _ = _META_TAIL.unpack_from(page, 136)
-        if (last_page + 1) * psize > size:
-            return (f"{path.name} is {size} bytes but meta page {i} uses pages up to "
-                    f"{last_page} of {psize} bytes (truncated)")
-    return None
+        if short is None and (last_page + 1) * psize > size:
+            short = (f"{path.name} is {size} bytes but meta page {i} uses pages up to "
+                     f"{last_page} of {psize} bytes (truncated)")
+    if short is None:
+        return None
+    return _walk_in_child(path.parent, short)
+
+
+# Opens the environment read-only and reads every key and value of every table: touches every
+# page the B-tree references, as any later reader could.
+_WALK = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, max_dbs=8, subdir=True, lock=True)
+with env.begin() as txn:
+    for name, _ in list(txn.cursor()):
+        try:
+            db = env.open_db(name, txn=txn, create=False)
+        except lmdb.Error:
+            continue
+        for _k, _v in txn.cursor(db=db):
+            pass
+"""
+
+
+def _walk_in_child(env_dir: Path, short: str) -> str | None:
+    """Walk the index in a child process; None if every referenced page is readable, else
+    ``short`` (the size check's finding) or what went wrong. Only for files that look short."""
+    import signal
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run([sys.executable, "-c", _WALK, str(env_dir)], capture_output=True,
+                              text=True, timeout=INDEX_WALK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"{short}; walking it to be sure took over {INDEX_WALK_TIMEOUT_S} s"
+    except OSError as exc:
+        return f"{short}; could not walk it ({exc})"
+    if proc.returncode == 0:
+        return None
+    if proc.returncode == -signal.SIGBUS:
+        return short
+    last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    return f"{short}; walking it failed: {last}"
 
 
 def pack_record(slot: int, length: int, codec: int, checksum: int, created: float,

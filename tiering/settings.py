@@ -47,6 +47,10 @@ ADVISOR_REPROBE_AFTER = 32
 # key and B-tree overhead; copy-on-write needs room for a second copy of touched pages).
 INDEX_MAP_BASE_BYTES = 64 << 20
 INDEX_MAP_BYTES_PER_SLOT = 2048
+# An index whose meta page names pages past the end of data.mdb is walked by LMDB in a child
+# process before anyone maps it (a truncated file is a SIGBUS). A walk of a million records
+# takes about a second; past this bound the index is reported as not checkable.
+INDEX_WALK_TIMEOUT_S = 60
 # Rows per group commit when ``max_batch`` is 0: about this many bytes, within [min, max] rows.
 # One fdatasync per slab file per batch: bigger batches amortise it, smaller ones cut latency.
 COMMIT_BATCH_BYTES = 64 << 20
