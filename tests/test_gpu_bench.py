@@ -6,6 +6,8 @@ CPU smoke run (``--cpu-platform``, docs/gpu.md)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,18 +19,21 @@ from tiering.write_quiesce import process_tree, wait_for_quiet_writes, written_b
 
 # A writer that overwrites 4 MiB at the start of a file every 20 ms (about 200 MiB/s, far above
 # the 8 MiB per 0.5 s quiet threshold) for SECONDS seconds (forever if negative), then prints
-# the monotonic clock and sleeps: still alive, no longer writing.
+# the monotonic clock and sleeps: still alive, no longer writing. It ends when its launcher does
+# (no writer is left behind, whatever the test's outcome).
 WRITER = r"""
 import os, sys, time
 path, seconds = sys.argv[1], float(sys.argv[2])
+parent = os.getppid()
 fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
 chunk = os.urandom(4 << 20)
 end = time.monotonic() + seconds
-while seconds < 0 or time.monotonic() < end:
+while (seconds < 0 or time.monotonic() < end) and os.getppid() == parent:
     os.pwrite(fd, chunk, 0)
     time.sleep(0.02)
 print(time.monotonic(), flush=True)
-time.sleep(120)
+while os.getppid() == parent:  # alive, not writing, until its launcher is gone
+    time.sleep(0.1)
 """
 
 # The writer as a grandchild: an intermediate process starts it and waits, as vLLM's engine
@@ -54,9 +59,6 @@ def start_writer(tmp_path, seconds: float) -> subprocess.Popen:
 def stop(proc: subprocess.Popen) -> None:
     for pid in reversed(process_tree(proc.pid)):  # grandchild first, then the launcher
         try:
-            import os
-            import signal
-
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
@@ -68,7 +70,7 @@ def test_process_tree_finds_a_grandchild(tmp_path):
     try:
         tree = process_tree(proc.pid)
         assert tree[0] == proc.pid and len(tree) == 2
-        assert set(tree) <= set(process_tree(__import__("os").getpid()))
+        assert set(tree) <= set(process_tree(os.getpid()))
     finally:
         stop(proc)
 
@@ -123,6 +125,14 @@ def test_32b_shape_fits_one_h200_with_a_32k_prompt():
     assert s["weight_bytes"] + kv_32k < 0.85 * h200 - 8e9  # 8 GB left for activations
     layers, hidden, heads, kv_heads, inter, vocab = gpu_bench.SHAPES["32b"]
     assert hidden % heads == 0 and heads % kv_heads == 0
+
+
+def test_fillers_push_everything_out_of_the_cpu_tier():
+    for cpu_bytes, length, kvb in ((int(4.5 * 2**30), 32768, 128 << 10), (3 << 30, 8192, 256 << 10),
+                                   (4 << 20, 1024, 2048)):
+        n = gpu_bench.fillers(cpu_bytes, length, kvb)
+        assert n * length * kvb >= 1.25 * cpu_bytes
+        assert (n - 2) * length * kvb < 1.25 * cpu_bytes  # not many more than needed
 
 
 def test_cpu_tier_auto_size_holds_the_longest_prompt():

@@ -84,8 +84,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--cpu-gib", type=float, default=0.0,
                     help="CPU tier of the phase engines (0: 1.125 x the longest prompt's KV, "
                          "so that one prompt fits and the disk phase's fillers stay few)")
-    ap.add_argument("--disk-gib", type=float, default=20.0,
-                    help="file tier capacity (each config's folder is removed after it ran)")
+    ap.add_argument("--disk-gib", type=float, default=0.0,
+                    help="file tier capacity (0: 1.5 x what the run stores, at least 1 GiB: "
+                         "prompts and filler prompts, or the throughput working set; each "
+                         "config's folder is removed after it ran)")
     ap.add_argument("--gpu-blocks", type=int, default=0,
                     help="GPU KV blocks of the phase engines (0: enough for the longest prompt)")
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -162,6 +164,12 @@ def shape_sizes(shape: str, dtype: str) -> dict[str, int]:
             "kv_bytes_per_token": kv_bytes_per_token(shape, dtype)}
 
 
+def fillers(cpu_bytes: int, length: int, kvb: int) -> int:
+    """Filler prompts of ``length`` tokens that together store a quarter more than the CPU
+    tier holds: after them, nothing stored before is left in it."""
+    return int(cpu_bytes * 1.25 // (length * kvb)) + 1
+
+
 def auto_cpu_bytes(lengths: list[int], kvb: int) -> int:
     """The phase engines' CPU tier when ``--cpu-gib`` is 0: the longest prompt's KV and an
     eighth more (a prompt's cpu phase comes right after its cold run, so one prompt must fit;
@@ -207,10 +215,10 @@ def transfer_config(name: str, scratch: Path, cpu_bytes: int, disk_gib: float,
     elif name == "vtier-ours":
         extra.update(spec_name="TieringOffloadingSpec",
                      secondary_tiers=[{"type": "FileTier", "module_path": "tiering.vllm",
-                                       "path": str(disk), "capacity": f"{disk_gib}GiB",
+                                       "path": str(disk), "capacity": f"{disk_gib:.3f}GiB",
                                        "policy": "lru", "io": "posix"}])
     else:  # ours, ours-wb: the file tier write-through (vLLM's default) or write-back
-        file_tier = {"medium": "file", "path": str(disk), "capacity": f"{disk_gib}GiB",
+        file_tier = {"medium": "file", "path": str(disk), "capacity": f"{disk_gib:.3f}GiB",
                      "policy": "lru", "io": "posix"}
         if name == "ours-wb":
             file_tier["demote"] = "on_evict"
@@ -371,7 +379,10 @@ def record(rows, a, engine, config, length, phase, prompts, skip_cache=False, ex
 def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, gpu_blocks,
                cpu_bytes):
     """Phase engine (+ restart engine) of one config."""
-    kvt = transfer_config(config, scratch, cpu_bytes, a.disk_gib, a.gpu_copy, a.promote)
+    n_fill = fillers(cpu_bytes, max(a.lengths), kvb)
+    stored = (sum(a.lengths) + n_fill * max(a.lengths)) * kvb
+    kvt = transfer_config(config, scratch, cpu_bytes, a.disk_gib or max(1.0, 1.5 * stored / 2**30),
+                          a.gpu_copy, a.promote)
     timings: dict = {}
     warm = list(a.lengths)
     eng = Engine(a, model, config, kvt, gpu_blocks, max_len, warm)
@@ -390,7 +401,6 @@ def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, g
         if "disk" in a.phases and config != "none":
             # filler prompts, together larger than the CPU tier, push everything out of it
             per = max(a.lengths)
-            n_fill = int(cpu_bytes * 1.25 // (per * kvb)) + 1
             eng.settle()
             t = time.perf_counter()
             for i in range(n_fill):
@@ -430,7 +440,8 @@ def throughput_for(a, model, config, scratch, kvb, block_size, cpu_fraction):
                      -(-max_len // block_size) + 1)
     gpu_tokens = gpu_blocks * block_size
     cpu_bytes = int(ws_tokens * kvb * (cpu_fraction or 0))
-    kvt = transfer_config(config, scratch / "tp", cpu_bytes, a.disk_gib, a.gpu_copy, a.promote)
+    kvt = transfer_config(config, scratch / "tp", cpu_bytes,
+                          a.disk_gib or max(1.0, 1.5 * ws_tokens * kvb / 2**30), a.gpu_copy, a.promote)
     vocab = SHAPES[a.shape][5]
     prefixes = [prompt(5000 + i, a.tp_prefix_tokens, vocab) for i in range(a.tp_prefixes)]
     r = random.Random(7)
@@ -617,12 +628,13 @@ def plot(rows: list[dict], tp_rows: list[dict], configs: list[str], path: Path) 
 
 
 def render(path: Path) -> None:
-    """Recompute the checks and the table of a saved run (``--from-json``)."""
+    """Recompute the checks, the table and the plot of a saved run (``--from-json``)."""
     d = json.loads(path.read_text())
     compare(d["phases"], d["throughput"])
     path.write_text(json.dumps(d, indent=1))
     text = table(d["phases"], d["throughput"], d["info"]["configs"])
     path.with_suffix(".md").write_text(text + "\n")
+    plot(d["phases"], d["throughput"], d["info"]["configs"], path.with_suffix(".png"))
     print(text)
 
 
