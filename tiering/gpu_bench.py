@@ -93,7 +93,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--settle-max-s", type=float, default=120.0,
                     help="longest wait for the tiers' writes to finish before the disk, restart "
-                         "and throughput measurements (then it logs and goes on)")
+                         "and throughput measurements (then it logs and goes on; the waits "
+                         "between other phases get at most 30 s)")
     ap.add_argument("--disk-gbps", type=float, default=None,
                     help="ignored (older command lines): the writes are now waited for")
     ap.add_argument("--tp-prefixes", type=int, default=8, help="throughput: shared prefixes")
@@ -322,8 +323,10 @@ class Engine:
         wait saw (seconds, bytes written meanwhile, whether it settled before the bound)."""
         from tiering.write_quiesce import wait_for_quiet_writes
 
-        got = wait_for_quiet_writes(min_s=seconds, max_s=max(seconds, self.settle_max_s),
-                                    sync=sync)
+        # a wait between phases gets at most 30 s: a writer that never stops (none is known)
+        # costs minutes only at the few synced waits
+        bound = self.settle_max_s if sync else min(self.settle_max_s, 30.0)
+        got = wait_for_quiet_writes(min_s=seconds, max_s=max(seconds, bound), sync=sync)
         if not got.quiet:
             print(f"[bench] {self.config}: writes still running after {got.waited_s:.0f}s "
                   f"(--settle-max-s): measuring anyway", flush=True)
@@ -696,6 +699,7 @@ def main() -> None:
         info["total_s"] = time.perf_counter() - t0
         (out / f"{stem}.json").write_text(json.dumps(
             {"info": info, "timings": timings, "phases": rows, "throughput": tp_rows}, indent=1))
+        (out / f"{stem}.md").write_text(table(rows, tp_rows, a.configs) + "\n")
 
     longest: dict[str, float] = {}  # the longest step of each kind so far: the next's estimate
 
