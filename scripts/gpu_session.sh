@@ -40,11 +40,11 @@ echo "session $(date -u +%FT%TZ) budget ${BUDGET_S}s steps: ${STEPS[*]}" >> "$su
 
 left() { echo $((BUDGET_S - SECONDS)); }
 
-# run STEP MIN_S CMD...: run CMD if at least MIN_S seconds are left, killed (the whole process
-# group: vLLM's engine processes too) when the budget runs out
+# run STEP MIN_S MAX_S CMD...: run CMD if at least MIN_S seconds are left, killed (the whole
+# process group: vLLM's engine processes too) after MAX_S seconds or when the budget runs out
 run() {
-  local step=$1 min_s=$2
-  shift 2
+  local step=$1 min_s=$2 max_s=$3
+  shift 3
   local remaining
   remaining=$(left)
   if [ "$remaining" -lt "$min_s" ]; then
@@ -52,11 +52,12 @@ run() {
       | tee -a "$summary"
     return 0
   fi
-  echo "[session] $step: start, ${remaining}s left: $*" | tee -a "$summary"
+  local limit=$((remaining < max_s ? remaining : max_s))
+  echo "[session] $step: start, ${remaining}s left, at most ${limit}s: $*" | tee -a "$summary"
   local t0=$SECONDS rc
-  timeout -k 10 "$remaining" "$@" 2>&1 | tee "$OUT/$step.log"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$step.log"
   rc=${PIPESTATUS[0]}
-  echo "[session] $step: exit $rc after $((SECONDS - t0))s$([ "$rc" = 124 ] && echo ' (budget ran out: killed)')" \
+  echo "[session] $step: exit $rc after $((SECONDS - t0))s$([ "$rc" = 124 ] && echo ' (time ran out: killed)')" \
     | tee -a "$summary"
 }
 
@@ -67,17 +68,18 @@ for step in "${STEPS[@]}"; do
          --settle-max-s 60)
   case $step in
     tests)
-      run tests 120 env OUT="$OUT" bash scripts/gpu_tests.sh ;;
+      # at most TESTS_MAX_S (300): a hanging test must not take the steps after it
+      run tests 120 "${TESTS_MAX_S:-300}" env OUT="$OUT" bash scripts/gpu_tests.sh ;;
     phases)
       # none first: every other row is compared with its outputs
-      run phases 120 "${bench[@]}" --tag "${TAG}phases" --shape 8b --lengths 2048,8192,32768 \
+      run phases 120 "$BUDGET_S" "${bench[@]}" --tag "${TAG}phases" --shape 8b --lengths 2048,8192,32768 \
         --configs none,ours,cpu,vtier-fs,vtier-ours \
         --phases cold,gpu,cpu,recompute,disk,restart "${extra[@]}" ;;
     throughput)
-      run throughput 90 "${bench[@]}" --tag "${TAG}tp" --shape 8b --phases throughput \
+      run throughput 90 "$BUDGET_S" "${bench[@]}" --tag "${TAG}tp" --shape 8b --phases throughput \
         --configs none,ours,ours-wb,cpu,vtier-fs,vtier-ours --tp-cpu-fraction 0.5,2 "${extra[@]}" ;;
     32b)
-      run 32b 90 "${bench[@]}" --tag "$TAG" --shape 32b --lengths 2048,8192 --configs none,cpu,ours \
+      run 32b 90 "$BUDGET_S" "${bench[@]}" --tag "$TAG" --shape 32b --lengths 2048,8192 --configs none,cpu,ours \
         --phases cold,cpu,recompute,disk "${extra[@]}" ;;
   esac
 done
