@@ -232,3 +232,25 @@ def test_throughput_table_shows_each_size():
     assert lines[2].startswith("| 2x | ours | 4.00 |")
     assert "4.0x" in text  # working set / GPU KV cache
     json.dumps(rows)  # the rows stay JSON-serialisable
+
+
+def test_budget_skips_a_step_that_would_end_past_it():
+    now = [0.0]
+    b = gpu_bench.StepBudget(300, 0.0, clock=lambda: now[0])
+    assert b.fits("phases", "none")  # nothing known: it starts
+    now[0] = 60.0
+    b.took("phases", "none", 57.0)
+    assert b.estimate("phases", "ours") == 114.0  # a disk config: restart and disk phase too
+    assert b.estimate("phases", "cpu") == 57.0
+    assert b.fits("phases", "ours")  # 60 + 114 <= 300
+    now[0] = 160.0
+    b.took("phases", "ours", 100.0)
+    assert b.estimate("phases", "vtier-fs") == 100.0  # measured now
+    assert b.fits("phases", "cpu")  # 160 + 57
+    assert b.fits("phases", "vtier-fs")  # 160 + 100 <= 300
+    now[0] = 210.0
+    assert not b.fits("phases", "vtier-fs")  # 210 + 100 > 300
+    assert b.fits("throughput", "vtier-fs")  # no throughput run yet: nothing to go by
+    b.took("throughput", "none", 30.0)
+    assert b.estimate("throughput", "ours") == 30.0  # no restart in a throughput run
+    assert gpu_bench.StepBudget(0, 0.0, clock=lambda: 1e9).fits("phases", "ours")  # no limit

@@ -641,6 +641,37 @@ def render(path: Path) -> None:
     print(text)
 
 
+class StepBudget:
+    """Which steps (a config's phases, one throughput run) still fit in ``--budget-s``.
+
+    A step is expected to take as long as the longest step of its kind so far: its kind is what
+    it runs and whether the config has a disk (a disk config's phases add the disk phase and an
+    engine restart). With no step of its kind yet, a disk config's phases are expected to take
+    twice the longest phases of a config without disk (8B on the H200: 95-100 s against 57 s),
+    any other step as long as the longest of the same kind, or no time at all."""
+
+    def __init__(self, budget_s: float, start: float, clock=time.perf_counter) -> None:
+        self.budget_s, self.start, self.clock = budget_s, start, clock
+        self.longest: dict[tuple[str, bool], float] = {}
+
+    def spent(self) -> float:
+        return self.clock() - self.start
+
+    def estimate(self, what: str, config: str) -> float:
+        disk = config in HAS_DISK
+        if (what, disk) in self.longest:
+            return self.longest[(what, disk)]
+        other = self.longest.get((what, not disk), 0.0)
+        return 2 * other if disk and what == "phases" else other
+
+    def fits(self, what: str, config: str) -> bool:
+        return not self.budget_s or self.spent() + self.estimate(what, config) <= self.budget_s
+
+    def took(self, what: str, config: str, seconds: float) -> None:
+        key = (what, config in HAS_DISK)
+        self.longest[key] = max(self.longest.get(key, 0.0), seconds)
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--from-json":
         render(Path(sys.argv[2]))
@@ -701,20 +732,16 @@ def main() -> None:
             {"info": info, "timings": timings, "phases": rows, "throughput": tp_rows}, indent=1))
         (out / f"{stem}.md").write_text(table(rows, tp_rows, a.configs) + "\n")
 
-    longest: dict[str, float] = {}  # the longest step of each kind so far: the next's estimate
-
-    def kind(what: str, config: str) -> str:  # a config with a disk runs more (restart)
-        return f"{what}/{'disk' if config in HAS_DISK else 'no disk'}"
+    budget = StepBudget(a.budget_s, t0)
 
     def over_budget(what: str, config: str, key: str) -> bool:
-        spent = time.perf_counter() - t0
-        estimate = longest.get(kind(what, config), longest.get(what, 0.0))
-        if a.budget_s and spent + estimate > a.budget_s:
-            print(f"[bench] {key}: {what} skipped (--budget-s {a.budget_s:.0f}: {spent:.0f}s "
-                  f"spent, such a step took up to {estimate:.0f}s)", flush=True)
-            timings.setdefault(key, {})[f"{what}_skipped"] = "budget"
-            return True
-        return False
+        if budget.fits(what, config):
+            return False
+        print(f"[bench] {key}: {what} skipped (--budget-s {a.budget_s:.0f}: "
+              f"{budget.spent():.0f}s spent, such a step is expected to take "
+              f"{budget.estimate(what, config):.0f}s)", flush=True)
+        timings.setdefault(key, {})[f"{what}_skipped"] = "budget"
+        return True
 
     # all configs' phases first, then all configs' throughput runs (for each CPU tier size,
     # smallest first; `none` has no CPU tier: once): a budget cut loses whole steps
@@ -745,8 +772,7 @@ def main() -> None:
             timings.setdefault(key, {})[f"{what}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
         took = time.perf_counter() - t
         timings.setdefault(key, {})[f"{what}_wall_s"] = took
-        for k in (what, kind(what, config)):
-            longest[k] = max(longest.get(k, 0.0), took)
+        budget.took(what, config, took)
         for d in (scratch / config, scratch / "tp" / config):
             shutil.rmtree(d, ignore_errors=True)
         print(f"[bench] {key} {what} done in {took:.0f}s", flush=True)
