@@ -192,6 +192,9 @@ def test_vtier_configs_build_the_tiers_they_name(tmp_path):
     entry.pop("type"), entry.pop("module_path")
     cfg = FileTierConfig.from_dict(entry, "vtier-ours")
     assert cfg.path == str(tmp_path / "vtier-ours") and cfg.io == "posix"
+    from tiering.backends.sizes import parse_size
+
+    assert parse_size(cfg.capacity, "capacity") == 4 << 30
     factory = pytest.importorskip("vllm.v1.kv_offload.tiering.factory",
                                   reason="vLLM 0.33's tiering (the .venv033 environment)")
     from tiering.vllm import FileTier
