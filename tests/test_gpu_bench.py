@@ -257,3 +257,29 @@ def test_budget_skips_a_step_that_would_end_past_it():
     b.took("throughput", "none", 30.0)
     assert b.estimate("throughput", "ours") == 30.0  # no restart in a throughput run
     assert gpu_bench.StepBudget(0, 0.0, clock=lambda: 1e9).fits("phases", "ours")  # no limit
+
+
+def test_counters_the_kernel_refuses_are_reported_not_taken_for_quiet(monkeypatch, tmp_path):
+    """A process whose /proc/<pid>/io may not be read (another user's, a ptrace restriction)
+    is named, and the wait says how many there were."""
+    import builtins
+
+    from tiering import write_quiesce
+
+    proc = start_writer(tmp_path, -1)
+    try:
+        hidden = process_tree(proc.pid)[1]  # the writing grandchild
+
+        def refusing_open(path, *args, **kw):
+            if path == f"/proc/{hidden}/io":
+                raise PermissionError(13, "Permission denied", path)
+            return builtins.open(path, *args, **kw)
+
+        monkeypatch.setattr(write_quiesce, "open", refusing_open, raising=False)
+        denied: list[int] = []
+        seen = written_bytes(process_tree(proc.pid), denied)
+        assert denied == [hidden] and hidden not in seen and proc.pid in seen
+        got = wait_for_quiet_writes(window_s=0.3, max_s=10, sync=False)
+        assert got.unreadable == 1
+    finally:
+        stop(proc)

@@ -337,7 +337,7 @@ class Engine:
         else:
             print(f"[bench] {self.config}: reset_prefix_cache kept failing", flush=True)
         return {"waited_s": round(got.waited_s, 3), "written_bytes": got.written_bytes,
-                "settled": got.quiet}
+                "settled": got.quiet, "unreadable_processes": got.unreadable}
 
     def close(self) -> None:
         import threading

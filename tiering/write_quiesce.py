@@ -33,6 +33,7 @@ class WriteQuiet:
     written_bytes: int  # wchar growth of the process tree during the wait
     quiet: bool
     syncs: int  # os.sync() calls made
+    unreadable: int = 0  # processes of the tree whose counters this process may not read
 
 
 def process_tree(root: int) -> list[int]:
@@ -58,8 +59,9 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
-def written_bytes(pids: list[int]) -> dict[int, int]:
-    """``wchar`` of each pid still alive and readable."""
+def written_bytes(pids: list[int], denied: list[int] | None = None) -> dict[int, int]:
+    """``wchar`` of each pid still alive and readable; the pids whose counters the kernel
+    refused to show (another user's process, a ptrace restriction) go to ``denied``."""
     out = {}
     for pid in pids:
         try:
@@ -68,7 +70,10 @@ def written_bytes(pids: list[int]) -> dict[int, int]:
                     if line.startswith("wchar:"):
                         out[pid] = int(line.split()[1])
                         break
-        except (OSError, ValueError):
+        except PermissionError:
+            if denied is not None:
+                denied.append(pid)
+        except (OSError, ValueError):  # exited meanwhile
             continue
     return out
 
@@ -97,11 +102,17 @@ def wait_for_quiet_writes(root: int | None = None, quiet_bytes: int = 8 << 20,
     root = os.getpid() if root is None else root
     t0 = time.monotonic()
     total = syncs = 0
+    warned = False
     synced = not sync  # no sync wanted: one quiet window is enough
     last = written_bytes(process_tree(root))
     while True:
         time.sleep(window_s)
-        now = written_bytes(process_tree(root))
+        denied: list[int] = []
+        now = written_bytes(process_tree(root), denied)
+        if denied and not warned:
+            warned = True
+            logger.warning("cannot read the write counters of processes %s (/proc/<pid>/io): "
+                           "their writes are not waited for", denied)
         grew = _growth(last, now)
         total += grew
         last = now
@@ -110,7 +121,7 @@ def wait_for_quiet_writes(root: int | None = None, quiet_bytes: int = 8 << 20,
             synced = not sync
         elif synced:
             if elapsed >= min_s:
-                return WriteQuiet(elapsed, total, True, syncs)
+                return WriteQuiet(elapsed, total, True, syncs, len(denied))
         else:  # quiet, but a writer may sit in fdatasync: sync, then watch one more window
             syncs += 1
             synced = _sync(max_s - elapsed)
@@ -118,4 +129,4 @@ def wait_for_quiet_writes(root: int | None = None, quiet_bytes: int = 8 << 20,
         if elapsed >= max_s:
             logger.warning("writes of process %d and its children did not settle within %.0f s "
                            "(%d bytes written meanwhile): going on", root, max_s, total)
-            return WriteQuiet(elapsed, total, False, syncs)
+            return WriteQuiet(elapsed, total, False, syncs, len(denied))
