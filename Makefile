@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test env lint gpu-check gpu-test gpu-bench bench clean
+.PHONY: demo test env lint gpu-check gpu-test gpu-bench gpu-session bench clean
 
 env:
 	@bash scripts/setup_env.sh
@@ -44,6 +44,13 @@ gpu-test:
 GPU_BENCH_ARGS ?=
 gpu-bench:
 	bash scripts/gpu_bench.sh $(GPU_BENCH_ARGS)
+
+# A whole GPU session (tests, 8B phases, 8B throughput, 32B phases) within BUDGET_S seconds,
+# results into GPU_OUT as they come (docs/gpu.md); GPU_STEPS picks steps.
+GPU_OUT ?= gpu-results
+GPU_STEPS ?=
+gpu-session:
+	bash scripts/gpu_session.sh $(GPU_OUT) $(GPU_STEPS)
 
 # File-tier benchmark against fio and vLLM's fs tier on the disk under BENCH_DIR.
 BENCH_DIR ?= .bench-scratch

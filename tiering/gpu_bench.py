@@ -4,14 +4,21 @@ by side, on one GPU with real vLLM (``make gpu-bench``; docs/benchmarks.md shows
 Setups (``--configs``): ``none`` (no offloading), ``cpu`` (vLLM's CPUOffloadingSpec),
 ``vtier-fs`` (vLLM's TieringOffloadingSpec with its ``fs`` tier), ``vtier-ours`` (vLLM's
 TieringOffloadingSpec with our FileTier as secondary tier), ``ours`` (our TieredOffloadingSpec:
-CPU tier + file tier).
+CPU tier + file tier, the file tier write-through: ``demote: on_store``), ``ours-wb`` (the same, the
+file tier write-back: ``demote: on_evict``).
 
 Phases per prompt length (``--phases``): ``cold`` (first sight), ``gpu`` (same prompt again:
 GPU prefix cache), ``cpu`` (after ``reset_prefix_cache``: served from the CPU tier), ``disk``
 (after filler prompts pushed it out of the CPU tier), ``restart`` (a new engine, fresh engine
 process, same disk folder), ``recompute`` (the same prompt with ``skip_reading_prefix_cache``:
 the work the caches save). ``throughput``: many concurrent requests over shared prefixes 3-5x
-larger than a small GPU KV cache, with a CPU tier smaller than the working set.
+larger than a small GPU KV cache, once per CPU tier size (``--tp-cpu-fraction``: smaller than
+the working set, so the disk matters, and larger, so it all fits in CPU memory).
+
+Before the disk, restart and throughput measurements the benchmark waits until the tiers'
+writes are done: until its engine processes' written bytes (``/proc/<pid>/io``) stop growing
+and an ``os.sync()`` returned (``tiering.write_quiesce``; at most ``--settle-max-s``). The
+time waited is in the timings.
 
 Every phase's greedy token ids and sampled-token logprobs are compared with the cold run of the
 no-offloading setup (``none`` must be among the configs). Where the prefix came from (GPU / CPU
@@ -44,7 +51,7 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-CONFIGS = ("none", "cpu", "vtier-fs", "vtier-ours", "ours")
+CONFIGS = ("none", "cpu", "vtier-fs", "vtier-ours", "ours", "ours-wb")
 PHASES = ("cold", "gpu", "cpu", "recompute", "disk", "restart", "throughput")
 SHAPES = {  # Llama-style shapes: layers, hidden, heads, kv heads, intermediate, vocab
     "8b": (32, 4096, 32, 8, 14336, 128256),    # Llama-3.1-8B
@@ -52,39 +59,62 @@ SHAPES = {  # Llama-style shapes: layers, hidden, heads, kv heads, intermediate,
     "small": (4, 1024, 8, 8, 2048, 32000),     # 64 KiB per-layer pages like 8b (GPU tests)
     "tiny": (2, 256, 4, 4, 512, 4096),         # for a CPU smoke run of this script
 }
-HAS_DISK = {"vtier-fs", "vtier-ours", "ours"}
+HAS_DISK = {"vtier-fs", "vtier-ours", "ours", "ours-wb"}
+
+
+def _numbers(ap: argparse.ArgumentParser, option: str, text: str, kind: type) -> list:
+    """A comma-separated list of positive numbers, or one clear error naming the option."""
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"{option}: expected comma-separated positive numbers, got {text!r}")
+    if not values or any(not v > 0 for v in values):
+        ap.error(f"{option}: expected comma-separated positive numbers, got {text!r}")
+    return values
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated, of {', '.join(CONFIGS)} (default: all)")
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--lengths", default="2048,8192,32768", help="prompt tokens, comma-separated")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--cpu-gib", type=float, default=5.0, help="CPU tier of the phase engines")
-    ap.add_argument("--disk-gib", type=float, default=20.0,
-                    help="file tier capacity (each config's folder is removed after it ran)")
+    ap.add_argument("--cpu-gib", type=float, default=0.0,
+                    help="CPU tier of the phase engines (0: 1.125 x the longest prompt's KV, "
+                         "so that one prompt fits and the disk phase's fillers stay few)")
+    ap.add_argument("--disk-gib", type=float, default=0.0,
+                    help="file tier capacity (0: 1.5 x what the run stores, at least 1 GiB: "
+                         "prompts and filler prompts, or the throughput working set; each "
+                         "config's folder is removed after it ran)")
     ap.add_argument("--gpu-blocks", type=int, default=0,
                     help="GPU KV blocks of the phase engines (0: enough for the longest prompt)")
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--disk-gbps", type=float, default=1.0,
-                    help="assumed disk write speed: how long to let writes settle")
+    ap.add_argument("--settle-max-s", type=float, default=120.0,
+                    help="longest wait for the tiers' writes to finish before the disk, restart "
+                         "and throughput measurements (then it logs and goes on; the waits "
+                         "between other phases get at most 30 s)")
+    ap.add_argument("--disk-gbps", type=float, default=None,
+                    help="ignored (older command lines): the writes are now waited for")
     ap.add_argument("--tp-prefixes", type=int, default=8, help="throughput: shared prefixes")
     ap.add_argument("--tp-prefix-tokens", type=int, default=4096)
-    ap.add_argument("--tp-requests", type=int, default=32)
+    ap.add_argument("--tp-requests", type=int, default=32,
+                    help="throughput: requests, all submitted at once")
     ap.add_argument("--tp-gpu-factor", type=float, default=4.0,
                     help="throughput: working set / GPU KV cache")
-    ap.add_argument("--tp-cpu-fraction", type=float, default=0.5,
-                    help="throughput: CPU tier / working set")
+    ap.add_argument("--tp-cpu-fraction", default="0.5,2",
+                    help="throughput: CPU tier / working set, comma-separated: one throughput "
+                         "run per value and config (below 1 the disk matters)")
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--gpu-copy", default="auto", help="ours: gpu_copy (auto, dma, staged, direct)")
     ap.add_argument("--promote", default=None,
                     help="ours: the CPU tier's promote setting (auto, always; default: the "
                          "spec's own default)")
     ap.add_argument("--budget-s", type=float, default=0,
-                    help="skip the steps (a config's phases or throughput) that would start after "
-                         "this many seconds (0: no limit)")
+                    help="skip the steps (a config's phases or throughput run) that would end "
+                         "after this many seconds, judged by the longest such step so far "
+                         "(0: no limit)")
     ap.add_argument("--scratch", default=os.environ.get(
         "TIERING_BENCH_DIR", os.path.join(tempfile.gettempdir(), "tiering-gpu-bench")),
         help="model folder and file tiers (removed and made again)")
@@ -95,7 +125,8 @@ def parse() -> argparse.Namespace:
     a = ap.parse_args()
     a.configs = [c for c in a.configs.split(",") if c]
     a.phases = [p for p in a.phases.split(",") if p]
-    a.lengths = [int(x) for x in a.lengths.split(",") if x]
+    a.lengths = _numbers(ap, "--lengths", a.lengths, int)
+    a.tp_cpu_fraction = _numbers(ap, "--tp-cpu-fraction", a.tp_cpu_fraction, float)
     bad = sorted(set(a.configs) - set(CONFIGS)) + sorted(set(a.phases) - set(PHASES))
     if bad:
         ap.error(f"unknown config/phase {bad}; configs {CONFIGS}, phases {PHASES}")
@@ -119,6 +150,32 @@ def write_model(folder: Path, shape: str, max_pos: int) -> Path:
 def kv_bytes_per_token(shape: str, dtype: str) -> int:
     layers, hidden, heads, kv_heads, _, _ = SHAPES[shape]
     return 2 * layers * kv_heads * (hidden // heads) * (4 if dtype == "float32" else 2)
+
+
+def shape_sizes(shape: str, dtype: str) -> dict[str, int]:
+    """Parameters and bytes of a shape as ``write_model`` describes it to vLLM's Llama:
+    untied embedding and output projection, per layer q/k/v/o, gate/up/down, two norms."""
+    layers, hidden, heads, kv_heads, inter, vocab = SHAPES[shape]
+    head_dim = hidden // heads
+    per_layer = (hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+                 + heads * head_dim * hidden + 3 * hidden * inter + 2 * hidden)
+    params = layers * per_layer + 2 * vocab * hidden + hidden
+    width = 4 if dtype == "float32" else 2
+    return {"params": params, "weight_bytes": params * width,
+            "kv_bytes_per_token": kv_bytes_per_token(shape, dtype)}
+
+
+def fillers(cpu_bytes: int, length: int, kvb: int) -> int:
+    """Filler prompts of ``length`` tokens that together store a quarter more than the CPU
+    tier holds: after them, nothing stored before is left in it."""
+    return int(cpu_bytes * 1.25 // (length * kvb)) + 1
+
+
+def auto_cpu_bytes(lengths: list[int], kvb: int) -> int:
+    """The phase engines' CPU tier when ``--cpu-gib`` is 0: the longest prompt's KV and an
+    eighth more (a prompt's cpu phase comes right after its cold run, so one prompt must fit;
+    a small tier keeps the disk phase's filler prompts few)."""
+    return int(max(lengths) * kvb * 1.125)
 
 
 def randomize_weights(model) -> int:
@@ -159,15 +216,17 @@ def transfer_config(name: str, scratch: Path, cpu_bytes: int, disk_gib: float,
     elif name == "vtier-ours":
         extra.update(spec_name="TieringOffloadingSpec",
                      secondary_tiers=[{"type": "FileTier", "module_path": "tiering.vllm",
-                                       "path": str(disk), "capacity": f"{disk_gib}GiB",
+                                       "path": str(disk), "capacity": f"{disk_gib:.3f}GiB",
                                        "policy": "lru", "io": "posix"}])
-    else:
+    else:  # ours, ours-wb: the file tier write-through (vLLM's default) or write-back
+        file_tier = {"medium": "file", "path": str(disk), "capacity": f"{disk_gib:.3f}GiB",
+                     "policy": "lru", "io": "posix"}
+        if name == "ours-wb":
+            file_tier["demote"] = "on_evict"
         extra.update(spec_name="TieredOffloadingSpec", spec_module_path="tiering.vllm",
                      gpu_copy=gpu_copy,
                      tiers=[{"medium": "cpu", "policy": "lru",
-                             **({"promote": promote} if promote else {})},
-                            {"medium": "file", "path": str(disk), "capacity": f"{disk_gib}GiB",
-                             "policy": "lru", "io": "posix"}])
+                             **({"promote": promote} if promote else {})}, file_tier])
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": extra}
 
@@ -176,14 +235,15 @@ class Engine:
     """One ``LLM`` (its own engine-core process) and the phase measurements taken on it."""
 
     def __init__(self, a, model: Path, config: str, kvt: dict | None, gpu_blocks: int,
-                 max_len: int, warm_tokens: int | list[int] = 64) -> None:
+                 max_len: int, warm_tokens: int | list[int] = 64, max_num_seqs: int = 64) -> None:
         from vllm import LLM
 
+        self.settle_max_s = getattr(a, "settle_max_s", 120.0)
         kw = dict(model=str(model), skip_tokenizer_init=True, load_format="dummy",
                   dtype=a.dtype, enforce_eager=True, seed=0, max_model_len=max_len,
                   enable_prefix_caching=True, prefix_caching_hash_algo="sha256",
                   disable_log_stats=False, num_gpu_blocks_override=gpu_blocks,
-                  max_num_seqs=64)
+                  max_num_seqs=max_num_seqs)
         if not a.cpu_platform:
             kw.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=a.gpu_mem,
                       compilation_config={"custom_ops": ["none"]})
@@ -252,15 +312,32 @@ class Engine:
                         "logprobs": lps})
         return wall, src, res
 
-    def settle(self, seconds: float = 0.5) -> None:
+    def settle(self, seconds: float = 0.5, sync: bool = False) -> dict:
         """Let async stores finish, then drop the GPU prefix cache (vLLM refuses while blocks
-        are still pinned by transfers: retry)."""
-        time.sleep(seconds)
+        are still pinned by transfers: retry).
+
+        Waits at least ``seconds`` (GPU->CPU copies: no write shows them) and until this
+        process and its children (vLLM's engine core, its workers) stopped writing; with
+        ``sync``, also until an ``os.sync()`` returned and the writes stayed quiet after it
+        (a file tier's group commit sits in ``fdatasync`` without writing). Returns what the
+        wait saw (seconds, bytes written meanwhile, whether it settled before the bound)."""
+        from tiering.write_quiesce import wait_for_quiet_writes
+
+        # a wait between phases gets at most 30 s: a writer that never stops (none is known)
+        # costs minutes only at the few synced waits
+        bound = self.settle_max_s if sync else min(self.settle_max_s, 30.0)
+        got = wait_for_quiet_writes(min_s=seconds, max_s=max(seconds, bound), sync=sync)
+        if not got.quiet:
+            print(f"[bench] {self.config}: writes still running after {got.waited_s:.0f}s "
+                  f"(--settle-max-s): measuring anyway", flush=True)
         for _ in range(50):
             if self.llm.reset_prefix_cache():
-                return
+                break
             time.sleep(0.1)
-        print(f"[bench] {self.config}: reset_prefix_cache kept failing", flush=True)
+        else:
+            print(f"[bench] {self.config}: reset_prefix_cache kept failing", flush=True)
+        return {"waited_s": round(got.waited_s, 3), "written_bytes": got.written_bytes,
+                "settled": got.quiet, "unreadable_processes": got.unreadable}
 
     def close(self) -> None:
         import threading
@@ -302,11 +379,14 @@ def record(rows, a, engine, config, length, phase, prompts, skip_cache=False, ex
     return row
 
 
-def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, gpu_blocks):
+def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, gpu_blocks,
+               cpu_bytes):
     """Phase engine (+ restart engine) of one config."""
-    cpu_bytes = int(a.cpu_gib * 2**30)
-    kvt = transfer_config(config, scratch, cpu_bytes, a.disk_gib, a.gpu_copy, a.promote)
-    timings = {}
+    n_fill = fillers(cpu_bytes, max(a.lengths), kvb)
+    stored = (sum(a.lengths) + n_fill * max(a.lengths)) * kvb
+    kvt = transfer_config(config, scratch, cpu_bytes, a.disk_gib or max(1.0, 1.5 * stored / 2**30),
+                          a.gpu_copy, a.promote)
+    timings: dict = {}
     warm = list(a.lengths)
     eng = Engine(a, model, config, kvt, gpu_blocks, max_len, warm)
     timings["init_s"], timings["weights_s"] = eng.init_s, eng.weights_s
@@ -324,21 +404,19 @@ def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, g
         if "disk" in a.phases and config != "none":
             # filler prompts, together larger than the CPU tier, push everything out of it
             per = max(a.lengths)
-            n_fill = int(cpu_bytes * 1.25 // (per * kvb)) + 1
             eng.settle()
             t = time.perf_counter()
             for i in range(n_fill):
                 eng.generate([prompt(900 + i, per, SHAPES[a.shape][5])], 1)
             timings["filler_s"] = time.perf_counter() - t
             timings["filler_tokens"] = n_fill * per
-            written = sum(len(p) for _, p in lengths_prompts) * kvb + n_fill * per * kvb
-            eng.settle(1.0 + (written / (a.disk_gbps * 1e9) if config in HAS_DISK else 0))
+            # every config waits (vLLM's CPU tier writes nothing, and the wait says so)
+            timings["settle_disk"] = eng.settle(1.0, sync=True)
             for length, p in lengths_prompts:
                 eng.settle(0.2)
                 record(rows, a, eng, config, length, "disk", [p])
         if "restart" in a.phases and config in HAS_DISK:
-            written = sum(len(p) for _, p in lengths_prompts) * kvb
-            eng.settle(1.0 + written / (a.disk_gbps * 1e9))
+            timings["settle_restart"] = eng.settle(1.0, sync=True)
     finally:
         eng.close()
     if "restart" in a.phases and config in HAS_DISK:
@@ -353,41 +431,58 @@ def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, g
     return timings
 
 
-def throughput_for(a, model, config, scratch, kvb, block_size):
-    """Concurrent requests over shared prefixes larger than a small GPU cache."""
+def throughput_for(a, model, config, scratch, kvb, block_size, cpu_fraction):
+    """Concurrent requests over shared prefixes larger than a small GPU cache, with a CPU tier
+    of ``cpu_fraction`` x the working set (None for ``none``: no CPU tier)."""
     import random
 
     ws_tokens = a.tp_prefixes * a.tp_prefix_tokens
-    gpu_blocks = max(16, int(ws_tokens / a.tp_gpu_factor) // block_size)
-    cpu_bytes = int(ws_tokens * kvb * a.tp_cpu_fraction)
-    kvt = transfer_config(config, scratch / "tp", cpu_bytes, a.disk_gib, a.gpu_copy, a.promote)
+    max_len = a.tp_prefix_tokens + 64 + a.max_tokens
+    # a GPU cache of working set / factor, but never too small for one request
+    gpu_blocks = max(16, int(ws_tokens / a.tp_gpu_factor) // block_size,
+                     -(-max_len // block_size) + 1)
+    gpu_tokens = gpu_blocks * block_size
+    cpu_bytes = int(ws_tokens * kvb * (cpu_fraction or 0))
+    kvt = transfer_config(config, scratch / "tp", cpu_bytes,
+                          a.disk_gib or max(1.0, 1.5 * ws_tokens * kvb / 2**30), a.gpu_copy, a.promote)
     vocab = SHAPES[a.shape][5]
     prefixes = [prompt(5000 + i, a.tp_prefix_tokens, vocab) for i in range(a.tp_prefixes)]
     r = random.Random(7)
     order = [i % a.tp_prefixes for i in range(a.tp_requests)]
     r.shuffle(order)
     reqs = [prefixes[i] + prompt(7000 + k, 32, vocab) for k, i in enumerate(order)]
-    max_len = a.tp_prefix_tokens + 64 + a.max_tokens
-    eng = Engine(a, model, config, kvt, gpu_blocks, max_len, a.tp_prefix_tokens)
+    print(f"[bench] throughput {config} CPU tier {cpu_fraction or 0:g} x working set: "
+          f"{len(reqs)} concurrent requests over {a.tp_prefixes} prefixes of "
+          f"{a.tp_prefix_tokens} tokens = {ws_tokens} tokens, {ws_tokens / gpu_tokens:.1f}x the "
+          f"GPU KV cache ({gpu_tokens} tokens); CPU tier {cpu_bytes / 2**30:.2f} GiB of "
+          f"{ws_tokens * kvb / 2**30:.2f} GiB", flush=True)
+    eng = Engine(a, model, config, kvt, gpu_blocks, max_len, a.tp_prefix_tokens,
+                 max_num_seqs=max(64, len(reqs)))
     try:
-        # populate: each prefix once (stores to the tiers), then let writes settle
+        # populate: each prefix once (stores to the tiers), then wait for the writes
         eng.generate([p + prompt(6000 + i, 32, vocab) for i, p in enumerate(prefixes)], 1)
-        eng.settle(1.0 + (ws_tokens * kvb / (a.disk_gbps * 1e9) if config in HAS_DISK else 0))
+        settle = eng.settle(1.0, sync=True)
+        # all requests in one call: vLLM schedules them together, as many as the GPU cache
+        # and max_num_seqs admit
         wall, src, res = eng.generate(reqs, a.max_tokens)
     finally:
         eng.close()
     ttfts = sorted(x["ttft_s"] for x in res if x["ttft_s"] is not None)
     p99 = ttfts[min(len(ttfts) - 1, int(round(0.99 * (len(ttfts) - 1))))] if ttfts else None
-    row = {"config": config, "requests": len(reqs), "wall_s": wall,
-           "requests_per_s": len(reqs) / wall,
+    row = {"config": config, "cpu_fraction": cpu_fraction, "requests": len(reqs),
+           "wall_s": wall, "requests_per_s": len(reqs) / wall,
            "ttft_mean_s": statistics.mean(ttfts) if ttfts else None, "ttft_p99_s": p99,
-           "gpu_kv_tokens": gpu_blocks * block_size, "working_set_tokens": ws_tokens,
-           "cpu_tier_bytes": cpu_bytes, "from_gpu": src["device"], "from_cpu": src["host"],
-           "from_disk": src["disk"], "token_ids": [x["token_ids"] for x in res]}
-    print(f"[bench] throughput {config:<10} {row['requests_per_s']:6.2f} req/s  mean TTFT "
+           "gpu_kv_tokens": gpu_tokens, "working_set_tokens": ws_tokens,
+           "working_set_bytes": ws_tokens * kvb, "cpu_tier_bytes": cpu_bytes,
+           "from_gpu": src["device"], "from_cpu": src["host"], "from_disk": src["disk"],
+           "settle": settle, "init_s": eng.init_s,
+           "token_ids": [x["token_ids"] for x in res]}
+    print(f"[bench] throughput {config:<10} cpu {cpu_fraction or 0:g}x "
+          f"{row['requests_per_s']:6.2f} req/s  mean TTFT "
           f"{(row['ttft_mean_s'] or 0) * 1000:8.1f} ms  p99 {(p99 or 0) * 1000:8.1f} ms  "
-          f"(gpu {src['device']:.0f} cpu {src['host']:.0f} disk {src['disk']:.0f} tokens)",
-          flush=True)
+          f"(gpu {src['device']:.0f} cpu {src['host']:.0f} disk {src['disk']:.0f} tokens; "
+          f"waited {settle['waited_s']:.1f}s for {settle['written_bytes'] / 2**20:.0f} MiB of "
+          f"writes)", flush=True)
     return row
 
 
@@ -457,20 +552,32 @@ def table(rows: list[dict], tp_rows: list[dict], configs: list[str]) -> str:
                 cells.append(f"{r['ttft_s'] * 1000:.0f} ({src}{part}){mark}")
             lines.append(f"| {ph} | " + " | ".join(cells) + " |")
     if tp_rows:
-        lines.append("\nThroughput (concurrent requests over shared prefixes)")
-        lines.append("| config | req/s | mean TTFT ms | p99 TTFT ms | from GPU / CPU / disk "
-                     "tokens | same tokens |")
-        lines.append("|---|---|---|---|---|---|")
-        for t in tp_rows:
+        t0 = tp_rows[0]
+        lines.append(f"\nThroughput: {t0['requests']} concurrent requests over a working set of "
+                     f"{t0['working_set_tokens']} prefix tokens = "
+                     f"{t0['working_set_tokens'] / t0['gpu_kv_tokens']:.1f}x the GPU KV cache "
+                     f"({t0['gpu_kv_tokens']} tokens); CPU tier = the given multiple of the "
+                     f"working set (below 1x the disk matters)")
+        lines.append("| CPU tier / working set | config | req/s | mean TTFT ms | p99 TTFT ms | "
+                     "from GPU / CPU / disk tokens | same tokens |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for t in sorted(tp_rows, key=lambda t: (t.get("cpu_fraction") or 0,
+                                                configs.index(t["config"])
+                                                if t["config"] in configs else 99)):
             same = t.get("same_tokens_fraction")
-            lines.append(f"| {t['config']} | {t['requests_per_s']:.2f} | "
-                         f"{(t['ttft_mean_s'] or 0) * 1000:.0f} | {(t['ttft_p99_s'] or 0) * 1000:.0f} | "
+            frac = t.get("cpu_fraction")
+            lines.append(f"| {'-' if not frac else f'{frac:g}x'} | {t['config']} | "
+                         f"{t['requests_per_s']:.2f} | "
+                         f"{(t['ttft_mean_s'] or 0) * 1000:.0f} | "
+                         f"{(t['ttft_p99_s'] or 0) * 1000:.0f} | "
                          f"{t['from_gpu']:.0f} / {t['from_cpu']:.0f} / {t['from_disk']:.0f} | "
                          f"{'' if same is None else f'{100 * same:.0f}%'} |")
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], configs: list[str], path: Path) -> None:
+def plot(rows: list[dict], tp_rows: list[dict], configs: list[str], path: Path) -> None:
+    """TTFT per phase, one panel per prompt length; then, with throughput rows, req/s and mean
+    TTFT per CPU tier size (``none``, which has no CPU tier, in every group)."""
     try:
         import matplotlib
 
@@ -481,9 +588,12 @@ def plot(rows: list[dict], configs: list[str], path: Path) -> None:
         return
     lengths = sorted({r["length"] for r in rows})
     phases = [p for p in PHASES if p != "throughput" and any(r["phase"] == p for r in rows)]
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    panels = len(lengths) + (2 if tp_rows else 0)
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
     width = 0.8 / max(1, len(configs))
-    for ax, length in zip(axes[0], lengths, strict=True):
+    for ax, length in zip(axes[0], lengths, strict=False):
         for k, c in enumerate(configs):
             ys = []
             for ph in phases:
@@ -495,20 +605,71 @@ def plot(rows: list[dict], configs: list[str], path: Path) -> None:
         ax.set_title(f"{length} prompt tokens")
         ax.set_ylabel("TTFT ms")
         ax.set_yscale("log")
-    axes[0][0].legend(fontsize=8)
+        ax.legend(fontsize=8)
+    if tp_rows:
+        fracs = sorted({t["cpu_fraction"] for t in tp_rows if t.get("cpu_fraction")}) or [None]
+        t0 = tp_rows[0]
+        ratio = t0["working_set_tokens"] / t0["gpu_kv_tokens"]
+        for ax, (key, label, scale) in zip(
+                axes[0][len(lengths):], (("requests_per_s", "requests/s", 1),
+                                         ("ttft_mean_s", "mean TTFT ms", 1000)), strict=True):
+            for k, c in enumerate(configs):
+                ys = []
+                for f in fracs:
+                    t = next((t for t in tp_rows if t["config"] == c
+                              and t.get("cpu_fraction") in (f, None)), None)
+                    ys.append((t[key] or 0) * scale if t else 0)
+                ax.bar([i + k * width for i in range(len(fracs))], ys, width, label=c)
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(fracs))],
+                          [f"CPU tier {f:g}x working set" if f else "-" for f in fracs])
+            ax.set_title(f"throughput, working set {ratio:.1f}x the GPU KV cache", fontsize=9)
+            ax.set_ylabel(label)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"[bench] plot: {path}", flush=True)
 
 
 def render(path: Path) -> None:
-    """Recompute the checks and the table of a saved run (``--from-json``)."""
+    """Recompute the checks, the table and the plot of a saved run (``--from-json``)."""
     d = json.loads(path.read_text())
     compare(d["phases"], d["throughput"])
     path.write_text(json.dumps(d, indent=1))
     text = table(d["phases"], d["throughput"], d["info"]["configs"])
     path.with_suffix(".md").write_text(text + "\n")
+    plot(d["phases"], d["throughput"], d["info"]["configs"], path.with_suffix(".png"))
     print(text)
+
+
+class StepBudget:
+    """Which steps (a config's phases, one throughput run) still fit in ``--budget-s``.
+
+    A step is expected to take as long as the longest step of its kind so far: its kind is what
+    it runs and whether the config has a disk (a disk config's phases add the disk phase and an
+    engine restart). With no step of its kind yet, a disk config's phases are expected to take
+    twice the longest phases of a config without disk (8B on the H200: 95-100 s against 57 s),
+    any other step as long as the longest of the same kind, or no time at all."""
+
+    def __init__(self, budget_s: float, start: float, clock=time.perf_counter) -> None:
+        self.budget_s, self.start, self.clock = budget_s, start, clock
+        self.longest: dict[tuple[str, bool], float] = {}
+
+    def spent(self) -> float:
+        return self.clock() - self.start
+
+    def estimate(self, what: str, config: str) -> float:
+        disk = config in HAS_DISK
+        if (what, disk) in self.longest:
+            return self.longest[(what, disk)]
+        other = self.longest.get((what, not disk), 0.0)
+        return 2 * other if disk and what == "phases" else other
+
+    def fits(self, what: str, config: str) -> bool:
+        return not self.budget_s or self.spent() + self.estimate(what, config) <= self.budget_s
+
+    def took(self, what: str, config: str, seconds: float) -> None:
+        key = (what, config in HAS_DISK)
+        self.longest[key] = max(self.longest.get(key, 0.0), seconds)
 
 
 def main() -> None:
@@ -526,15 +687,24 @@ def main() -> None:
     scratch.mkdir(parents=True)
     max_len = max(a.lengths) + 64 + a.max_tokens
     model = write_model(scratch / f"model-{a.shape}", a.shape, max(max_len, 4096) * 2)
-    kvb = kv_bytes_per_token(a.shape, a.dtype)
+    sizes = shape_sizes(a.shape, a.dtype)
+    kvb = sizes["kv_bytes_per_token"]
     block_size = 128 if a.cpu_platform else 16
     gpu_blocks = a.gpu_blocks or -(-int(max_len * 1.25) // block_size)
+    cpu_bytes = int(a.cpu_gib * 2**30) if a.cpu_gib else auto_cpu_bytes(a.lengths, kvb)
     vocab = SHAPES[a.shape][5]
     lengths_prompts = [(n, prompt(n, n, vocab)) for n in a.lengths]
     info = {"vllm": vllm.__version__, "shape": a.shape, "lengths": a.lengths,
             "configs": a.configs, "phases": a.phases, "kv_bytes_per_token": kvb,
-            "cpu_gib": a.cpu_gib, "gpu_kv_tokens": gpu_blocks * block_size,
+            "params": sizes["params"], "weight_bytes": sizes["weight_bytes"],
+            "cpu_gib": cpu_bytes / 2**30, "gpu_kv_tokens": gpu_blocks * block_size,
+            "gpu_kv_bytes": gpu_blocks * block_size * kvb, "tp_cpu_fraction": a.tp_cpu_fraction,
             "max_tokens": a.max_tokens, "argv": sys.argv[1:]}
+    print(f"[bench] {a.shape}: {sizes['params'] / 1e9:.2f}e9 parameters = "
+          f"{sizes['weight_bytes'] / 2**30:.1f} GiB of weights, {kvb // 1024} KiB of KV per "
+          f"token; phase engines: GPU KV cache {gpu_blocks * block_size} tokens = "
+          f"{gpu_blocks * block_size * kvb / 2**30:.1f} GiB, CPU tier "
+          f"{cpu_bytes / 2**30:.2f} GiB", flush=True)
     # no CUDA call in this process: vLLM then forks its engine processes instead of spawning
     # them (an engine start without re-importing vLLM)
     try:
@@ -560,46 +730,59 @@ def main() -> None:
         info["total_s"] = time.perf_counter() - t0
         (out / f"{stem}.json").write_text(json.dumps(
             {"info": info, "timings": timings, "phases": rows, "throughput": tp_rows}, indent=1))
+        (out / f"{stem}.md").write_text(table(rows, tp_rows, a.configs) + "\n")
 
-    def over_budget(what: str, config: str) -> bool:
-        if a.budget_s and time.perf_counter() - t0 > a.budget_s:
-            print(f"[bench] {config}: {what} skipped (--budget-s {a.budget_s} spent)", flush=True)
-            timings.setdefault(config, {})[f"{what}_skipped"] = "budget"
-            return True
-        return False
+    budget = StepBudget(a.budget_s, t0)
 
-    # all configs' phases first, then all configs' throughput: a budget cut loses whole steps
-    steps = []
+    def over_budget(what: str, config: str, key: str) -> bool:
+        if budget.fits(what, config):
+            return False
+        print(f"[bench] {key}: {what} skipped (--budget-s {a.budget_s:.0f}: "
+              f"{budget.spent():.0f}s spent, such a step is expected to take "
+              f"{budget.estimate(what, config):.0f}s)", flush=True)
+        timings.setdefault(key, {})[f"{what}_skipped"] = "budget"
+        return True
+
+    # all configs' phases first, then all configs' throughput runs (for each CPU tier size,
+    # smallest first; `none` has no CPU tier: once): a budget cut loses whole steps
+    steps: list[tuple[str, str, float | None]] = []
     if any(p in a.phases for p in PHASES if p != "throughput"):
-        steps += [("phases", c) for c in a.configs]
+        steps += [("phases", c, None) for c in a.configs]
     if "throughput" in a.phases:
-        steps += [("throughput", c) for c in a.configs]
-    for what, config in steps:
-        if over_budget(what, config):
+        steps += [("throughput", "none", None)] if "none" in a.configs else []
+        steps += [("throughput", c, f) for f in a.tp_cpu_fraction for c in a.configs
+                  if c != "none"]
+    for what, config, fraction in steps:
+        key = config if fraction is None else f"{config}@{fraction:g}"
+        if over_budget(what, config, key):
             continue
         t = time.perf_counter()
         try:
             if what == "phases":
-                timings.setdefault(config, {}).update(phases_for(
-                    a, model, config, scratch, rows, lengths_prompts, kvb, max_len, gpu_blocks))
+                timings.setdefault(key, {}).update(phases_for(
+                    a, model, config, scratch, rows, lengths_prompts, kvb, max_len, gpu_blocks,
+                    cpu_bytes))
             else:
-                tp_rows.append(throughput_for(a, model, config, scratch, kvb, block_size))
+                tp_rows.append(throughput_for(a, model, config, scratch, kvb, block_size,
+                                              fraction))
         except Exception as exc:  # report and go on with the next config
             import traceback
 
             traceback.print_exc()
-            timings.setdefault(config, {})[f"{what}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
-        timings.setdefault(config, {})[f"{what}_wall_s"] = time.perf_counter() - t
+            timings.setdefault(key, {})[f"{what}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
+        took = time.perf_counter() - t
+        timings.setdefault(key, {})[f"{what}_wall_s"] = took
+        budget.took(what, config, took)
         for d in (scratch / config, scratch / "tp" / config):
             shutil.rmtree(d, ignore_errors=True)
-        print(f"[bench] {config} {what} done in {time.perf_counter() - t:.0f}s", flush=True)
+        print(f"[bench] {key} {what} done in {took:.0f}s", flush=True)
         compare(rows, tp_rows)
         save()
     compare(rows, tp_rows)
     save()
     text = table(rows, tp_rows, a.configs)
     (out / f"{stem}.md").write_text(text + "\n")
-    plot(rows, a.configs, out / f"{stem}.png")
+    plot(rows, tp_rows, a.configs, out / f"{stem}.png")
     print(text, flush=True)
     bad = [r for r in rows if r.get("same_tokens") is False]
     inexact = [r for r in rows if r.get("exact_vs_gpu_hit") is False]

@@ -1,0 +1,285 @@
+"""The GPU benchmark's parts that run without a GPU: waiting for a process tree's writes to end
+(``tiering.write_quiesce``), the model shapes' arithmetic, the offloading configs it builds and
+the throughput table. The benchmark itself runs on a GPU (``scripts/gpu_session.sh``) and in a
+CPU smoke run (``--cpu-platform``, docs/gpu.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tiering import gpu_bench
+from tiering.write_quiesce import process_tree, wait_for_quiet_writes, written_bytes
+
+# A writer that overwrites 4 MiB at the start of a file every 20 ms (about 200 MiB/s, far above
+# the 8 MiB per 0.5 s quiet threshold) for SECONDS seconds (forever if negative), then prints
+# the monotonic clock and sleeps: still alive, no longer writing. It ends when its launcher does
+# (no writer is left behind, whatever the test's outcome).
+WRITER = r"""
+import os, sys, time
+path, seconds = sys.argv[1], float(sys.argv[2])
+parent = os.getppid()
+fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+chunk = os.urandom(4 << 20)
+end = time.monotonic() + seconds
+while (seconds < 0 or time.monotonic() < end) and os.getppid() == parent:
+    os.pwrite(fd, chunk, 0)
+    time.sleep(0.02)
+print(time.monotonic(), flush=True)
+while os.getppid() == parent:  # alive, not writing, until its launcher is gone
+    time.sleep(0.1)
+"""
+
+# The writer as a grandchild: an intermediate process starts it and waits, as vLLM's engine
+# core is a child of the frontend and its workers may be children of the engine core.
+LAUNCHER = r"""
+import subprocess, sys
+subprocess.run([sys.executable, "-c", sys.argv[1], *sys.argv[2:]])
+"""
+
+
+def start_writer(tmp_path, seconds: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, WRITER, str(tmp_path / "f"),
+                             str(seconds)], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # until the grandchild has written something
+        if len(process_tree(proc.pid)) == 2 and sum(written_bytes(process_tree(proc.pid)).values()):
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the writer did not start")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    for pid in reversed(process_tree(proc.pid)):  # grandchild first, then the launcher
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(30)
+
+
+def test_process_tree_finds_a_grandchild(tmp_path):
+    proc = start_writer(tmp_path, -1)
+    try:
+        tree = process_tree(proc.pid)
+        assert tree[0] == proc.pid and len(tree) == 2
+        assert set(tree) <= set(process_tree(os.getpid()))
+    finally:
+        stop(proc)
+
+
+def test_waits_until_a_grandchild_stops_writing(tmp_path):
+    proc = start_writer(tmp_path, 2.0)
+    try:
+        got = wait_for_quiet_writes(window_s=0.5, max_s=60)
+        returned = time.monotonic()
+        stopped = float(proc.stdout.readline())  # printed right after the last write
+        assert got.quiet
+        assert returned > stopped  # not before the writer stopped
+        assert returned - stopped < 30  # and not long after (a generous bound)
+        assert got.syncs >= 1
+        # most of the ~2 s of writing (at ~200 MiB/s) happened during the wait
+        assert got.written_bytes > 64 << 20
+    finally:
+        stop(proc)
+
+
+def test_returns_at_the_bound_when_the_writes_never_stop(tmp_path):
+    proc = start_writer(tmp_path, -1)
+    try:
+        t = time.monotonic()
+        got = wait_for_quiet_writes(window_s=0.5, max_s=2.0)
+        assert not got.quiet
+        assert 2.0 <= got.waited_s < 30 and time.monotonic() - t < 30
+        assert got.written_bytes > 16 << 20
+    finally:
+        stop(proc)
+
+
+def test_an_idle_tree_settles_at_once(tmp_path):
+    got = wait_for_quiet_writes(window_s=0.2, max_s=30)
+    assert got.quiet and got.waited_s < 30
+
+
+# ---- shapes -----------------------------------------------------------------------------
+
+def test_8b_shape_is_llama_3_1_8b():
+    s = gpu_bench.shape_sizes("8b", "bfloat16")
+    assert s["kv_bytes_per_token"] == 128 << 10  # 32 layers x 8 kv heads x 128 x 2 (K, V) x 2 B
+    assert 7.9e9 < s["params"] < 8.1e9  # Llama-3.1-8B has 8.03e9 parameters
+
+
+def test_32b_shape_fits_one_h200_with_a_32k_prompt():
+    s = gpu_bench.shape_sizes("32b", "bfloat16")
+    assert 31e9 < s["params"] < 34e9
+    assert s["kv_bytes_per_token"] == 256 << 10  # 64 layers x 8 kv heads x 128 x 2 x 2 B
+    h200 = 141e9
+    kv_32k = 32768 * 1.25 * s["kv_bytes_per_token"]  # the phase engines' GPU cache for 32k
+    assert s["weight_bytes"] + kv_32k < 0.85 * h200 - 8e9  # 8 GB left for activations
+    layers, hidden, heads, kv_heads, inter, vocab = gpu_bench.SHAPES["32b"]
+    assert hidden % heads == 0 and heads % kv_heads == 0
+
+
+def test_fillers_push_everything_out_of_the_cpu_tier():
+    for cpu_bytes, length, kvb in ((int(4.5 * 2**30), 32768, 128 << 10), (3 << 30, 8192, 256 << 10),
+                                   (4 << 20, 1024, 2048)):
+        n = gpu_bench.fillers(cpu_bytes, length, kvb)
+        assert n * length * kvb >= 1.25 * cpu_bytes
+        assert (n - 2) * length * kvb < 1.25 * cpu_bytes  # not many more than needed
+
+
+def test_cpu_tier_auto_size_holds_the_longest_prompt():
+    kvb = gpu_bench.shape_sizes("32b", "bfloat16")["kv_bytes_per_token"]
+    assert gpu_bench.auto_cpu_bytes([2048, 8192], kvb) >= 8192 * kvb
+    assert gpu_bench.auto_cpu_bytes([2048, 32768], kvb) >= 32768 * kvb
+    # the 8B run's 4.5 GiB tier for a 32k prompt
+    assert gpu_bench.auto_cpu_bytes([32768], 128 << 10) == int(4.5 * 2**30)
+
+
+# ---- configs and options ------------------------------------------------------------------
+
+def test_configs_name_the_spec_and_tiers(tmp_path):
+    none = gpu_bench.transfer_config("none", tmp_path, 1 << 30, 4.0)
+    assert none is None
+    extra = {c: gpu_bench.transfer_config(c, tmp_path, 1 << 30, 4.0)["kv_connector_extra_config"]
+             for c in gpu_bench.CONFIGS if c != "none"}
+    assert extra["cpu"]["spec_name"] == "CPUOffloadingSpec"
+    assert extra["vtier-fs"]["spec_name"] == "TieringOffloadingSpec"
+    assert extra["vtier-fs"]["secondary_tiers"] == [{"type": "fs",
+                                                     "root_dir": str(tmp_path / "vtier-fs")}]
+    ours_tier = extra["vtier-ours"]["secondary_tiers"][0]
+    assert ours_tier["type"] == "FileTier" and ours_tier["module_path"] == "tiering.vllm"
+    assert ours_tier["path"] == str(tmp_path / "vtier-ours")
+    for c in ("ours", "ours-wb"):
+        assert extra[c]["spec_name"] == "TieredOffloadingSpec"
+        assert extra[c]["tiers"][1]["path"] == str(tmp_path / c)
+    assert "demote" not in extra["ours"]["tiers"][1]  # the default: write-through
+    assert extra["ours-wb"]["tiers"][1]["demote"] == "on_evict"
+    for c, e in extra.items():
+        assert e["cpu_bytes_to_use"] == 1 << 30, c
+    assert gpu_bench.HAS_DISK == {"vtier-fs", "vtier-ours", "ours", "ours-wb"}
+
+
+def test_our_configs_are_valid_for_our_spec(tmp_path):
+    """The tiers list our spec would be given parses (a wrong key or demote mode would raise)."""
+    from tiering.config import parse
+
+    demote = {}
+    for c in ("ours", "ours-wb"):
+        extra = gpu_bench.transfer_config(c, tmp_path, 1 << 30, 4.0)["kv_connector_extra_config"]
+        cfg = parse({k: v for k, v in extra.items() if k not in ("spec_name",
+                                                                  "spec_module_path")})
+        assert cfg.cpu_bytes_to_use == 1 << 30 and len(cfg.files) == 1
+        demote[c] = cfg.files[0].demote
+    assert demote == {"ours": "on_store", "ours-wb": "on_evict"}
+
+
+def test_vtier_configs_build_the_tiers_they_name(tmp_path):
+    """vtier-ours's entry is a valid FileTier config once vLLM's factory has taken ``type`` and
+    ``module_path`` off it; under vLLM 0.33 (.venv033) the factory resolves both entries."""
+    from tiering.backends.file_config import FileTierConfig
+
+    extra = {c: gpu_bench.transfer_config(c, tmp_path, 1 << 30, 4.0)["kv_connector_extra_config"]
+             for c in ("vtier-fs", "vtier-ours")}
+    entry = dict(extra["vtier-ours"]["secondary_tiers"][0])
+    entry.pop("type"), entry.pop("module_path")
+    cfg = FileTierConfig.from_dict(entry, "vtier-ours")
+    assert cfg.path == str(tmp_path / "vtier-ours") and cfg.io == "posix"
+    from tiering.backends.sizes import parse_size
+
+    assert parse_size(cfg.capacity, "capacity") == 4 << 30
+    factory = pytest.importorskip("vllm.v1.kv_offload.tiering.factory",
+                                  reason="vLLM 0.33's tiering (the .venv033 environment)")
+    from tiering.vllm import FileTier
+
+    get = factory.SecondaryTierFactory.get_tier_class
+    assert get(extra["vtier-ours"]["secondary_tiers"][0]) is FileTier
+    assert get(extra["vtier-fs"]["secondary_tiers"][0]).__module__.endswith("fs.manager")
+
+
+def test_options_parse_lists_and_reject_garbage(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--tp-cpu-fraction", "0.5,2",
+                                      "--configs", "none,ours-wb", "--settle-max-s", "30"])
+    a = gpu_bench.parse()
+    assert a.tp_cpu_fraction == [0.5, 2.0] and a.configs == ["none", "ours-wb"]
+    assert a.settle_max_s == 30
+    for bad in (["--tp-cpu-fraction", "0.5,x"], ["--tp-cpu-fraction", "0"],
+                ["--configs", "none,nope"]):
+        monkeypatch.setattr(sys, "argv", ["gpu_bench", *bad])
+        with pytest.raises(SystemExit):
+            gpu_bench.parse()
+        assert bad[-1].split(",")[-1] in capsys.readouterr().err
+
+
+def test_throughput_table_shows_each_size():
+    rows = [{"config": "none", "cpu_fraction": None, "requests": 8, "requests_per_s": 2.0,
+             "ttft_mean_s": 0.5, "ttft_p99_s": 0.9, "from_gpu": 10, "from_cpu": 0,
+             "from_disk": 0, "working_set_tokens": 4096, "gpu_kv_tokens": 1024,
+             "cpu_tier_bytes": 0, "token_ids": [[1]]}]
+    for frac, rps in ((0.5, 3.0), (2.0, 4.0)):
+        rows.append({**rows[0], "config": "ours", "cpu_fraction": frac, "requests_per_s": rps,
+                     "cpu_tier_bytes": int(4096 * 2048 * frac), "from_cpu": 5, "from_disk": 1})
+    gpu_bench.compare([], rows)
+    text = gpu_bench.table([], rows, ["none", "ours"])
+    lines = [x for x in text.splitlines() if "| ours |" in x or "| none |" in x]
+    assert len(lines) == 3  # none once (no CPU tier), ours per size, smallest first
+    assert lines[0].startswith("| - | none | 2.00 |")
+    assert lines[1].startswith("| 0.5x | ours | 3.00 |")
+    assert lines[2].startswith("| 2x | ours | 4.00 |")
+    assert "4.0x" in text  # working set / GPU KV cache
+    json.dumps(rows)  # the rows stay JSON-serialisable
+
+
+def test_budget_skips_a_step_that_would_end_past_it():
+    now = [0.0]
+    b = gpu_bench.StepBudget(300, 0.0, clock=lambda: now[0])
+    assert b.fits("phases", "none")  # nothing known: it starts
+    now[0] = 60.0
+    b.took("phases", "none", 57.0)
+    assert b.estimate("phases", "ours") == 114.0  # a disk config: restart and disk phase too
+    assert b.estimate("phases", "cpu") == 57.0
+    assert b.fits("phases", "ours")  # 60 + 114 <= 300
+    now[0] = 160.0
+    b.took("phases", "ours", 100.0)
+    assert b.estimate("phases", "vtier-fs") == 100.0  # measured now
+    assert b.fits("phases", "cpu")  # 160 + 57
+    assert b.fits("phases", "vtier-fs")  # 160 + 100 <= 300
+    now[0] = 210.0
+    assert not b.fits("phases", "vtier-fs")  # 210 + 100 > 300
+    assert b.fits("throughput", "vtier-fs")  # no throughput run yet: nothing to go by
+    b.took("throughput", "none", 30.0)
+    assert b.estimate("throughput", "ours") == 30.0  # no restart in a throughput run
+    assert gpu_bench.StepBudget(0, 0.0, clock=lambda: 1e9).fits("phases", "ours")  # no limit
+
+
+def test_counters_the_kernel_refuses_are_reported_not_taken_for_quiet(monkeypatch, tmp_path):
+    """A process whose /proc/<pid>/io may not be read (another user's, a ptrace restriction)
+    is named, and the wait says how many there were."""
+    import builtins
+
+    from tiering import write_quiesce
+
+    proc = start_writer(tmp_path, -1)
+    try:
+        hidden = process_tree(proc.pid)[1]  # the writing grandchild
+
+        def refusing_open(path, *args, **kw):
+            if path == f"/proc/{hidden}/io":
+                raise PermissionError(13, "Permission denied", path)
+            return builtins.open(path, *args, **kw)
+
+        monkeypatch.setattr(write_quiesce, "open", refusing_open, raising=False)
+        denied: list[int] = []
+        seen = written_bytes(process_tree(proc.pid), denied)
+        assert denied == [hidden] and hidden not in seen and proc.pid in seen
+        got = wait_for_quiet_writes(window_s=0.3, max_s=10, sync=False)
+        assert got.unreadable == 1
+    finally:
+        stop(proc)
