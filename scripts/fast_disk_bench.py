@@ -32,8 +32,13 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
+    import lmdb
+    import xxhash
+
+    # xxhash < 4 holds the GIL in its one-shot hash (see backends/checksum.py): worth knowing
     return {"cpus": os.cpu_count(), "cpu": model, "kernel": platform.release(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "xxhash": xxhash.VERSION,
+            "lmdb": lmdb.__version__}
 
 
 def table(results: list[dict[str, Any]]) -> str:
