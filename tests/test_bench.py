@@ -53,6 +53,18 @@ def test_python_ceiling_parts_round_trip_and_would_see_a_wrong_row(tmp_path, mon
     assert calls and r[f"{part}_bad_rows"] == 1
 
 
+def test_python_ceiling_part_raises_an_io_error_instead_of_timing_it(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def fail(fd, bufs, offset):
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "pwritev", fail)
+    with pytest.raises(OSError, match="injected"):
+        bench(str(tmp_path / "scratch"), 64 * KIB, 1 << 20, 2, 1, parts=["py_io"])
+
+
 def test_cold_reads_fall_back_to_fadvise_without_permission(tmp_path, monkeypatch):
     (tmp_path / "f").write_bytes(b"x" * 8192)
     real_open = open

@@ -169,7 +169,8 @@ def run_python_io(folder: Path, pool: Pool, n_rows: int, threads: int,
     out_buf = aligned_buffer(n_rows * rb)
     out = np.frombuffer(out_buf, np.uint8).reshape(n_rows, rb)
     out[:] = 0xA5
-    failed = [0]
+    failed = [0] * threads  # per thread: no shared counter to race on
+    errors: list[BaseException] = []
 
     def write(k: int) -> None:
         for a, b in runs[k::threads]:
@@ -185,15 +186,23 @@ def run_python_io(folder: Path, pool: Pool, n_rows: int, threads: int,
             os.preadv(fd, bufs, a * rb)
             if checksum:
                 for i, buf in zip(range(a, b), bufs, strict=True):
-                    failed[0] += checksum_of(0, keys[i], buf) != sums[i]
+                    failed[k] += checksum_of(0, keys[i], buf) != sums[i]
+
+    def guarded(fn, k: int) -> None:
+        try:
+            fn(k)
+        except BaseException as exc:  # raised in the caller's thread below, never lost
+            errors.append(exc)
 
     def timed(fn) -> tuple[float, float]:
-        workers = [threading.Thread(target=fn, args=(k,)) for k in range(threads)]
+        workers = [threading.Thread(target=guarded, args=(fn, k)) for k in range(threads)]
         cpu0, t0 = _cpu(), time.perf_counter()
         for w in workers:
             w.start()
         for w in workers:
             w.join()
+        if errors:
+            raise errors[0]
         if fn is write:
             os.fdatasync(fd)
         return time.perf_counter() - t0, _cpu() - cpu0
@@ -211,7 +220,7 @@ def run_python_io(folder: Path, pool: Pool, n_rows: int, threads: int,
             "write_cpu_s_per_GB": write_cpu / (total / 1e9),
             "read_cpu_s_per_GB": read_cpu / (total / 1e9),
             # a row that came back wrong also fails its checksum: counted once
-            "bad_rows": max(failed[0], pool.bad_rows(out)), "cold": cold,
+            "bad_rows": max(sum(failed), pool.bad_rows(out)), "cold": cold,
             "rows_per_call": per_run, "direct": direct}
 
 
