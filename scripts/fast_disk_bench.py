@@ -4,7 +4,8 @@
 
 For each row size: ``tiering.bench.bench`` (our tier through its own API and through vLLM's
 SecondaryTierManager interface, vLLM's fs tier through that interface, fio with the same
-threads and block size), medians of ``--repeat`` interleaved runs, every byte compared. Prints
+threads and block size, and the ceiling of a Python tier: Python threads issuing the same
+calls, without and with the per-row xxh3), medians of ``--repeat`` interleaved runs, every byte compared. Prints
 one table (GB/s, % of fio, CPU seconds per GB next to fio's) and writes the JSON.
 """
 
@@ -31,8 +32,13 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
+    import lmdb
+    import xxhash
+
+    # xxhash < 4 holds the GIL in its one-shot hash (see backends/checksum.py): worth knowing
     return {"cpus": os.cpu_count(), "cpu": model, "kernel": platform.release(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "xxhash": xxhash.VERSION,
+            "lmdb": lmdb.__version__}
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -56,10 +62,11 @@ def table(results: list[dict[str, Any]]) -> str:
                          f"{f(r.get(f'{p}_read_cpu_s_per_GB')):>5} "
                          f"{r.get(f'{p}_bad_rows', '-'):>4}")
         for a in ("tier", "vllm_tier"):
-            for d in ("write", "read"):
-                v = r.get(f"ratio_{a}_vs_vllm_fs_{d}")
-                if v is not None:
-                    lines.append(f"{rows:>7}   {a} / vllm_fs {d}: {v:.2f}x")
+            for b in ("vllm_fs", "py_io_xxh3"):
+                for d in ("write", "read"):
+                    v = r.get(f"ratio_{a}_vs_{b}_{d}")
+                    if v is not None:
+                        lines.append(f"{rows:>7}   {a} / {b} {d}: {v:.2f}x")
         lines += [f"{rows:>7}   note: {n}" for n in r["notes"]]
     return "\n".join(lines)
 

@@ -15,7 +15,8 @@
 # runs on any x86-64 glibc Linux). Without fio the tier still runs and the table says so.
 #
 # Environment: TOTAL (bytes per run, default 2GiB), REPEAT (default 3), ROWS (default
-# "256KiB 2MiB"), PARTS (default tier,vllm_tier,vllm_fs,fio), JOB_ROWS (chunks per vLLM
+# "256KiB 2MiB"), PARTS (default tier,vllm_tier,vllm_fs,fio,py_io,py_io_xxh3: py_io* are the
+# ceiling of a Python tier, see tiering/bench.py), JOB_ROWS (chunks per vLLM
 # transfer job, default 16), PYTHON (default python3).
 # Writes OUT_DIR/fast_disk_<rows>.json per row size and OUT_DIR/fast_disk.json (all of them).
 set -euo pipefail
@@ -71,7 +72,7 @@ if [ -n "$fio_bin" ] && "$fio_bin" --version >/dev/null 2>&1; then
 else
   echo "fio: NOT FOUND (no \$FIO, no fio on PATH, no .device/fio/fio): the fio column stays" \
     "empty; scripts/build_fio.sh builds one"
-  PARTS=$(echo "${PARTS:-tier,vllm_tier,vllm_fs,fio}" | tr ',' '\n' | grep -vx fio | paste -sd,)
+  PARTS=$(echo "${PARTS:-tier,vllm_tier,vllm_fs,fio,py_io,py_io_xxh3}" | tr ',' '\n' | grep -vx fio | paste -sd,)
 fi
 
 # RAM-backed ext4: room for one system's data at a time (each run's folder is removed after
@@ -88,4 +89,4 @@ echo "RAM-backed ext4: $loopdev on $work/mnt (${img_mib} MiB), $THREADS threads,
 
 "$PYTHON" scripts/fast_disk_bench.py "$work/mnt/scratch" "$OUT" --threads "$THREADS" \
   --total "$TOTAL" --repeat "${REPEAT:-3}" --rows ${ROWS:-256KiB 2MiB} \
-  --parts "${PARTS:-tier,vllm_tier,vllm_fs,fio}" --job-rows "${JOB_ROWS:-16}"
+  --parts "${PARTS:-tier,vllm_tier,vllm_fs,fio,py_io,py_io_xxh3}" --job-rows "${JOB_ROWS:-16}"

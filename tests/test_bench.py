@@ -30,6 +30,41 @@ def test_tier_part_round_trips_every_row(tmp_path):
     assert not list((tmp_path / "scratch").iterdir())  # scratch data removed
 
 
+@pytest.mark.parametrize("part", ["py_io", "py_io_xxh3"])
+def test_python_ceiling_parts_round_trip_and_would_see_a_wrong_row(tmp_path, monkeypatch, part):
+    r = bench(str(tmp_path / "scratch"), 64 * KIB, 4 << 20, 2, 1, parts=[part])
+    assert r[f"{part}_bad_rows"] == 0
+    assert r[f"{part}_write_GBps"] > 0 and r[f"{part}_read_GBps"] > 0
+    assert not list((tmp_path / "scratch").iterdir())
+
+    import os
+
+    real_preadv, calls = os.preadv, []
+
+    def damage_one_byte(fd, bufs, offset):  # the first run read comes back with a flipped bit
+        n = real_preadv(fd, bufs, offset)
+        if not calls:
+            bufs[0][7] ^= 1
+        calls.append(offset)
+        return n
+
+    monkeypatch.setattr(os, "preadv", damage_one_byte)
+    r = bench(str(tmp_path / "scratch"), 64 * KIB, 4 << 20, 2, 1, parts=[part])
+    assert calls and r[f"{part}_bad_rows"] == 1
+
+
+def test_python_ceiling_part_raises_an_io_error_instead_of_timing_it(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def fail(fd, bufs, offset):
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "pwritev", fail)
+    with pytest.raises(OSError, match="injected"):
+        bench(str(tmp_path / "scratch"), 64 * KIB, 1 << 20, 2, 1, parts=["py_io"])
+
+
 def test_cold_reads_fall_back_to_fadvise_without_permission(tmp_path, monkeypatch):
     (tmp_path / "f").write_bytes(b"x" * 8192)
     real_open = open

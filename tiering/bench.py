@@ -16,6 +16,13 @@ file is ``posix_fadvise(DONTNEED)``-ed.
 * ``fio``       — N threads (``--thread --numjobs=N``, ``psync``, O_DIRECT), each sequential over
   its share of one preallocated file, block size = row: the device with the same I/Os in
   flight and none of the software. ``$TIERING_FIO`` names the binary if it is not ``fio``.
+* ``py_io``     — the ceiling of any Python tier: N Python threads doing nothing but the tier's
+  system calls (``os.pwritev``/``os.preadv`` of 1 MiB runs of adjacent rows, O_DIRECT, one
+  preallocated file, one ``fdatasync`` after the writes) from the same source rows into a
+  destination as large as the data, as the tier does (fio reuses one small buffer per thread,
+  which stays in the CPU cache).
+* ``py_io_xxh3`` — ``py_io`` plus the xxh3 of every row both ways (what the tier adds per byte
+  to verify every read), through the tier's own ``checksum_of``.
 
 CPU cost is the process's user+system seconds over bytes moved, both directions averaged
 (fio's: its children's rusage).
@@ -141,6 +148,82 @@ def run_tier(folder: Path, pool: Pool, n_rows: int, threads: int, io: str) -> di
             "bad_rows": failed + pool.bad_rows(out), "engine": engine, "cold": cold}
 
 
+def run_python_io(folder: Path, pool: Pool, n_rows: int, threads: int,
+                  checksum: bool) -> dict[str, Any]:
+    """``py_io`` / ``py_io_xxh3``: Python threads issuing the tier's calls and nothing else."""
+    import threading
+
+    from tiering.backends.checksum import checksum_of
+    from tiering.settings import MIN_RUN_BYTES
+
+    rb = pool.row_bytes
+    per_run = max(1, MIN_RUN_BYTES // rb)
+    runs = [(a, min(n_rows, a + per_run)) for a in range(0, n_rows, per_run)]
+    path = folder / "rows.dat"
+    try:  # O_DIRECT as the tier's engine opens slab files, buffered where it is refused
+        fd, direct = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600), True
+    except (OSError, AttributeError):
+        fd, direct = os.open(path, os.O_RDWR | os.O_CREAT, 0o600), False
+    sums = [0] * n_rows
+    keys = [_key(i) for i in range(n_rows)] if checksum else []
+    out_buf = aligned_buffer(n_rows * rb)
+    out = np.frombuffer(out_buf, np.uint8).reshape(n_rows, rb)
+    out[:] = 0xA5
+    failed = [0] * threads  # per thread: no shared counter to race on
+    errors: list[BaseException] = []
+
+    def write(k: int) -> None:
+        for a, b in runs[k::threads]:
+            bufs = [pool.row(i) for i in range(a, b)]
+            if checksum:
+                for i, buf in zip(range(a, b), bufs, strict=True):
+                    sums[i] = checksum_of(0, keys[i], buf)
+            os.pwritev(fd, bufs, a * rb)
+
+    def read(k: int) -> None:
+        for a, b in runs[k::threads]:
+            bufs = [out_buf[i * rb:(i + 1) * rb] for i in range(a, b)]
+            os.preadv(fd, bufs, a * rb)
+            if checksum:
+                for i, buf in zip(range(a, b), bufs, strict=True):
+                    failed[k] += checksum_of(0, keys[i], buf) != sums[i]
+
+    def guarded(fn, k: int) -> None:
+        try:
+            fn(k)
+        except BaseException as exc:  # raised in the caller's thread below, never lost
+            errors.append(exc)
+
+    def timed(fn) -> tuple[float, float]:
+        workers = [threading.Thread(target=guarded, args=(fn, k)) for k in range(threads)]
+        cpu0, t0 = _cpu(), time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        if errors:
+            raise errors[0]
+        if fn is write:
+            os.fdatasync(fd)
+        return time.perf_counter() - t0, _cpu() - cpu0
+
+    try:
+        os.posix_fallocate(fd, 0, n_rows * rb)  # preallocated, as the tier's slab files are
+        write_s, write_cpu = timed(write)
+        cold = drop_caches(folder)
+        read_s, read_cpu = timed(read)
+    finally:
+        os.close(fd)
+    total = n_rows * rb
+    return {"write_GBps": total / write_s / 1e9, "read_GBps": total / read_s / 1e9,
+            "cpu_s_per_GB": (write_cpu + read_cpu) / (2 * total / 1e9),
+            "write_cpu_s_per_GB": write_cpu / (total / 1e9),
+            "read_cpu_s_per_GB": read_cpu / (total / 1e9),
+            # a row that came back wrong also fails its checksum: counted once
+            "bad_rows": max(sum(failed), pool.bad_rows(out)), "cold": cold,
+            "rows_per_call": per_run, "direct": direct}
+
+
 def fio_binary() -> str | None:
     return os.environ.get("TIERING_FIO") or shutil.which("fio")
 
@@ -236,7 +319,7 @@ def run_index(folder: Path, entries: int) -> dict[str, Any]:
             "lookup_hits": hits}
 
 
-PARTS = ("tier", "vllm_tier", "vllm_fs", "fio")
+PARTS = ("tier", "vllm_tier", "vllm_fs", "fio", "py_io", "py_io_xxh3")
 FIELDS = ("write_GBps", "read_GBps", "cpu_s_per_GB", "write_cpu_s_per_GB", "read_cpu_s_per_GB")
 
 
@@ -259,6 +342,8 @@ def bench(path: str, row_bytes: int, total: int, threads: int, repeat: int,
                     r = run_tier(folder, pool, n_rows, threads, io)
                 elif part == "fio":
                     r = run_fio(folder, row_bytes, total, threads)
+                elif part in ("py_io", "py_io_xxh3"):
+                    r = run_python_io(folder, pool, n_rows, threads, part == "py_io_xxh3")
                 else:
                     r = run_vllm(part, folder, pool, n_rows, threads, io, job_rows)
             finally:
@@ -290,7 +375,7 @@ def bench(path: str, row_bytes: int, total: int, threads: int, repeat: int,
         notes.append("page cache not dropped (no permission): reads are cold through O_DIRECT "
                      "and posix_fadvise(DONTNEED) of every file")
     for a, b in (("tier", "fio"), ("vllm_tier", "fio"), ("tier", "vllm_fs"),
-                 ("vllm_tier", "vllm_fs")):
+                 ("vllm_tier", "vllm_fs"), ("tier", "py_io_xxh3"), ("vllm_tier", "py_io_xxh3")):
         for d in ("write", "read"):
             x, y = out.get(f"{a}_{d}_GBps"), out.get(f"{b}_{d}_GBps")
             out[f"ratio_{a}_vs_{b}_{d}"] = x / y if x and y else None
