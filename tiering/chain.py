@@ -135,7 +135,7 @@ class TierChain:
         self._demoting = 0
         self._demote_budget = max(DEMOTION_PIN_MIN, int(self.num_rows * DEMOTION_PIN_FRACTION))
         self.advisor = advisor  # None: every disk hit is loaded
-        # promotion batches in flight: id -> [tier index, reads left, bytes, started]
+        # promotion batches in flight: id -> [tier, reads left, bytes, started, longest read]
         self._batches: dict[int, list] = {}
         self._next_batch = 0
         self._reserve = max(WRITEBACK_RESERVE_MIN,
@@ -359,7 +359,7 @@ class TierChain:
             self._next_batch += 1
             started = tier.get([(k, self.region.row(r), (k, r, b)) for k, r in batch])
             if any(started):
-                self._batches[b] = [i, sum(started), 0, time.perf_counter()]
+                self._batches[b] = [i, sum(started), 0, time.perf_counter(), 0.0]
             for (k, r), ok in zip(batch, started, strict=True):
                 if not ok:  # gone from the tier since the lookup: a miss after all
                     self._finish_promotion(i, Completion("read", k, False, "gone",
@@ -388,17 +388,19 @@ class TierChain:
 
     def _read_done(self, batch: int | None, done: Completion) -> None:
         """One read of a promotion batch ended: the batch's last one measures the tier's read
-        rate for the advisor (submit to last completion: what a request waits for)."""
+        rate for the advisor, submit to the last read's end on the I/O threads (what a request
+        waits for; not when this thread got round to polling, which is a step's length)."""
         if batch is None:
             return
         entry = self._batches[batch]
         entry[1] -= 1
         entry[2] += done.nbytes if done.ok else 0
+        entry[4] = max(entry[4], done.seconds)
         if entry[1] == 0:
             del self._batches[batch]
             if self.advisor is not None:
-                self.advisor.observe_read_batch(entry[0] - 1, entry[2],
-                                                time.perf_counter() - entry[3])
+                seconds = entry[4] or time.perf_counter() - entry[3]
+                self.advisor.observe_read_batch(entry[0] - 1, entry[2], seconds)
 
     def _finish_demotion(self, i: int, done: Completion) -> None:
         row, started, _ = self._in_flight.pop((i, "store", done.key), (None, 0.0, None))
