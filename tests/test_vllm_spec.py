@@ -202,15 +202,31 @@ def test_manager_feeds_the_promotion_advisor(tmp_path):
         ctx.set_offload_key_position(k, 16 * (i + 1))
     for k in keys:
         assert m.lookup(k, ctx) == LookupResult.MISS
-    m.prepare_store(keys[:8], ctx)  # the CPU tier holds 8 rows: the rest is rejected, still
-    m.prepare_store(keys[8:], ctx)  # computed chunks for the sample
-    m.complete_store(keys[:8], ctx)
+    for i in range(0, 40, 8):  # the CPU tier holds 8 rows: stored 8 chunks at a time
+        out = m.prepare_store(keys[i:i + 8], ctx)
+        assert out is not None and len(out.keys_to_store) == 8
+        m.complete_store(keys[i:i + 8], ctx)  # completions, not offers, time the prefill
+        m.chain.wait_idle()  # written down: the next 8 may evict them
     m.on_request_finished(ctx)
+    assert m.live_requests() == 0
     assert advisor.prefill.samples == 1 and advisor.prefill.seconds(0, 640) > 0
+    late = ReqContext(req_id="late")  # finished before its stores completed: still a sample
+    more = [bytes([7] * 32) + i.to_bytes(4, "big") for i in range(40)]
+    for i, k in enumerate(more):
+        late.set_offload_key_position(k, 16 * (i + 1))
+    assert m.lookup(more[0], late) == LookupResult.MISS
+    m.chain.wait_idle()
+    assert m.prepare_store(more[32:], late) is not None
+    m.on_request_finished(late)
+    assert m.live_requests() == 1  # kept for its store
+    m.complete_store(more[32:], late)
+    assert m.live_requests() == 0 and advisor.prefill.samples == 2
     hit = ReqContext(req_id="hit")  # a chunk the CPU tier holds: no sample
-    assert m.lookup(keys[0], hit) == LookupResult.HIT
-    m.prepare_store(keys[8:], hit)
-    assert advisor.prefill.samples == 1
+    assert m.lookup(more[32], hit) == LookupResult.HIT
+    m.chain.wait_idle()
+    m.prepare_store(keys[8:16], hit)
+    m.complete_store(keys[8:16], hit)
+    assert advisor.prefill.samples == 2
     m.shutdown()
     off = TieredOffloadingSpec(config(good(tmp_path, tiers=[
         {"medium": "cpu", "promote": "always"},

@@ -162,7 +162,9 @@ class TierChain:
         ``first_token``: where this chunk starts in the prompt, when the caller knows."""
         if request is not None:
             count, protect = key not in request.counted, request.counted
-            request.start_clock()
+            if request.segment_start is None:  # the first lookup: computing starts here
+                request.start_clock()
+                request.segment_token = first_token
         self.poll()
         found = self.cpu.lookup(key, count)
         if found is not Lookup.MISS:
@@ -237,9 +239,10 @@ class TierChain:
 
     def stored(self, request: RequestLookups, chunks: int,
                end_token: int | None = None) -> None:
-        """vLLM offered ``chunks`` chunks of ``request`` it just computed, the last ending at
-        ``end_token`` when it says: a prefill sample for the advisor (requests without tier
-        hits; tokens since the previous sample, timed from it or from the first lookup)."""
+        """``chunks`` chunks of ``request`` were computed and stored (vLLM completed their
+        store, which it orders after the forward pass), the last ending at ``end_token`` when
+        it says: a prefill sample for the advisor (requests without tier hits; tokens since
+        the previous sample, timed from it or from the first lookup)."""
         advisor = self.advisor
         if advisor is None or request.had_tier_hit or chunks <= 0:
             return

@@ -19,10 +19,13 @@ repeated scans, and this record owns them:
   reading the run's first chunk already beats computing it, the run is loaded at once: every
   later chunk costs more to compute and the same to read.)
 * the **prefill clock** — when the request's current stretch of computed tokens started, for the
-  advisor's prefill model (only while the request had no tier hit).
+  advisor's prefill model (only while the request had no tier hit). vLLM completes a store
+  after the forward pass that computed its chunks, so store completions time the prefill; a
+  finished request's record stays until its last store completes.
 
 Owned by the vLLM adapter (one per live request), passed to ``TierChain.lookup`` and
-``TierChain.stored``; dropped when the request finishes. Scheduler thread only.
+``TierChain.stored``; dropped when the request has finished and its stores completed.
+Scheduler thread only.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class RequestLookups:
     counted: set[bytes] = field(default_factory=set)
     disk_run: DiskRun = field(default_factory=DiskRun)
     had_tier_hit: bool = False  # a CPU or disk hit: its timing is no prefill sample
+    stores_in_flight: int = 0  # chunks offered for storing, not completed yet
+    finished: bool = False  # vLLM reported it finished (kept until its stores complete)
     # the prefill clock: tokens computed since ``segment_token``, timed from ``segment_start``
     segment_token: int | None = None
     segment_start: float | None = None

@@ -97,13 +97,15 @@ def is_cpu_platform() -> bool:
 
 
 def share_vllm_logging() -> None:
-    """Let our log lines appear where vLLM's do (same handlers, INFO and up). Called when vLLM
-    builds one of our classes, never on import: importing a library must not rewire logging."""
+    """Let our log lines appear where vLLM's do (same handlers, INFO and up, or DEBUG when vLLM
+    logs DEBUG: ``VLLM_LOGGING_LEVEL=DEBUG`` shows the promotion advisor's decisions). Called
+    when vLLM builds one of our classes, never on import: importing a library must not rewire
+    logging."""
     import logging
 
     ours, theirs = logging.getLogger("tiering"), logging.getLogger("vllm")
     if not ours.handlers and theirs.handlers:
         for h in theirs.handlers:
             ours.addHandler(h)
-        ours.setLevel(logging.INFO)
+        ours.setLevel(min(logging.INFO, theirs.getEffectiveLevel()))
         ours.propagate = False

@@ -65,7 +65,15 @@ class TieredManager(OffloadingManager):
         return _LOOKUP[result]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._requests.pop(getattr(req_context, "req_id", ""), None)
+        """Drop the request's record, or keep it until its last stores complete (they time
+        its prefill; vLLM may finish a request before its stores are done)."""
+        req_id = getattr(req_context, "req_id", "")
+        rec = self._requests.get(req_id)
+        if rec is None:
+            return
+        rec.finished = True
+        if rec.stores_in_flight <= 0:
+            del self._requests[req_id]
 
     def get_load_source(self, key, req_context: ReqContext):
         return hit_source(self.chain.hit_source(bytes(key)))
@@ -81,22 +89,31 @@ class TieredManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection, req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
-        if keys and self.chain.advisor is not None:  # chunks vLLM just computed: prefill clock
-            ends = [self._end_token(k, req_context) for k in keys]
-            known = [e for e in ends if e is not None]
-            self.chain.stored(self._request(req_context), len(keys),
-                              max(known) if len(known) == len(ends) else None)
-        keys = [bytes(k) for k in keys]
-        out = self.chain.prepare_store(keys)
+        out = self.chain.prepare_store([bytes(k) for k in keys])
         if out is None:
             return None
         to_store, rows, evicted = out
+        if to_store and self.chain.advisor is not None:  # timed when the stores complete
+            self._request(req_context).stores_in_flight += len(to_store)
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=RowsSpec(rows),
                                   evicted_keys=evicted)
 
     def complete_store(self, keys: Collection, req_context: ReqContext,
                        success: bool = True) -> None:
         self.chain.complete_store([bytes(k) for k in keys], success)
+        rec = self._requests.get(getattr(req_context, "req_id", ""))
+        if rec is None or not keys:
+            return
+        if success:
+            # vLLM offers a step's chunks for storing when it schedules their compute and
+            # completes the store after the forward pass and the copy: the completion times the
+            # prefill (the offer does not).
+            ends = [self._end_token(k, req_context) for k in keys]
+            self.chain.stored(rec, len(ends),
+                              max(ends) if all(e is not None for e in ends) else None)
+        rec.stores_in_flight -= len(keys)
+        if rec.finished and rec.stores_in_flight <= 0:
+            del self._requests[rec.req_id]
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -115,6 +132,9 @@ class TieredManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self.chain.reset()
+        # vLLM drops its in-flight jobs on a reset: their completions never come
+        for req_id in [r for r, rec in self._requests.items() if rec.finished]:
+            del self._requests[req_id]
 
     def get_stats(self):
         return self.metrics.collect(self.chain) if self.metrics is not None else None
