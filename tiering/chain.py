@@ -132,6 +132,7 @@ class TierChain:
         self._write_through_set = frozenset(self._write_through)
         self._owed = OwedRows()
         # rows pinned by writes down (a row written to two tiers counts twice), and the cap
+        self._steps = 0  # scheduler steps seen (on_schedule_end calls)
         self._demoting = 0
         self._demote_budget = max(DEMOTION_PIN_MIN, int(self.num_rows * DEMOTION_PIN_FRACTION))
         self.advisor = advisor  # None: every disk hit is loaded
@@ -164,7 +165,7 @@ class TierChain:
             count, protect = key not in request.counted, request.counted
             if request.segment_start is None:  # the first lookup: computing starts here
                 request.start_clock()
-                request.segment_token = first_token
+                request.segment_token, request.segment_step = first_token, self._steps
         self.poll()
         found = self.cpu.lookup(key, count)
         if found is not Lookup.MISS:
@@ -242,7 +243,11 @@ class TierChain:
         """``chunks`` chunks of ``request`` were computed and stored (vLLM completed their
         store, which it orders after the forward pass), the last ending at ``end_token`` when
         it says: a prefill sample for the advisor (requests without tier hits; tokens since
-        the previous sample, timed from it or from the first lookup)."""
+        the previous sample, timed from it or from the first lookup).
+
+        A stretch that took more steps than it has chunks is decoding (one token a step, when
+        vLLM stores generated tokens too), not prefill: it is no sample, and the next stretch
+        starts here."""
         advisor = self.advisor
         if advisor is None or request.had_tier_hit or chunks <= 0:
             return
@@ -251,14 +256,18 @@ class TierChain:
         if request.segment_start is None:  # no lookup seen: untimed, the clock starts here
             request.start_clock(now)
             request.segment_token = end_token if end_token is not None else tokens
+            request.segment_step = self._steps
             return
         if request.segment_token is None:
             request.segment_token = (end_token - tokens) if end_token is not None else 0
         end = end_token if end_token is not None else request.segment_token + tokens
         if end - request.segment_token < ADVISOR_MIN_SAMPLE_TOKENS:
             return  # too few tokens yet to time: the segment goes on
-        advisor.observe_prefill(request.segment_token, end, now - request.segment_start)
+        steps = self._steps - request.segment_step
+        if end - request.segment_token >= steps * advisor.chunk_tokens:
+            advisor.observe_prefill(request.segment_token, end, now - request.segment_start)
         request.segment_token, request.segment_start = end, now
+        request.segment_step = self._steps
 
     def hit_source(self, key: bytes) -> str:
         return "disk" if self.cpu.source_of(key) != "cpu" else "cpu"
@@ -354,6 +363,7 @@ class TierChain:
     def on_schedule_end(self) -> None:
         """Issue the step's promotions (one batch per tier), apply what finished, write back
         rows near eviction, then rows that wait for a write-through tier."""
+        self._steps += 1
         for i, tier in enumerate(self.file_tiers, start=1):
             batch, self._promote[i - 1] = self._promote[i - 1], []
             if not batch:

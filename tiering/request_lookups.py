@@ -88,6 +88,7 @@ class RequestLookups:
     # the prefill clock: tokens computed since ``segment_token``, timed from ``segment_start``
     segment_token: int | None = None
     segment_start: float | None = None
+    segment_step: int = 0  # the chain's step count when the segment started
 
     def start_clock(self, now: float | None = None) -> None:
         """The request's first lookup: its computation cannot have started before."""

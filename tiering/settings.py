@@ -31,12 +31,18 @@ ADVISOR_EWMA_WEIGHT = 0.3
 # Weight of a new sample in the least-squares fit of the prefill cost model (a + b * position
 # per token): about the last ten prefills, enough lengths to tell the two terms apart.
 ADVISOR_MODEL_WEIGHT = 0.1
+# Steps a load adds to a request's time to first token, each costing the fitted per-step cost:
+# the reads land in CPU rows and are seen at the next step, then vLLM copies them to the GPU
+# asynchronously and schedules the request a step later. (A surveyed run's survey step is
+# already spent when the decision is made.)
+ADVISOR_LOAD_STEPS = 2
 # Load only if load time <= margin x recompute time: the copy to the GPU and measurement noise
 # are not in the model, and losing the bet costs TTFT.
 ADVISOR_PAYOFF_MARGIN = 0.9
-# A prefill sample (tokens a request computed between two of its stores, without tier hits)
-# needs at least this many tokens: shorter ones are dominated by scheduling overhead.
-ADVISOR_MIN_SAMPLE_TOKENS = 512
+# A prefill sample (tokens a request computed between two of its store completions, without
+# tier hits) needs at least this many tokens. The model's per-step term absorbs scheduling
+# overhead, so short prompts are useful samples (they are what tells that term apart).
+ADVISOR_MIN_SAMPLE_TOKENS = 64
 # After this many declined runs (a request's chunks on that tier) the next run is loaded anyway,
 # so a tier that was slow for a while (a busy disk) gets measured again instead of being written
 # off for good. Counted in runs, not chunks: one 32k-token prompt is 2048 chunks of 16 tokens.
