@@ -90,6 +90,42 @@ def test_reasks_of_a_missing_chunk_count_once_everywhere(tmp_path):
     c.close()
 
 
+@pytest.mark.parametrize("promote", ["always", "auto"])
+def test_reasks_of_a_disk_hit_refused_for_want_of_a_cpu_row_count_once(tmp_path, promote):
+    """A disk hit with every CPU row pinned is a miss; vLLM asks again next step (the request
+    waits for GPU room too). Each re-ask counted again: 3 asks read as 3 disk hits and 3 CPU
+    misses for one chunk."""
+    from tiering.advisor import PromotionAdvisor
+    from tiering.request_lookups import RequestLookups
+
+    c = make_chain(tmp_path, rows=2)
+    c.advisor = PromotionAdvisor(1, ROW, 16) if promote == "auto" else None  # unmeasured: load
+    k = key(0)
+    fill(c, [k])
+    c.wait_idle()
+    c.reset()
+    pinned, _, _ = c.prepare_store([key("a"), key("b")])  # the GPU is writing both rows
+    req = RequestLookups("r")
+    for _ in range(3):
+        assert c.lookup(k, request=req, first_token=0) is Lookup.MISS
+        c.on_schedule_end()
+    disk = c.file_tiers[0]
+    assert (disk.stats["lookups"], disk.stats["hits"]) == (1, 1)
+    assert (c.cpu.stats["lookups"], c.cpu.stats["hits"]) == (1, 0)
+    c.complete_store(pinned)
+    c.wait_idle()  # their writes down done: evictable, the next ask promotes, still uncounted
+    assert c.lookup(k, request=req, first_token=0) is Lookup.PENDING
+    c.wait_idle()
+    assert c.lookup(k, request=req, first_token=0) is Lookup.HIT
+    assert (disk.stats["lookups"], disk.stats["promotions"]) == (1, 1)
+    assert c.cpu.stats["lookups"] == 1
+    rows = c.prepare_load([k])
+    assert bytes(c.region.row(rows[0])) == bytes(row_for(k))
+    c.complete_load([k])
+    c.check()
+    c.close()
+
+
 def test_disk_hit_promotes_and_counts_once(tmp_path):
     c = make_chain(tmp_path)
     ks = [key(i) for i in range(4)]

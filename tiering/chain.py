@@ -187,6 +187,8 @@ class TierChain:
             tier.touch([key])  # a promotion is a use: recency and the persisted hit count
             got = self.cpu.reserve_promotion(key, tier_label(i), protect)
             if got is None:  # no CPU row free now: a miss (counted on the CPU tier)
+                if request is not None:  # counted once: vLLM asks again while it waits
+                    request.counted.add(key)
                 return Lookup.MISS
             row, evicted = got
             self._evicted_from_cpu(evicted)
