@@ -51,6 +51,16 @@ def test_prefill_model_with_one_length_is_per_token_only():
     assert fixed.seconds(0, 1000) == pytest.approx(1.0)
 
 
+def test_prefill_model_ignores_samples_it_cannot_use():
+    m = PrefillModel()
+    for k, n, s in ((0, 2048, float("nan")), (0, 2048, float("inf")), (0, 2048, 0.0),
+                    (0, 2048, -1.0), (4096, 2048, 1.0), (-2048, 2048, 1.0)):
+        m.add(k, n, s)  # a negative k made x2 = 0: the fit divided by zero
+    assert not m.known()
+    m.add(0, 2048, 0.1)
+    assert (m.a, m.b) == (pytest.approx(0.1 / 2048), 0.0)
+
+
 def test_prefill_model_forgets_old_samples():
     m = PrefillModel()
     for n in (2048, 8192, 32768):
@@ -245,3 +255,34 @@ def test_prefill_samples_come_from_requests_without_tier_hits(tmp_path):
     c.stored(warm, chunks=64, end_token=1024)
     assert adv.prefill.samples == 1
     c.close()
+
+
+def test_a_store_of_several_kv_groups_is_one_prefill_sample_per_chunk(tmp_path, monkeypatch):
+    """A model with two KV cache groups (full and sliding-window attention): vLLM offers one
+    key per group for each chunk, in one prepare_store. The manager counted keys as chunks, so
+    the first store of a prompt [0, 1024) became a sample [-1024, 1024): the fit divided by
+    zero (ZeroDivisionError into vLLM's scheduler), and later samples were wrong."""
+    pytest.importorskip("vllm")
+    import time
+
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from tiering.vllm.manager import TieredManager
+
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    c = make_chain(tmp_path, rows=256, advisor=adv)
+    m = TieredManager(c)
+    ctx = ReqContext(req_id="hybrid")
+    chunks = 64  # 1024 tokens
+    keys = [key(f"g{g}-{i}") for g in range(2) for i in range(chunks)]
+    for g in range(2):
+        for i in range(chunks):
+            ctx.set_offload_key_position(keys[g * chunks + i], (i + 1) * 16)
+    clock = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    assert m.lookup(keys[0], ctx).name == "MISS"  # its first lookup starts the clock
+    clock[0] += 1.024
+    m.prepare_store(keys, ctx)  # tokens [0, 1024) in 1.024 s
+    assert adv.prefill.samples == 1
+    assert (adv.prefill.a, adv.prefill.b) == (pytest.approx(1e-3), 0.0)
+    m.shutdown()

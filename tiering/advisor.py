@@ -36,6 +36,7 @@ All calls come from the scheduler thread; nothing here blocks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from tiering.settings import (
@@ -79,8 +80,8 @@ class PrefillModel:
 
     def add(self, k: int, n: int, seconds: float) -> None:
         """Tokens ``[k, n)`` were computed in ``seconds``."""
-        if self.fixed or n <= k or seconds <= 0:
-            return
+        if self.fixed or not 0 <= k < n or not 0 < seconds < math.inf:
+            return  # no usable sample (a negative k could zero the attention term: x2 = 0)
         x1, x2 = self._features(k, n)
         keep = 1.0 - ADVISOR_MODEL_WEIGHT if self.samples else 0.0
         s = self._s

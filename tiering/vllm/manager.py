@@ -84,8 +84,12 @@ class TieredManager(OffloadingManager):
         if keys and self.chain.advisor is not None:  # chunks vLLM just computed: prefill clock
             ends = [self._end_token(k, req_context) for k in keys]
             known = [e for e in ends if e is not None]
-            self.chain.stored(self._request(req_context), len(keys),
-                              max(known) if len(known) == len(ends) else None)
+            # a model with several KV groups offers one key per group for each chunk: the
+            # chunks are the distinct positions (keys counted as chunks multiply the tokens)
+            if len(known) == len(ends):
+                self.chain.stored(self._request(req_context), len(set(known)), max(known))
+            else:
+                self.chain.stored(self._request(req_context), len(keys), None)
         keys = [bytes(k) for k in keys]
         out = self.chain.prepare_store(keys)
         if out is None:
