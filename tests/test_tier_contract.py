@@ -368,3 +368,29 @@ def test_a_disk_behind_the_stores_never_pins_the_whole_cpu_tier(tmp_path):
         c.complete_load([k])
     c.check()
     c.close()
+
+
+@pytest.mark.parametrize("modes", [("on_store",), ("on_evict",), ("on_store", "on_evict")])
+def test_a_restart_after_close_finds_every_chunk_the_cpu_tier_held(tmp_path, modes):
+    """Stores with no step in between: past the demotion budget the write-through rows are
+    owed, and every row is owed to a write-back tier. close() writes them all: a restarted
+    tier holds every chunk that was in the CPU tier."""
+    def tiers():
+        return [FileTier({"path": str(tmp_path / f"d{i}"), "capacity": 64 * ROW, "io": "posix",
+                          "policy": "lru", "demote": m}, facts(ROW, model=f"m{i}"))
+                for i, m in enumerate(modes)]
+
+    c = TierChain(CpuTier(StagingRegion("restart", 16, ROW), "lru"), tiers())
+    ks = [key(i) for i in range(16)]
+    for i in range(0, 16, 2):
+        fill(c, ks[i:i + 2])
+    assert all(c.cpu.contains(k) for k in ks) and c.has_pending_work()
+    c.close()
+    for t in tiers():
+        assert [k for k in ks if not t.contains(k)] == [], t.cfg.demote
+        for k in ks[::5]:
+            out = bytearray(ROW)
+            assert t.get([(k, memoryview(out), None)]) == [True]
+            (done,) = t.wait_idle()
+            assert done.ok and bytes(out) == bytes(row_for(k))
+        t.close()

@@ -466,6 +466,9 @@ class TierChain:
         self.cpu.check()
         for (i, kind, key), (row, _, _) in self._in_flight.items():
             assert self.cpu.rows[row].io_pins > 0, (i, kind, key, self.cpu.rows[row])
+        writes = sum(kind == "store" for _, kind, _ in self._in_flight)
+        assert self._demoting == writes, (self._demoting, writes)
+        assert set(self._owed.behind) <= set(self._owed.tiers), "owed behind, to no tier"
 
     def close(self) -> None:
         try:
