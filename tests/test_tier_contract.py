@@ -126,6 +126,36 @@ def test_reasks_of_a_disk_hit_refused_for_want_of_a_cpu_row_count_once(tmp_path,
     c.close()
 
 
+@pytest.mark.parametrize("promote", ["always", "auto"])
+def test_reasks_of_a_disk_hit_whose_promotion_failed_count_once(tmp_path, promote):
+    """The chunk leaves the disk between the lookup and its read: the promotion fails and the
+    chunk is a miss. vLLM asks again; that ask counted a second disk lookup and CPU miss."""
+    from tiering.advisor import PromotionAdvisor
+    from tiering.request_lookups import RequestLookups
+
+    c = make_chain(tmp_path, rows=4)
+    c.advisor = PromotionAdvisor(1, ROW, 16) if promote == "auto" else None  # unmeasured: load
+    k = key(0)
+    fill(c, [k])
+    c.wait_idle()
+    c.reset()
+    req = RequestLookups("r")
+    assert c.lookup(k, request=req, first_token=0) is Lookup.PENDING
+    disk = c.file_tiers[0]
+    assert disk.drop([k]) == 1  # gone before its read is issued
+    c.on_schedule_end()
+    c.wait_idle()
+    for _ in range(3):
+        assert c.lookup(k, request=req, first_token=0) is Lookup.MISS
+        c.on_schedule_end()
+    assert (disk.stats["lookups"], disk.stats["hits"]) == (1, 1)
+    assert disk.stats["promotion_failures"] == 1
+    assert (c.cpu.stats["lookups"], c.cpu.stats["hits"]) == (1, 0)
+    c.check()
+    assert c.usage()["pinned"] == 0
+    c.close()
+
+
 def test_disk_hit_promotes_and_counts_once(tmp_path):
     c = make_chain(tmp_path)
     ks = [key(i) for i in range(4)]

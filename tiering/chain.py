@@ -184,11 +184,12 @@ class TierChain:
                     return Lookup.MISS  # recomputing is faster than reading it
             if request is not None:
                 request.had_tier_hit = True
+                # counted once, whatever comes of it: vLLM asks again while the request waits
+                # (no CPU row now, or the read fails and the chunk is a miss after all)
+                request.counted.add(key)
             tier.touch([key])  # a promotion is a use: recency and the persisted hit count
             got = self.cpu.reserve_promotion(key, tier_label(i), protect)
             if got is None:  # no CPU row free now: a miss (counted on the CPU tier)
-                if request is not None:  # counted once: vLLM asks again while it waits
-                    request.counted.add(key)
                 return Lookup.MISS
             row, evicted = got
             self._evicted_from_cpu(evicted)
