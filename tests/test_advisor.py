@@ -286,3 +286,72 @@ def test_a_store_of_several_kv_groups_is_one_prefill_sample_per_chunk(tmp_path, 
     assert adv.prefill.samples == 1
     assert (adv.prefill.a, adv.prefill.b) == (pytest.approx(1e-3), 0.0)
     m.shutdown()
+
+
+def test_surveyed_chunks_that_leave_the_disk_before_the_decision_are_misses(tmp_path):
+    """Between the survey and the decision the disk drops the run's first and last chunks: the
+    first is a plain miss (vLLM recomputes from there) and nothing waits for it; a later
+    request loads the rest, up to the dropped last chunk, byte-exact."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1  # a run of 8 pays
+    adv.observe_read_batch(0, ROW, 0.5e-3)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
+    disk = c.file_tiers[0]
+    req = RequestLookups("r")
+    assert scan(c, req, ks) is None and req.disk_run.state is RunState.SURVEY
+    assert disk.drop([ks[0], ks[7]]) == 2
+    assert scan(c, req, ks) == 0  # the first chunk is gone: a miss, decided nothing
+    assert not c.has_pending_work() and req.disk_run.state is RunState.SURVEY
+    other = RequestLookups("later")  # the same prompt without its first chunk
+    for _ in range(4):
+        got = scan(c, other, ks[1:])
+        c.wait_idle()
+        if got is not None:
+            break
+    assert got == 6 and other.disk_run.state is RunState.LOAD  # up to the dropped chunk
+    rows = c.prepare_load(ks[1:7])
+    assert [bytes(c.region.row(r)) for r in rows] == [bytes(row_for(k)) for k in ks[1:7]]
+    c.complete_load(ks[1:7])
+    assert (disk.stats["lookups"], disk.stats["hits"]) == (8 + 7, 8 + 6)  # once per request
+    c.check()
+    c.close()
+
+
+@pytest.mark.parametrize("read_s", [0.5e-3, 1.0])
+def test_two_requests_surveying_the_same_prefix_load_it_once_or_both_recompute(tmp_path,
+                                                                               read_s):
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1
+    adv.observe_read_batch(0, ROW, read_s)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
+    disk = c.file_tiers[0]
+    reqs = {"a": RequestLookups("a"), "b": RequestLookups("b")}
+    done: dict[str, int] = {}
+    for _ in range(20):
+        for name, req in reqs.items():
+            if name not in done:
+                hits, pending = 0, False
+                for i, k in enumerate(ks):
+                    r = c.lookup(k, request=req, first_token=16 * i)
+                    if r is Lookup.MISS:
+                        break
+                    hits += 1
+                    pending |= r is Lookup.PENDING
+                if not pending:
+                    done[name] = hits
+        c.on_schedule_end()
+        c.poll(wait=0.01)
+        if len(done) == 2:
+            break
+    loads = read_s < 1
+    assert done == ({"a": 8, "b": 8} if loads else {"a": 0, "b": 0})
+    assert disk.stats["promotions"] == (8 if loads else 0)  # each chunk read once
+    assert disk.stats["promotions_declined"] == (0 if loads else 16)  # per request
+    if loads:
+        rows = c.prepare_load(ks)
+        assert [bytes(c.region.row(r)) for r in rows] == [bytes(row_for(k)) for k in ks]
+        c.complete_load(ks)
+    c.wait_idle()
+    c.check()
+    assert c.usage()["pinned"] == 0 and not c.has_pending_work()
+    c.close()
