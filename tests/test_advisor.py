@@ -355,3 +355,34 @@ def test_two_requests_surveying_the_same_prefix_load_it_once_or_both_recompute(t
     c.check()
     assert c.usage()["pinned"] == 0 and not c.has_pending_work()
     c.close()
+
+
+def test_a_first_chunk_on_a_fast_tier_does_not_load_a_run_that_goes_on_a_slow_one(tmp_path):
+    """Two file tiers: a local disk (0.5 ms a chunk) and a slow one (1 s a chunk). A run deep in
+    the prompt starts on the fast tier, where its first chunk pays, and goes on on the slow
+    tier. "The first chunk pays, so every longer run pays" holds for one read rate only: the
+    run was loaded at once, reading 4 s for ~0.1 s of compute. Decided as a whole, it is not."""
+    adv = PromotionAdvisor(2, ROW, chunk_tokens=16)
+    adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1
+    adv.observe_read_batch(0, ROW, 0.5e-3)
+    adv.observe_read_batch(1, ROW, 1.0)
+    tiers = [FileTier({"path": str(tmp_path / f"d{i}"), "capacity": 64 * ROW, "io": "posix",
+                       "policy": "lru"}, facts(ROW, model=f"m{i}")) for i in range(2)]
+    c = TierChain(CpuTier(StagingRegion("two", 20, ROW), "lru"), tiers, advisor=adv)
+    ks = [key(i) for i in range(8)]
+    fill(c, ks)
+    c.wait_idle()
+    c.reset()
+    tiers[0].drop(ks[4:])  # chunks 4..7 only on the slow tier
+    assert not adv.first_chunk_pays(0, 1600)  # from the fast tier alone it would pay
+    assert not adv.loading_pays([0] * 4 + [1] * 4, 1600)
+    req = RequestLookups("deep")
+    for _ in range(2):  # survey, then decide: the run starts at token 1600
+        for i, k in enumerate(ks):
+            c.lookup(k, request=req, first_token=1600 + 16 * i)
+        c.on_schedule_end()
+    assert req.disk_run.state is RunState.RECOMPUTE
+    c.wait_idle()
+    assert tiers[1].stats["promotions"] == 0 and tiers[0].stats["promotions"] == 0
+    c.check()
+    c.close()

@@ -142,15 +142,17 @@ class PromotionAdvisor:
         return self._read[tier].value
 
     def first_chunk_pays(self, tier: int, first_token: int) -> bool:
-        """Does reading the chunk at ``first_token`` from ``tier`` beat computing it there? If
-        so, loading pays for any run that starts with it, however long (every later chunk costs
-        more to compute and the same to read), so the run needs no survey. True while unmeasured
-        (load, and so measure)."""
-        rate = self.read_rate(tier)
-        if not rate or not self.prefill.known():
+        """Would reading the chunk at ``first_token`` beat computing it there, even from the
+        slowest measured file tier? If so, loading pays for any run that starts with it, however
+        long and wherever its later chunks are (each costs more to compute and no more to read),
+        so the run needs no survey. (From ``tier``'s own rate alone that holds for one tier
+        only: a run going on on a slower tier was loaded at once.) True while ``tier`` is
+        unmeasured (load, and so measure)."""
+        if not self.read_rate(tier) or not self.prefill.known():
             return True
+        slowest = min(r.value for r in self._read if r.value)
         compute = self.prefill.seconds(first_token, first_token + self.chunk_tokens)
-        return self.row_bytes / rate <= ADVISOR_PAYOFF_MARGIN * compute
+        return self.row_bytes / slowest <= ADVISOR_PAYOFF_MARGIN * compute
 
     def loading_pays(self, tiers: Sequence[int], first_token: int) -> bool:
         """Is reading one chunk from each of ``tiers`` (0-based file tier per chunk, in prompt
