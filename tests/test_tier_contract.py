@@ -156,6 +156,31 @@ def test_reasks_of_a_disk_hit_whose_promotion_failed_count_once(tmp_path, promot
     c.close()
 
 
+@pytest.mark.parametrize("order", ["promoter first", "other first"])
+def test_a_promoted_chunk_found_by_another_request_counts_its_hit(tmp_path, order):
+    """Request a finds a chunk on disk and promotes it; request b, sharing the prefix, finds it
+    promoting. Whichever asks first once it is READY: a counted its disk hit when it found it,
+    b counts a CPU hit. (b asking first swallowed the mark that says "this hit was the file
+    tier's": b's hit was counted nowhere.)"""
+    from tiering.request_lookups import RequestLookups
+
+    c = make_chain(tmp_path)
+    k = key(0)
+    fill(c, [k])
+    c.wait_idle()
+    c.reset()
+    a, b = RequestLookups("a"), RequestLookups("b")
+    assert c.lookup(k, request=a) is Lookup.PENDING
+    assert c.lookup(k, request=b) is Lookup.PENDING
+    c.wait_idle()
+    for req in ([a, b] if order == "promoter first" else [b, a]) * 2:
+        assert c.lookup(k, request=req) is Lookup.HIT
+    disk = c.file_tiers[0]
+    assert (disk.stats["lookups"], disk.stats["hits"]) == (1, 1)
+    assert (c.cpu.stats["lookups"], c.cpu.stats["hits"]) == (2, 1)  # a's miss, b's hit
+    c.close()
+
+
 def test_disk_hit_promotes_and_counts_once(tmp_path):
     c = make_chain(tmp_path)
     ks = [key(i) for i in range(4)]

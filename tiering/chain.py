@@ -164,7 +164,7 @@ class TierChain:
             count, protect = key not in request.counted, request.counted
             request.start_clock()
         self.poll()
-        found = self.cpu.lookup(key, count)
+        found = self.cpu.lookup(key, count, per_request=request is not None)
         if found is not Lookup.MISS:
             if request is not None:
                 request.had_tier_hit = True
