@@ -278,9 +278,8 @@ class Index:
         for name in ("data.mdb", "lock.mdb"):
             if os.path.islink(self.path / name):
                 raise IndexDamaged(f"{self.path / name}: is a link; refusing it")
-        problem = check_data_file(self.path / "data.mdb")
-        if problem:
-            raise IndexDamaged(f"{self.path}: {problem}")
+        # the lock file first: the check may walk the index with LMDB in a child, which would
+        # otherwise create a sparse one (on a full disk: a SIGBUS there, read as truncation)
         try:
             prepare_lock_file(self.path)
         except FileExistsError:
@@ -288,6 +287,9 @@ class Index:
         except OSError as exc:
             raise OSError(exc.errno, f"{self.path}: cannot create the index lock file "
                           f"({exc.strerror})") from None
+        problem = check_data_file(self.path / "data.mdb")
+        if problem:
+            raise IndexDamaged(f"{self.path}: {problem}")
         try:
             self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=4,
                                  readonly=readonly, metasync=False, mode=0o600, subdir=True,

@@ -77,6 +77,16 @@ def test_prefill_model_with_one_length_is_per_token_only():
     assert fixed.seconds(0, 1000) == pytest.approx(1.0)
 
 
+def test_prefill_model_ignores_samples_it_cannot_use():
+    m = PrefillModel()
+    for k, n, s in ((0, 2048, float("nan")), (0, 2048, float("inf")), (0, 2048, 0.0),
+                    (0, 2048, -1.0), (4096, 2048, 1.0), (-2048, 2048, 1.0)):
+        m.add(k, n, s)  # a negative k made x2 = 0: the fit divided by zero
+    assert not m.known()
+    m.add(0, 2048, 0.1)
+    assert (m.a, m.b) == (pytest.approx(0.1 / 2048), 0.0)
+
+
 def test_prefill_model_forgets_old_samples():
     m = PrefillModel()
     for n in (2048, 8192, 32768):
@@ -288,4 +298,134 @@ def test_decoding_is_no_prefill_sample(tmp_path):
             c.on_schedule_end()
         c.stored(req, chunks=1, end_token=end)
     assert adv.prefill.samples == 1
+
+def test_a_store_of_several_kv_groups_is_one_prefill_sample_per_chunk(tmp_path, monkeypatch):
+    """A model with two KV cache groups (full and sliding-window attention): vLLM stores one
+    key per group for each chunk, in one job. The manager counted keys as chunks, so
+    the first store of a prompt [0, 1024) became a sample [-1024, 1024): the fit divided by
+    zero (ZeroDivisionError into vLLM's scheduler), and later samples were wrong."""
+    pytest.importorskip("vllm")
+    import time
+
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from tiering.vllm.manager import TieredManager
+
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    c = make_chain(tmp_path, rows=256, advisor=adv)
+    m = TieredManager(c)
+    ctx = ReqContext(req_id="hybrid")
+    chunks = 64  # 1024 tokens
+    keys = [key(f"g{g}-{i}") for g in range(2) for i in range(chunks)]
+    for g in range(2):
+        for i in range(chunks):
+            ctx.set_offload_key_position(keys[g * chunks + i], (i + 1) * 16)
+    clock = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    assert m.lookup(keys[0], ctx).name == "MISS"  # its first lookup starts the clock
+    clock[0] += 1.024
+    m.prepare_store(keys, ctx)
+    m.complete_store(keys, ctx)  # tokens [0, 1024) computed and stored in 1.024 s
+    assert adv.prefill.samples == 1
+    assert (adv.prefill.a, adv.prefill.b) == (pytest.approx(1e-3), 0.0)
+    m.shutdown()
+
+
+def test_surveyed_chunks_that_leave_the_disk_before_the_decision_are_misses(tmp_path):
+    """Between the survey and the decision the disk drops the run's first and last chunks: the
+    first is a plain miss (vLLM recomputes from there) and nothing waits for it; a later
+    request loads the rest, up to the dropped last chunk, byte-exact."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1  # a run of 8 pays
+    adv.observe_read_batch(0, ROW, 0.5e-3)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
+    disk = c.file_tiers[0]
+    req = RequestLookups("r")
+    assert scan(c, req, ks) is None and req.disk_run.state is RunState.SURVEY
+    assert disk.drop([ks[0], ks[7]]) == 2
+    assert scan(c, req, ks) == 0  # the first chunk is gone: a miss, decided nothing
+    assert not c.has_pending_work() and req.disk_run.state is RunState.SURVEY
+    other = RequestLookups("later")  # the same prompt without its first chunk
+    for _ in range(4):
+        got = scan(c, other, ks[1:])
+        c.wait_idle()
+        if got is not None:
+            break
+    assert got == 6 and other.disk_run.state is RunState.LOAD  # up to the dropped chunk
+    rows = c.prepare_load(ks[1:7])
+    assert [bytes(c.region.row(r)) for r in rows] == [bytes(row_for(k)) for k in ks[1:7]]
+    c.complete_load(ks[1:7])
+    assert (disk.stats["lookups"], disk.stats["hits"]) == (8 + 7, 8 + 6)  # once per request
+    c.check()
+    c.close()
+
+
+@pytest.mark.parametrize("read_s", [0.5e-3, 1.0])
+def test_two_requests_surveying_the_same_prefix_load_it_once_or_both_recompute(tmp_path,
+                                                                               read_s):
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1
+    adv.observe_read_batch(0, ROW, read_s)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
+    disk = c.file_tiers[0]
+    reqs = {"a": RequestLookups("a"), "b": RequestLookups("b")}
+    done: dict[str, int] = {}
+    for _ in range(20):
+        for name, req in reqs.items():
+            if name not in done:
+                hits, pending = 0, False
+                for i, k in enumerate(ks):
+                    r = c.lookup(k, request=req, first_token=16 * i)
+                    if r is Lookup.MISS:
+                        break
+                    hits += 1
+                    pending |= r is Lookup.PENDING
+                if not pending:
+                    done[name] = hits
+        c.on_schedule_end()
+        c.poll(wait=0.01)
+        if len(done) == 2:
+            break
+    loads = read_s < 1
+    assert done == ({"a": 8, "b": 8} if loads else {"a": 0, "b": 0})
+    assert disk.stats["promotions"] == (8 if loads else 0)  # each chunk read once
+    assert disk.stats["promotions_declined"] == (0 if loads else 16)  # per request
+    if loads:
+        rows = c.prepare_load(ks)
+        assert [bytes(c.region.row(r)) for r in rows] == [bytes(row_for(k)) for k in ks]
+        c.complete_load(ks)
+    c.wait_idle()
+    c.check()
+    assert c.usage()["pinned"] == 0 and not c.has_pending_work()
+    c.close()
+
+
+def test_a_first_chunk_on_a_fast_tier_does_not_load_a_run_that_goes_on_a_slow_one(tmp_path):
+    """Two file tiers: a local disk (0.5 ms a chunk) and a slow one (1 s a chunk). A run deep in
+    the prompt starts on the fast tier, where its first chunk pays, and goes on on the slow
+    tier. "The first chunk pays, so every longer run pays" holds for one read rate only: the
+    run was loaded at once, reading 4 s for ~0.1 s of compute. Decided as a whole, it is not."""
+    adv = PromotionAdvisor(2, ROW, chunk_tokens=16)
+    adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1
+    adv.observe_read_batch(0, ROW, 0.5e-3)
+    adv.observe_read_batch(1, ROW, 1.0)
+    tiers = [FileTier({"path": str(tmp_path / f"d{i}"), "capacity": 64 * ROW, "io": "posix",
+                       "policy": "lru"}, facts(ROW, model=f"m{i}")) for i in range(2)]
+    c = TierChain(CpuTier(StagingRegion("two", 20, ROW), "lru"), tiers, advisor=adv)
+    ks = [key(i) for i in range(8)]
+    fill(c, ks)
+    c.wait_idle()
+    c.reset()
+    tiers[0].drop(ks[4:])  # chunks 4..7 only on the slow tier
+    assert not adv.first_chunk_pays(0, 1600)  # from the fast tier alone it would pay
+    assert not adv.loading_pays([0] * 4 + [1] * 4, 1600)
+    req = RequestLookups("deep")
+    for _ in range(2):  # survey, then decide: the run starts at token 1600
+        for i, k in enumerate(ks):
+            c.lookup(k, request=req, first_token=1600 + 16 * i)
+        c.on_schedule_end()
+    assert req.disk_run.state is RunState.RECOMPUTE
+    c.wait_idle()
+    assert tiers[1].stats["promotions"] == 0 and tiers[0].stats["promotions"] == 0
+    c.check()
     c.close()

@@ -105,3 +105,99 @@ def test_random_operations_keep_invariants_and_bytes(tmp_path, seed):
                 (done,) = t.wait_idle()
                 assert done.ok and np.array_equal(np.frombuffer(out, np.uint8), content(k))
     c.close()
+
+
+def _fill_fs(path, leave: int) -> None:
+    """Fill the filesystem holding ``path``, then give back ``leave`` bytes."""
+    import contextlib
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, b"\0" * 65536)
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, b"\0" * 4096)
+        os.ftruncate(fd, max(0, os.fstat(fd).st_size - leave))
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("seed", range(max(1, TRIALS // 3)))
+def test_random_operations_on_a_full_disk_with_the_advisor(tmp_path, mount_tmpfs, seed):
+    """The same, with both file tiers on a filesystem that runs out of space (writes fail with
+    ENOSPC), requests looked up as vLLM does (a record per request: disk runs surveyed, then
+    loaded or recomputed) and the demotion budget in play: after every step the chain's write
+    count matches the rows it pinned, and at the end nothing is owed, pinned or pending."""
+    from tiering.advisor import PromotionAdvisor
+    from tiering.request_lookups import RequestLookups
+
+    rng = random.Random(1000 + seed)
+    fs = mount_tmpfs("2m", f"fs{seed}")
+    tiers = [FileTier({"path": str(fs / f"d{i}"), "capacity": 48 * ROW, "io": "posix",
+                       "policy": rng.choice(["lru", "arc", "s3fifo"]), "demote": mode,
+                       "preallocate": False},  # sparse slabs: writes meet ENOSPC
+                      facts(ROW, model=f"m{i}"))
+             for i, mode in enumerate(("on_store", "on_evict"))]
+    _fill_fs(fs / "filler", leave=rng.choice([0, 24 * ROW, 64 * ROW, 160 * ROW]))
+    adv = PromotionAdvisor(2, ROW, chunk_tokens=16)
+    c = TierChain(CpuTier(StagingRegion(f"f{seed}", rng.randint(4, 12), ROW), "lru"), tiers,
+                  advisor=adv)
+    universe = [key(f"full-{seed}-{i}") for i in range(30)]
+    writing: list[list[bytes]] = []
+    loading: list[list[bytes]] = []
+    requests: dict[int, tuple[RequestLookups, list[bytes]]] = {}
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.3:  # a live request's scan: in order until a miss
+            rid = rng.randrange(4)
+            if rid not in requests or rng.random() < 0.2:  # a new request under that id
+                start = rng.randrange(len(universe) - 8)
+                requests[rid] = (RequestLookups(str(rid)), universe[start:start + rng.randint(1, 8)])
+            req, ks = requests[rid]
+            hits, pending = [], False
+            for i, k in enumerate(ks):
+                r = c.lookup(k, request=req, first_token=rng.choice([16 * i, None]))
+                if r is Lookup.MISS:
+                    break
+                pending |= r is Lookup.PENDING
+                hits.append(k)
+            if hits and not pending:
+                rows = c.prepare_load(hits)
+                for k, r in zip(hits, rows, strict=True):
+                    got = np.frombuffer(c.region.row(r), np.uint8)
+                    assert np.array_equal(got, content(k)), f"wrong bytes for {k.hex()}"
+                loading.append(hits)
+                del requests[rid]
+        elif op < 0.5:
+            ks = rng.sample(universe, rng.randint(1, 4))
+            out = c.prepare_store(ks)
+            if out is not None and out[0]:
+                for k, r in zip(out[0], out[1], strict=True):
+                    np.frombuffer(c.region.row(r), np.uint8)[:] = content(k)
+                writing.append(out[0])
+        elif op < 0.65 and writing:
+            c.complete_store(writing.pop(rng.randrange(len(writing))), rng.random() > 0.1)
+        elif op < 0.75 and loading:
+            c.complete_load(loading.pop(rng.randrange(len(loading))))
+        elif op < 0.77:
+            c.reset()
+            writing.clear()
+            loading.clear()
+        elif op < 0.8:  # measurements that move the advisor's decisions both ways
+            adv.observe_read_batch(rng.randrange(2), ROW, rng.choice([1e-6, 1.0]))
+            adv.observe_prefill(0, 1024, rng.choice([1e-6, 10.0]))
+        elif op < 0.95:
+            c.on_schedule_end()
+        else:
+            c.poll(wait=0.01)
+        c.check()
+    for job in writing:
+        c.complete_store(job)
+    for job in loading:
+        c.complete_load(job)
+    c.wait_idle()
+    c.check()
+    assert not c.has_pending_work() and c.usage()["pinned"] == 0
+    c.close()

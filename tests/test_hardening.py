@@ -167,6 +167,51 @@ def test_meta_naming_pages_past_the_end_of_a_healthy_index_is_not_truncation(tmp
         assert all(t.contains(key(i)) for i in range(8))
 
 
+
+def test_a_healthy_index_without_its_lock_file_on_a_full_disk_is_not_set_aside(mount_tmpfs):
+    """The walk of an index whose meta names pages past its end ran before the lock file was
+    prepared: with lock.mdb gone (LMDB recreates it) and the filesystem full, the walk's LMDB
+    created a sparse lock file and died of SIGBUS writing its reader slot, so a healthy index
+    was called truncated: the CLI refused it and the writer set it aside (every key lost once
+    the disk had room again). Now the lock file comes first: on a full disk that is a clear
+    ENOSPC, and the index is kept."""
+    import contextlib
+    import struct
+
+    mnt = mount_tmpfs("4m", "full")
+    with open_tier(mnt) as t:
+        store(t, [key(i) for i in range(8)])
+        folder = t.folder
+    data = folder / "index.lmdb" / "data.mdb"
+    with open(data, "r+b") as f:  # a healthy index naming freed pages past its end
+        metas = []
+        for i in (0, 1):
+            f.seek(i * 4096 + 136)
+            metas.append(struct.unpack("<QQ", f.read(16)))
+        current = max((0, 1), key=lambda i: metas[i][1])
+        f.seek(current * 4096 + 136)
+        f.write(struct.pack("<Q", metas[current][0] + 9))
+    (folder / "index.lmdb" / "lock.mdb").unlink()
+    filler = mnt / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    with contextlib.suppress(OSError):
+        while True:
+            os.write(fd, b"\0" * 65536)
+    with contextlib.suppress(OSError):
+        while True:
+            os.write(fd, b"\0" * 4096)
+    os.close(fd)
+    proc = _cli("export", str(mnt))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "truncated" not in proc.stderr and "lock file" in proc.stderr, proc.stderr
+    with pytest.raises(OSError, match="lock file"):
+        open_tier(mnt)
+    filler.unlink()  # room again: the writer finds every key
+    with open_tier(mnt) as t:
+        assert t.index.read_stats()["index_resets"] == 0
+        assert all(read(t, key(i))[0] == bytes(row_for(key(i))) for i in range(8))
+
 # -- 1: a killed reader does not stop writes ----------------------------------------------------
 READER = textwrap.dedent("""
     import sys, time

@@ -90,6 +90,97 @@ def test_reasks_of_a_missing_chunk_count_once_everywhere(tmp_path):
     c.close()
 
 
+@pytest.mark.parametrize("promote", ["always", "auto"])
+def test_reasks_of_a_disk_hit_refused_for_want_of_a_cpu_row_count_once(tmp_path, promote):
+    """A disk hit with every CPU row pinned is a miss; vLLM asks again next step (the request
+    waits for GPU room too). Each re-ask counted again: 3 asks read as 3 disk hits and 3 CPU
+    misses for one chunk."""
+    from tiering.advisor import PromotionAdvisor
+    from tiering.request_lookups import RequestLookups
+
+    c = make_chain(tmp_path, rows=2)
+    c.advisor = PromotionAdvisor(1, ROW, 16) if promote == "auto" else None  # unmeasured: load
+    k = key(0)
+    fill(c, [k])
+    c.wait_idle()
+    c.reset()
+    pinned, _, _ = c.prepare_store([key("a"), key("b")])  # the GPU is writing both rows
+    req = RequestLookups("r")
+    for _ in range(3):
+        assert c.lookup(k, request=req, first_token=0) is Lookup.MISS
+        c.on_schedule_end()
+    disk = c.file_tiers[0]
+    assert (disk.stats["lookups"], disk.stats["hits"]) == (1, 1)
+    assert (c.cpu.stats["lookups"], c.cpu.stats["hits"]) == (1, 0)
+    c.complete_store(pinned)
+    c.wait_idle()  # their writes down done: evictable, the next ask promotes, still uncounted
+    assert c.lookup(k, request=req, first_token=0) is Lookup.PENDING
+    c.wait_idle()
+    assert c.lookup(k, request=req, first_token=0) is Lookup.HIT
+    assert (disk.stats["lookups"], disk.stats["promotions"]) == (1, 1)
+    assert c.cpu.stats["lookups"] == 1
+    rows = c.prepare_load([k])
+    assert bytes(c.region.row(rows[0])) == bytes(row_for(k))
+    c.complete_load([k])
+    c.check()
+    c.close()
+
+
+@pytest.mark.parametrize("promote", ["always", "auto"])
+def test_reasks_of_a_disk_hit_whose_promotion_failed_count_once(tmp_path, promote):
+    """The chunk leaves the disk between the lookup and its read: the promotion fails and the
+    chunk is a miss. vLLM asks again; that ask counted a second disk lookup and CPU miss."""
+    from tiering.advisor import PromotionAdvisor
+    from tiering.request_lookups import RequestLookups
+
+    c = make_chain(tmp_path, rows=4)
+    c.advisor = PromotionAdvisor(1, ROW, 16) if promote == "auto" else None  # unmeasured: load
+    k = key(0)
+    fill(c, [k])
+    c.wait_idle()
+    c.reset()
+    req = RequestLookups("r")
+    assert c.lookup(k, request=req, first_token=0) is Lookup.PENDING
+    disk = c.file_tiers[0]
+    assert disk.drop([k]) == 1  # gone before its read is issued
+    c.on_schedule_end()
+    c.wait_idle()
+    for _ in range(3):
+        assert c.lookup(k, request=req, first_token=0) is Lookup.MISS
+        c.on_schedule_end()
+    assert (disk.stats["lookups"], disk.stats["hits"]) == (1, 1)
+    assert disk.stats["promotion_failures"] == 1
+    assert (c.cpu.stats["lookups"], c.cpu.stats["hits"]) == (1, 0)
+    c.check()
+    assert c.usage()["pinned"] == 0
+    c.close()
+
+
+@pytest.mark.parametrize("order", ["promoter first", "other first"])
+def test_a_promoted_chunk_found_by_another_request_counts_its_hit(tmp_path, order):
+    """Request a finds a chunk on disk and promotes it; request b, sharing the prefix, finds it
+    promoting. Whichever asks first once it is READY: a counted its disk hit when it found it,
+    b counts a CPU hit. (b asking first swallowed the mark that says "this hit was the file
+    tier's": b's hit was counted nowhere.)"""
+    from tiering.request_lookups import RequestLookups
+
+    c = make_chain(tmp_path)
+    k = key(0)
+    fill(c, [k])
+    c.wait_idle()
+    c.reset()
+    a, b = RequestLookups("a"), RequestLookups("b")
+    assert c.lookup(k, request=a) is Lookup.PENDING
+    assert c.lookup(k, request=b) is Lookup.PENDING
+    c.wait_idle()
+    for req in ([a, b] if order == "promoter first" else [b, a]) * 2:
+        assert c.lookup(k, request=req) is Lookup.HIT
+    disk = c.file_tiers[0]
+    assert (disk.stats["lookups"], disk.stats["hits"]) == (1, 1)
+    assert (c.cpu.stats["lookups"], c.cpu.stats["hits"]) == (2, 1)  # a's miss, b's hit
+    c.close()
+
+
 def test_disk_hit_promotes_and_counts_once(tmp_path):
     c = make_chain(tmp_path)
     ks = [key(i) for i in range(4)]
@@ -332,3 +423,29 @@ def test_a_disk_behind_the_stores_never_pins_the_whole_cpu_tier(tmp_path):
         c.complete_load([k])
     c.check()
     c.close()
+
+
+@pytest.mark.parametrize("modes", [("on_store",), ("on_evict",), ("on_store", "on_evict")])
+def test_a_restart_after_close_finds_every_chunk_the_cpu_tier_held(tmp_path, modes):
+    """Stores with no step in between: past the demotion budget the write-through rows are
+    owed, and every row is owed to a write-back tier. close() writes them all: a restarted
+    tier holds every chunk that was in the CPU tier."""
+    def tiers():
+        return [FileTier({"path": str(tmp_path / f"d{i}"), "capacity": 64 * ROW, "io": "posix",
+                          "policy": "lru", "demote": m}, facts(ROW, model=f"m{i}"))
+                for i, m in enumerate(modes)]
+
+    c = TierChain(CpuTier(StagingRegion("restart", 16, ROW), "lru"), tiers())
+    ks = [key(i) for i in range(16)]
+    for i in range(0, 16, 2):
+        fill(c, ks[i:i + 2])
+    assert all(c.cpu.contains(k) for k in ks) and c.has_pending_work()
+    c.close()
+    for t in tiers():
+        assert [k for k in ks if not t.contains(k)] == [], t.cfg.demote
+        for k in ks[::5]:
+            out = bytearray(ROW)
+            assert t.get([(k, memoryview(out), None)]) == [True]
+            (done,) = t.wait_idle()
+            assert done.ok and bytes(out) == bytes(row_for(k))
+        t.close()

@@ -192,3 +192,34 @@ def test_preemption_flushes_stores_and_leaves_no_row_pinned(model, tmp_path):
     assert h.flushed > 0, "no store job was flushed: the scenario did not preempt"
     assert chain.usage()["pinned"] == 0
     assert all(r.state.name != "WRITING" for r in chain.cpu.rows)
+
+
+def test_promote_auto_loads_the_cpu_prefix_and_recomputes_a_declined_disk_run(model, tmp_path):
+    """promote auto in vLLM's scheduler: a prompt whose first two chunks are in the CPU tier and
+    last two only on disk. The disk run is surveyed (one step pending), then declined (this
+    harness computes instantly): the request gets exactly its CPU prefix, completes, and no
+    row stays pinned."""
+    h = Harness(model, extra(tmp_path, promote="auto"), delay=1)
+    chain = h.manager.chain
+    a, tail = prompt(21), prompt(22, 256)
+    h.add("a1", a)  # stored to CPU and disk; a prefill sample
+    h.run()
+    h.reset_gpu_prefix_cache(connector=True)
+    h.add("a2", a)  # read rate unknown: loaded from disk, and so measured
+    h.run()
+    assert chain.advisor.read_rate(0) and chain.advisor.prefill.known()
+    h.reset_gpu_prefix_cache(connector=True)  # CPU tier emptied
+    h.add("b", a[:256] + tail)  # shares A's first two chunks: declined, recomputed, stored
+    h.run()
+    assert h.cached["b"] == 0
+    disk = chain.tiers[1].stats
+    declined = disk["promotions_declined"]
+    h.reset_gpu_prefix_cache()  # GPU forgets; the CPU tier holds A's head and B's tail
+    h.add("a3", a)
+    h.run()
+    assert h.cached["a3"] == 256  # the CPU prefix only
+    assert disk["promotions_declined"] == declined + 2  # A's two disk-only chunks
+    assert not h.scheduler.requests and h.manager.live_requests() == 0
+    chain.check()
+    assert chain.usage()["pinned"] == 0 and not chain.has_pending_work()
+    h.manager.shutdown()

@@ -94,8 +94,8 @@ class PrefillModel:
 
     def add(self, k: int, n: int, seconds: float) -> None:
         """A step computed tokens ``[k, n)`` in ``seconds``."""
-        if self.fixed or not n > k or not seconds > 0 or not math.isfinite(seconds):
-            return
+        if self.fixed or not 0 <= k < n or not 0 < seconds < math.inf:
+            return  # no usable sample (a negative k could zero the attention term: x2 = 0)
         f = self._features(k, n)
         keep = 1.0 - ADVISOR_MODEL_WEIGHT if self.samples else 0.0
         self._s = keep * self._s + np.outer(f, f)
@@ -167,16 +167,19 @@ class PromotionAdvisor:
         return ADVISOR_LOAD_STEPS * self.prefill.c
 
     def first_chunk_pays(self, tier: int, first_token: int) -> bool:
-        """Does reading the chunk at ``first_token`` from ``tier``, with a load's extra steps,
-        beat computing it there? If so, loading pays for any run that starts with it, however
-        long (every later chunk costs more to compute and the same to read, and the extra steps
-        are paid once), so the run needs no survey. True while unmeasured (load, and so
+        """Would reading the chunk at ``first_token``, with a load's extra steps, beat computing
+        it there, even from the slowest measured file tier? If so, loading pays for any run that
+        starts with it, however long and wherever its later chunks are (each costs more to
+        compute and no more to read, and the extra steps are paid once), so the run needs no
+        survey. (From ``tier``'s own rate alone that holds for one tier only: a run going on on
+        a slower tier was loaded at once.) True while ``tier`` is unmeasured (load, and so
         measure)."""
-        rate = self.read_rate(tier)
-        if not rate or not self.prefill.known():
+        if not self.read_rate(tier) or not self.prefill.known():
             return True
+        slowest = min(r.value for r in self._read if r.value)
         compute = self.prefill.seconds(first_token, first_token + self.chunk_tokens)
-        return self.row_bytes / rate + self._load_overhead() <= ADVISOR_PAYOFF_MARGIN * compute
+        return (self.row_bytes / slowest + self._load_overhead()
+                <= ADVISOR_PAYOFF_MARGIN * compute)
 
     def loading_pays(self, tiers: Sequence[int], first_token: int) -> bool:
         """Is reading one chunk from each of ``tiers`` (0-based file tier per chunk, in prompt

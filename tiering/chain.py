@@ -167,7 +167,7 @@ class TierChain:
                 request.start_clock()
                 request.segment_token, request.segment_step = first_token, self._steps
         self.poll()
-        found = self.cpu.lookup(key, count)
+        found = self.cpu.lookup(key, count, per_request=request is not None)
         if found is not Lookup.MISS:
             if request is not None:
                 request.had_tier_hit = True
@@ -187,6 +187,9 @@ class TierChain:
                     return Lookup.MISS  # recomputing is faster than reading it
             if request is not None:
                 request.had_tier_hit = True
+                # counted once, whatever comes of it: vLLM asks again while the request waits
+                # (no CPU row now, or the read fails and the chunk is a miss after all)
+                request.counted.add(key)
             tier.touch([key])  # a promotion is a use: recency and the persisted hit count
             got = self.cpu.reserve_promotion(key, tier_label(i), protect)
             if got is None:  # no CPU row free now: a miss (counted on the CPU tier)
@@ -479,6 +482,9 @@ class TierChain:
         self.cpu.check()
         for (i, kind, key), (row, _, _) in self._in_flight.items():
             assert self.cpu.rows[row].io_pins > 0, (i, kind, key, self.cpu.rows[row])
+        writes = sum(kind == "store" for _, kind, _ in self._in_flight)
+        assert self._demoting == writes, (self._demoting, writes)
+        assert set(self._owed.behind) <= set(self._owed.tiers), "owed behind, to no tier"
 
     def close(self) -> None:
         try:

@@ -95,14 +95,19 @@ class CpuTier(Tier):
         self._read_done: list[Completion] = []
 
     # -- queries -----------------------------------------------------------------------------
-    def lookup(self, key: bytes, count: bool = True) -> Lookup:
+    def lookup(self, key: bytes, count: bool = True, per_request: bool = False) -> Lookup:
+        """``per_request``: the caller counts once per request (the request that promoted a
+        row counted its disk hit when it found it, and passes ``count=False`` after), so a
+        promoted row's first hit is not the promoter's: it counts like any other."""
         row = self.key_row.get(key)
         if row is not None:
             if row.state is not _READY:
                 return Lookup.PENDING  # asked again next step: counted when it resolves
             if row.fresh:
                 row.fresh = False
-            elif count:
+                if not per_request:  # the promoting caller's own hit: the file tier's
+                    return Lookup.HIT
+            if count:
                 self.stats.lookup(True, self.row_bytes)
             return Lookup.HIT
         if count:

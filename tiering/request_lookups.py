@@ -16,8 +16,8 @@ repeated scans, and this record owns them:
 
   On the first scan the chain only notes each disk chunk (answer: pending, nothing read). On the
   next scan the whole run is known and the promotion advisor decides once for all of it. (If
-  reading the run's first chunk already beats computing it, the run is loaded at once: every
-  later chunk costs more to compute and the same to read.)
+  reading the run's first chunk, even from the slowest file tier, already beats computing it,
+  the run is loaded at once: every later chunk costs more to compute and no more to read.)
 * the **prefill clock** — when the request's current stretch of computed tokens started, for the
   advisor's prefill model (only while the request had no tier hit). vLLM completes a store
   after the forward pass that computed its chunks, so store completions time the prefill; a

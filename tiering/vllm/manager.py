@@ -109,8 +109,12 @@ class TieredManager(OffloadingManager):
             # completes the store after the forward pass and the copy: the completion times the
             # prefill (the offer does not).
             ends = [self._end_token(k, req_context) for k in keys]
-            self.chain.stored(rec, len(ends),
-                              max(ends) if all(e is not None for e in ends) else None)
+            if all(e is not None for e in ends):
+                # a model with several KV groups stores one key per group for each chunk: the
+                # chunks are the distinct positions (keys counted as chunks multiply the tokens)
+                self.chain.stored(rec, len(set(ends)), max(ends))
+            else:
+                self.chain.stored(rec, len(keys), None)
         rec.stores_in_flight -= len(keys)
         if rec.finished and rec.stores_in_flight <= 0:
             del self._requests[rec.req_id]
