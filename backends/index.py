@@ -145,7 +145,9 @@ def check_data_file(path: Path) -> str | None:
 # Opens the environment read-only and reads every key and value of every table: touches every
 # page the B-tree references, as any later reader could.
 _WALK = """
-import sys, lmdb
+import sys
+sys.path = [p for p in sys.path if p not in ("", ".")]  # never a module planted in the cwd
+import lmdb
 env = lmdb.open(sys.argv[1], readonly=True, max_dbs=8, subdir=True, lock=True)
 with env.begin() as txn:
     for name, _ in list(txn.cursor()):

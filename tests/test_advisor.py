@@ -429,3 +429,18 @@ def test_a_first_chunk_on_a_fast_tier_does_not_load_a_run_that_goes_on_a_slow_on
     assert tiers[1].stats["promotions"] == 0 and tiers[0].stats["promotions"] == 0
     c.check()
     c.close()
+
+
+def test_a_surveyed_run_of_several_kv_groups_is_priced_by_its_tokens_once():
+    """Two KV groups: two keys (rows) per chunk. Reading prices every row; computing prices the
+    chunk's tokens once (the survey once counted one chunk of tokens per key, twice the span)."""
+    run = DiskRun()
+    for i in range(4):  # chunks at tokens 0, 16, 32, 48, one key per group each
+        run.note(key(f"a{i}"), 1, 16 * i)
+        run.note(key(f"b{i}"), 1, 16 * i)
+    assert run.token_span(0, 16) == (0, 64)
+    assert run.token_span(2, 16) == (16, 64)
+    unknown = DiskRun()
+    for i in range(3):
+        unknown.note(key(f"u{i}"), 1, None if i else 32)
+    assert unknown.token_span(1, 16) == (48, 80)  # positions unknown: one chunk per key

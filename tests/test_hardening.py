@@ -161,6 +161,14 @@ def test_meta_naming_pages_past_the_end_of_a_healthy_index_is_not_truncation(tmp
         f.seek(current * 4096 + 136)
         f.write(struct.pack("<Q", metas[current][0] + 9))  # 9 freed pages past the end
     assert index.check_data_file(data) is None
+    # the walk runs LMDB in a child: a module planted in the working folder is never imported
+    (tmp_path / "lmdb.py").write_text("raise SystemExit(3)\n")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert index.check_data_file(data) is None
+    finally:
+        os.chdir(cwd)
     proc = _cli("export", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     with open_tier(tmp_path) as t:  # and the writer reopens it with its keys

@@ -181,17 +181,18 @@ class PromotionAdvisor:
         return (self.row_bytes / slowest + self._load_overhead()
                 <= ADVISOR_PAYOFF_MARGIN * compute)
 
-    def loading_pays(self, tiers: Sequence[int], first_token: int) -> bool:
-        """Is reading one chunk from each of ``tiers`` (0-based file tier per chunk, in prompt
-        order, starting at token ``first_token``), plus a load's extra steps, faster than
-        computing those tokens?"""
+    def loading_pays(self, tiers: Sequence[int], first_token: int,
+                     end_token: int | None = None) -> bool:
+        """Is reading one row from each of ``tiers`` (0-based file tier per row, in prompt
+        order), plus a load's extra steps, faster than computing the tokens from
+        ``first_token`` to ``end_token`` (default: one chunk's tokens per row)?"""
         if not tiers:
             return True
         rates = [self.read_rate(t) for t in tiers]
         if not all(rates) or not self.prefill.known():
             return True  # not measured yet: load (and measure)
         read_s = sum(self.row_bytes / r for r in rates) + self._load_overhead()
-        end = first_token + len(tiers) * self.chunk_tokens
+        end = end_token if end_token is not None else first_token + len(tiers) * self.chunk_tokens
         if read_s <= ADVISOR_PAYOFF_MARGIN * self.prefill.seconds(first_token, end):
             return True
         probe = False

@@ -95,8 +95,9 @@ class OwedRows:
             self.tiers[key] = rest
         else:
             del self.tiers[key]
-        if only is None or not rest or all(i not in only for i in rest):
-            self.behind.pop(key, None)
+        # ``behind`` lists keys owed to a write-through tier; callers take all of those at once
+        # (``only`` is None or every write-through tier), so none is left behind for this key
+        self.behind.pop(key, None)
         return taken
 
     def oldest_behind(self, n: int) -> list[bytes]:
@@ -227,9 +228,9 @@ class TierChain:
                     return run.state
                 request.counted.add(key)
                 return None
-        start = (run.first_token or 0) + j * advisor.chunk_tokens
+        start, end = run.token_span(j, advisor.chunk_tokens)
         tiers = [t - 1 for t in run.tiers[j:]]
-        if advisor.loading_pays(tiers, start):
+        if advisor.loading_pays(tiers, start, end):
             run.move(RunState.LOAD)
         else:
             run.move(RunState.RECOMPUTE)

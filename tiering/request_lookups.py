@@ -56,6 +56,7 @@ class DiskRun:
     keys: list[bytes] = field(default_factory=list)
     tiers: list[int] = field(default_factory=list)  # file tier (1-based chain index) per key
     first_token: int | None = None  # where the run starts in the prompt, when known
+    starts: list[int | None] = field(default_factory=list)  # each key's first token, if known
     _index: dict[bytes, int] = field(default_factory=dict, repr=False)
 
     def note(self, key: bytes, tier: int, first_token: int | None) -> None:
@@ -66,6 +67,16 @@ class DiskRun:
         self._index[key] = len(self.keys)
         self.keys.append(key)
         self.tiers.append(tier)
+        self.starts.append(first_token)
+
+    def token_span(self, j: int, chunk_tokens: int) -> tuple[int, int]:
+        """The prompt tokens the keys from index ``j`` on cover. A model with several KV groups
+        has one key per group for each chunk: positions, where known, count each chunk once."""
+        starts = self.starts[j:]
+        if starts and all(t is not None for t in starts):
+            return min(starts), max(starts) + chunk_tokens
+        first = (self.first_token or 0) + j * chunk_tokens
+        return first, first + (len(self.keys) - j) * chunk_tokens
 
     def position(self, key: bytes) -> int | None:
         """Index of ``key`` in the run, or None if it was not noted."""
