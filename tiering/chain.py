@@ -316,9 +316,10 @@ class TierChain:
                 self.tiers[i].stats.add("demotions_deferred", len(later))
                 for k in later:
                     self._owed.add(k, i, eager=True)
-        for k in ready:
-            for i in self._writeback:
-                self._owed.add(k, i, eager=False)
+        if self._writeback:
+            for k in ready:
+                for i in self._writeback:
+                    self._owed.add(k, i, eager=False)
 
     def _keep_clean(self, extra: int = 0) -> None:
         """Write back owed rows at the head of the eviction order until free rows plus clean
