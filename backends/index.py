@@ -18,7 +18,7 @@ full); the writer clears dead readers when it opens and then periodically
 
 The index is rebuildable state, and LMDB trusts its files: a data.mdb shorter than the pages
 its meta pages reference is a SIGBUS on first touch, a damaged tree an ``lmdb.Error``.
-So ``check_data_file`` validates the meta pages against the file size before anything is
+So ``check_data_file`` (``index_file_check.py``) validates the meta pages before anything is
 mapped, every LMDB error is turned into :class:`IndexDamaged`, and the writer
 (``Index.open_for_writer``) scans the whole index once at open and rewrites it into a fresh
 environment (so damage the scan cannot see never survives an open); a damaged one is set aside
@@ -37,7 +37,6 @@ import errno
 import logging
 import os
 import shutil
-import stat
 import struct
 import time
 from collections.abc import Iterable, Iterator
@@ -46,7 +45,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from tiering.settings import INDEX_WALK_TIMEOUT_S
+from tiering.backends.index_file_check import check_data_file
 
 RECORD = np.dtype([
     ("slot", "<u8"), ("length", "<u4"), ("codec", "u1"), ("flags", "u1"), ("_pad", "<u2"),
@@ -68,16 +67,6 @@ class IndexDamaged(RuntimeError):
     The writer sets it aside and starts empty; read-only tools report it (CLI exit 1)."""
 
 
-# LMDB's meta pages (pages 0 and 1): a 16-byte page header, then MDB_meta: magic u32,
-# version u32, address, map size, two MDB_db of 48 bytes (the first one's leading u32 holds the
-# page size), last used page number, transaction id.
-_LMDB_MAGIC = 0xBEEFC0DE
-_LMDB_DATA_VERSION = 1
-_META_HEAD = struct.Struct("<IIQQ")  # at offset 16
-_META_PSIZE = struct.Struct("<I")  # at offset 40
-_META_TAIL = struct.Struct("<QQ")  # last page, txn id: at offset 136
-
-
 _FALLOC_FL_KEEP_SIZE = 1
 
 
@@ -89,97 +78,6 @@ def _fallocate_keep_size(fd: int, offset: int, length: int) -> int:
         return -1
     fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     return fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length)
-
-
-def check_data_file(path: Path) -> str | None:
-    """Why ``data.mdb`` cannot be mapped safely, or None (also None when it does not exist).
-
-    LMDB maps the file and touches pages its B-tree references: a file shorter than that is a
-    SIGBUS in whatever process reads it, which no ``except`` can catch. Checked before opening:
-    the meta pages must be LMDB's, and the file must reach the last page they name. A healthy
-    file may end before that page (a transaction's last pages can be freed again before commit
-    and never written), so a file that looks short is walked by LMDB itself in a child process
-    (``_walk_in_child``): a SIGBUS there means truncated, a clean walk means healthy.
-    """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        return f"{path.name} is not a regular file"
-    if st.st_size == 0:
-        return f"{path.name} is empty (no meta pages)"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            first = os.pread(fd, 4096, 0)
-            if len(first) < 152:
-                return f"{path.name} is {st.st_size} bytes, shorter than a meta page"
-            psize = _META_PSIZE.unpack_from(first, 40)[0]
-            if psize < 512 or psize > 65536 or psize & (psize - 1):
-                return f"{path.name}: meta page 0 names page size {psize}"
-            pages = [first, os.pread(fd, 4096, psize)]
-            # the size after the meta pages: a writer extends the file before it commits a
-            # meta page naming the new pages, and LMDB never shrinks it
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        return f"{path.name}: unreadable ({exc})"
-    short = None
-    for i, page in enumerate(pages):
-        if len(page) < 152:
-            return f"{path.name} is {size} bytes, shorter than its two meta pages"
-        magic, version, _, _ = _META_HEAD.unpack_from(page, 16)
-        if magic != _LMDB_MAGIC or version != _LMDB_DATA_VERSION:
-            return f"{path.name}: meta page {i} is not an LMDB meta page"
-        last_page, _ = _META_TAIL.unpack_from(page, 136)
-        if short is None and (last_page + 1) * psize > size:
-            short = (f"{path.name} is {size} bytes but meta page {i} uses pages up to "
-                     f"{last_page} of {psize} bytes (truncated)")
-    if short is None:
-        return None
-    return _walk_in_child(path.parent, short)
-
-
-# Opens the environment read-only and reads every key and value of every table: touches every
-# page the B-tree references, as any later reader could.
-_WALK = """
-import sys
-sys.path = [p for p in sys.path if p not in ("", ".")]  # never a module planted in the cwd
-import lmdb
-env = lmdb.open(sys.argv[1], readonly=True, max_dbs=8, subdir=True, lock=True)
-with env.begin() as txn:
-    for name, _ in list(txn.cursor()):
-        try:
-            db = env.open_db(name, txn=txn, create=False)
-        except lmdb.Error:
-            continue
-        for _k, _v in txn.cursor(db=db):
-            pass
-"""
-
-
-def _walk_in_child(env_dir: Path, short: str) -> str | None:
-    """Walk the index in a child process; None if every referenced page is readable, else
-    ``short`` (the size check's finding) or what went wrong. Only for files that look short."""
-    import signal
-    import subprocess
-    import sys
-
-    try:
-        proc = subprocess.run([sys.executable, "-c", _WALK, str(env_dir)], capture_output=True,
-                              text=True, timeout=INDEX_WALK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return f"{short}; walking it to be sure took over {INDEX_WALK_TIMEOUT_S} s"
-    except OSError as exc:
-        return f"{short}; could not walk it ({exc})"
-    if proc.returncode == 0:
-        return None
-    if proc.returncode == -signal.SIGBUS:
-        return short
-    last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-    return f"{short}; walking it failed: {last}"
 
 
 def pack_record(slot: int, length: int, codec: int, checksum: int, created: float,
@@ -266,10 +164,13 @@ def _slot_key(slot: int) -> bytes:
 class Index:
     """One LMDB environment. Writes come from one thread (the tier's committer)."""
 
-    def __init__(self, folder: Path, map_size: int, readonly: bool = False) -> None:
+    def __init__(self, folder: Path, map_size: int, readonly: bool = False,
+                 records: tuple[list[bytes], list[bytes]] | None = None) -> None:
+        """``records``: the records table as already read (keys, values), so that the first
+        ``load_all`` does not read it again (the writer's open has just scanned it)."""
         self.path = folder / INDEX_DIR
         self.reset_reason = ""  # why the writer started from an empty index (see open_for_writer)
-        self._snapshot: tuple[list[bytes], list[bytes]] | None = None
+        self._snapshot = records
         if os.path.islink(self.path) or (self.path.exists() and not self.path.is_dir()):
             raise IndexDamaged(f"{self.path}: not a folder (a link or a file); refusing it")
         if not readonly:
@@ -329,7 +230,7 @@ class Index:
             reason = str(exc)
         else:
             try:
-                tables = index._scan()
+                tables = index.scan()
                 index.close()
                 try:
                     _rebuild(folder, map_size, tables)
@@ -338,8 +239,7 @@ class Index:
                         raise IndexDamaged(f"{folder / INDEX_DIR}: keys out of order") from None
                     log.warning("%s: cannot rebuild the index (%s); using it as it is",
                                 folder, exc)
-                index = cls(folder, map_size)
-                index._snapshot = tables["records"]
+                index = cls(folder, map_size, records=tables["records"])
                 index.clear_stale_readers()
                 return index
             except IndexDamaged as exc:
@@ -381,7 +281,7 @@ class Index:
         finally:
             os.close(fd)
 
-    def _scan(self) -> dict[str, tuple[list[bytes], list[bytes]]]:
+    def scan(self) -> dict[str, tuple[list[bytes], list[bytes]]]:
         """Read every entry of every table once; IndexDamaged on anything malformed."""
         tables = {}
         with self._reading(), self.env.begin(buffers=False) as txn:

@@ -146,7 +146,7 @@ def test_meta_naming_pages_past_the_end_of_a_healthy_index_is_not_truncation(tmp
     (test_truncated_index_gives_cli_one_line_not_sigbus)."""
     import struct
 
-    import tiering.backends.index as index
+    import tiering.backends.index_file_check as index
 
     with open_tier(tmp_path) as t:
         store(t, [key(i) for i in range(8)])
