@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from tiering.advisor import PromotionAdvisor
 from tiering.backends.file_tier import FileTier
 from tiering.cpu_tier import CpuTier
+from tiering.owed_rows import OwedRows
 from tiering.request_lookups import DiskRun, RequestLookups, RunState
 from tiering.settings import (
     ADVISOR_MIN_SAMPLE_TOKENS,
@@ -61,52 +62,6 @@ class Event:
 def tier_label(i: int) -> str:
     """The ``tier`` label of tier ``i`` in metrics and hit sources."""
     return "cpu" if i == 0 else ("disk" if i == 1 else f"disk{i}")
-
-
-class OwedRows:
-    """Rows whose write to a file tier is still due, per tier.
-
-    Two reasons: a write-back tier gets a row only when it nears eviction (``_keep_clean``); a
-    write-through tier gets it at once unless the demotion budget is spent (the disk is behind),
-    and then as soon as the budget allows, oldest first (``behind``, insertion-ordered)."""
-
-    def __init__(self) -> None:
-        self.tiers: dict[bytes, list[int]] = {}  # READY key -> chain indexes of tiers owed it
-        self.behind: dict[bytes, None] = {}  # keys owed to a write-through tier, oldest first
-
-    def __bool__(self) -> bool:
-        return bool(self.tiers)
-
-    def add(self, key: bytes, tier: int, eager: bool) -> None:
-        owed = self.tiers.setdefault(key, [])
-        if tier not in owed:
-            owed.append(tier)
-        if eager:
-            self.behind[key] = None
-
-    def take(self, key: bytes, only: Collection[int] | None = None) -> list[int]:
-        """Remove and return the tiers ``key`` is owed to (those in ``only``, if given)."""
-        owed = self.tiers.get(key)
-        if not owed:
-            return []
-        taken = owed if only is None else [i for i in owed if i in only]
-        rest = [] if only is None else [i for i in owed if i not in only]
-        if rest:
-            self.tiers[key] = rest
-        else:
-            del self.tiers[key]
-        # ``behind`` lists keys owed to a write-through tier; callers take all of those at once
-        # (``only`` is None or every write-through tier), so none is left behind for this key
-        self.behind.pop(key, None)
-        return taken
-
-    def oldest_behind(self, n: int) -> list[bytes]:
-        out = []
-        for k in self.behind:
-            if len(out) >= n:
-                break
-            out.append(k)
-        return out
 
 
 class TierChain:
