@@ -227,7 +227,10 @@ class CudaCopyEngine:
                 log.info("cudaMemcpyBatchAsync through ctypes unavailable (%s); using "
                          "cuda-bindings", exc)
         self.api = "ctypes" if self._ctypes else ("bindings" if self.batch_api else "memcpy")
-        self._jobs: deque = deque()
+        # in-flight jobs per direction, in submission order: every job's end event is recorded
+        # on its direction's stream, so they complete in this order and polling may stop at
+        # the first one still running (one event query per direction and step, not per job)
+        self._jobs: dict[str, deque] = {d: deque() for d in self.streams}
         # kernel paths: per direction, a second stream for the row copies, two device buffers
         # and the events after which each buffer may be refilled (kept across jobs)
         self._kernels = None
@@ -316,7 +319,7 @@ class CudaCopyEngine:
         else:
             self._copy(job_id, s, d, n, stream.cuda_stream)
         end.record(stream)
-        self._jobs.append((job_id, int(size.sum()), start, end))
+        self._jobs[direction].append((job_id, int(size.sum()), start, end))
         self.jobs_by_path["dma"] += 1
 
     def path_for(self, dev: np.ndarray, host: np.ndarray, size: np.ndarray) -> str:
@@ -395,7 +398,7 @@ class CudaCopyEngine:
             table = self._upload((src, dst, size // 4))
             self._launch(table, len(size), 0, len(size), int(size.max()))
             end.record(stream)
-        self._jobs.append((job_id, int(size.sum()), start, end))
+        self._jobs[direction].append((job_id, int(size.sum()), start, end))
 
     def _staged_job(self, job_id: int, layout: CopyLayout, dev: np.ndarray, host: np.ndarray,
                     size: np.ndarray, slot: np.ndarray, direction: str) -> None:
@@ -452,7 +455,7 @@ class CudaCopyEngine:
             kern.wait_stream(copy)  # the job ends when both streams are through
             end.record(kern)
         self._next_buffer[direction] = (b0 + n_pieces) % 2
-        self._jobs.append((job_id, int(size.sum()), start, end))
+        self._jobs[direction].append((job_id, int(size.sum()), start, end))
 
     def _copy_stream(self, direction: str):
         s = self._copy_streams.get(direction)
@@ -504,20 +507,17 @@ class CudaCopyEngine:
 
     def get_finished(self) -> list[Finished]:
         done = []
-        pending = deque()
-        while self._jobs:
-            job = self._jobs.popleft()
-            if job[3].query():
+        for jobs in self._jobs.values():
+            while jobs and jobs[0][3].query():
+                job = jobs.popleft()
                 done.append(Finished(job[0], job[1], job[2].elapsed_time(job[3]) / 1000))
-            else:
-                pending.append(job)
-        self._jobs = pending
         return done
 
     def wait(self, job_ids: set[int]) -> None:
-        for job in self._jobs:
-            if job[0] in job_ids:
-                job[3].synchronize()
+        for jobs in self._jobs.values():
+            for job in jobs:
+                if job[0] in job_ids:
+                    job[3].synchronize()
 
     def shutdown(self) -> None:
         self.torch.cuda.synchronize(self.device)
