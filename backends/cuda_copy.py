@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 BATCH_MAX = CUDA_BATCH_MAX  # descriptors per cudaMemcpyBatchAsync call (tiering.settings)
 REGISTER_SEGMENT = 1 << 30
 COPY_MODES = ("auto", "dma", "staged", "direct")
+# cudaMemcpySrcAccessOrder values (CUDA 12.8+ runtime API)
+ACCESS_ORDERS = {"stream": 1, "during_api_call": 2, "any": 3}
 KERNEL_ALIGN = 16  # gpu_kernels.ALIGN, repeated here so that choosing a path needs no Triton
 
 
@@ -137,13 +139,16 @@ class _CudartBatch:
                     ("srcLocId", ctypes.c_int), ("dstLocType", ctypes.c_int),
                     ("dstLocId", ctypes.c_int), ("flags", ctypes.c_uint)]
 
-    def __init__(self, runtime_major: int) -> None:
+    def __init__(self, runtime_major: int, access_order: str = "stream", flags: int = 0) -> None:
         self.lib = ctypes.CDLL(f"libcudart.so.{runtime_major}")
         fn = self.lib.cudaMemcpyBatchAsync
         fn.restype = ctypes.c_int
         self.has_fail_idx = runtime_major == 12  # 12.8/12.9 take a failIdx out-parameter
         self.fn = fn
-        self.attrs = self.Attrs(1, 0, 0, 0, 0, 0)  # source access order: stream
+        # cudaMemcpySrcAccessOrder: the source may be read in stream order (1), or in any
+        # order (3: the batch may be split over copy engines); flags: cudaMemcpyFlag*
+        # (1: prefer overlap with compute)
+        self.attrs = self.Attrs(ACCESS_ORDERS[access_order], 0, 0, 0, 0, flags)
         self.attr_idx = (ctypes.c_size_t * 1)(0)
 
     def __call__(self, dst: np.ndarray, src: np.ndarray, size: np.ndarray, stream: int) -> int:
@@ -168,17 +173,29 @@ class CudaCopyEngine:
     def __init__(self, host_base: int, host_bytes: int, device: object = None,
                  api: str = "auto", batch_max: int = BATCH_MAX, order: str = "host",
                  copy: str = "auto", staging_bytes: int = 128 << 20,
-                 small_page_bytes: int = 256 << 10) -> None:
+                 small_page_bytes: int = 256 << 10, access_order: str = "stream",
+                 copy_flags: int = 0, streams_per_direction: int = 1) -> None:
         import torch
         from cuda.bindings import runtime as rt
 
         if copy not in COPY_MODES:
             raise ValueError(f"copy: expected one of {', '.join(COPY_MODES)}, got {copy!r}")
+        if access_order not in ACCESS_ORDERS:
+            raise ValueError(f"access_order: expected one of {', '.join(ACCESS_ORDERS)}, got "
+                             f"{access_order!r}")
+        if streams_per_direction < 1:
+            raise ValueError(f"streams_per_direction: expected >= 1, got {streams_per_direction}")
+        # a descriptor job split over this many streams per direction (several copy engines)
+        self.streams_per_direction = streams_per_direction
+        self.access_order, self.copy_flags = access_order, copy_flags
         self.torch, self.rt = torch, rt
         self.batch_max, self.order = batch_max, order
         self.staging_bytes, self.small_page_bytes = staging_bytes, small_page_bytes
         self.device = torch.device(device or "cuda")
         self.streams = {d: torch.cuda.Stream(self.device) for d in ("store", "load", "expedited")}
+        self._extra_streams = {d: [torch.cuda.Stream(self.device)
+                                   for _ in range(streams_per_direction - 1)]
+                               for d in ("store", "load", "expedited")}
         self.registered: list[int] = []
         self.register_failures = 0
         self._mapped_same_address = True
@@ -203,14 +220,17 @@ class CudaCopyEngine:
         if api in ("auto", "ctypes") and self.batch_api:
             try:
                 major = int(str(torch.version.cuda).split(".")[0])
-                self._ctypes = _CudartBatch(major)
+                self._ctypes = _CudartBatch(major, access_order, copy_flags)
             except (OSError, AttributeError, ValueError) as exc:
                 if api == "ctypes":
                     raise
                 log.info("cudaMemcpyBatchAsync through ctypes unavailable (%s); using "
                          "cuda-bindings", exc)
         self.api = "ctypes" if self._ctypes else ("bindings" if self.batch_api else "memcpy")
-        self._jobs: deque = deque()
+        # in-flight jobs per direction, in submission order: every job's end event is recorded
+        # on its direction's stream, so they complete in this order and polling may stop at
+        # the first one still running (one event query per direction and step, not per job)
+        self._jobs: dict[str, deque] = {d: deque() for d in self.streams}
         # kernel paths: per direction, a second stream for the row copies, two device buffers
         # and the events after which each buffer may be refilled (kept across jobs)
         self._kernels = None
@@ -279,9 +299,27 @@ class CudaCopyEngine:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record(stream)
-        self._copy(job_id, s, d, n, stream.cuda_stream)
+        extra = self._extra_streams[direction]
+        if extra and len(n) > 1:
+            # split into contiguous parts of about equal bytes, one per stream; the job ends
+            # when the main stream has waited for every part
+            parts = len(extra) + 1
+            cuts = np.searchsorted(np.cumsum(n), np.arange(1, parts) * (int(n.sum()) / parts))
+            bounds = [0, *(min(int(c) + 1, len(n)) for c in cuts), len(n)]
+            self._copy(job_id, s[:bounds[1]], d[:bounds[1]], n[:bounds[1]], stream.cuda_stream)
+            for k, side in enumerate(extra, start=1):
+                lo, hi = bounds[k], bounds[k + 1]
+                if lo >= hi:
+                    continue
+                side.wait_event(start)  # after the work the job waits for (start follows it)
+                self._copy(job_id, s[lo:hi], d[lo:hi], n[lo:hi], side.cuda_stream)
+                part_end = torch.cuda.Event()
+                part_end.record(side)
+                stream.wait_event(part_end)
+        else:
+            self._copy(job_id, s, d, n, stream.cuda_stream)
         end.record(stream)
-        self._jobs.append((job_id, int(size.sum()), start, end))
+        self._jobs[direction].append((job_id, int(size.sum()), start, end))
         self.jobs_by_path["dma"] += 1
 
     def path_for(self, dev: np.ndarray, host: np.ndarray, size: np.ndarray) -> str:
@@ -360,7 +398,7 @@ class CudaCopyEngine:
             table = self._upload((src, dst, size // 4))
             self._launch(table, len(size), 0, len(size), int(size.max()))
             end.record(stream)
-        self._jobs.append((job_id, int(size.sum()), start, end))
+        self._jobs[direction].append((job_id, int(size.sum()), start, end))
 
     def _staged_job(self, job_id: int, layout: CopyLayout, dev: np.ndarray, host: np.ndarray,
                     size: np.ndarray, slot: np.ndarray, direction: str) -> None:
@@ -417,7 +455,7 @@ class CudaCopyEngine:
             kern.wait_stream(copy)  # the job ends when both streams are through
             end.record(kern)
         self._next_buffer[direction] = (b0 + n_pieces) % 2
-        self._jobs.append((job_id, int(size.sum()), start, end))
+        self._jobs[direction].append((job_id, int(size.sum()), start, end))
 
     def _copy_stream(self, direction: str):
         s = self._copy_streams.get(direction)
@@ -469,20 +507,17 @@ class CudaCopyEngine:
 
     def get_finished(self) -> list[Finished]:
         done = []
-        pending = deque()
-        while self._jobs:
-            job = self._jobs.popleft()
-            if job[3].query():
+        for jobs in self._jobs.values():
+            while jobs and jobs[0][3].query():
+                job = jobs.popleft()
                 done.append(Finished(job[0], job[1], job[2].elapsed_time(job[3]) / 1000))
-            else:
-                pending.append(job)
-        self._jobs = pending
         return done
 
     def wait(self, job_ids: set[int]) -> None:
-        for job in self._jobs:
-            if job[0] in job_ids:
-                job[3].synchronize()
+        for jobs in self._jobs.values():
+            for job in jobs:
+                if job[0] in job_ids:
+                    job[3].synchronize()
 
     def shutdown(self) -> None:
         self.torch.cuda.synchronize(self.device)

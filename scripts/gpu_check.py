@@ -49,13 +49,15 @@ def median_time(fn, repeat=REPEAT) -> float:
 
 
 def dma(layout_name: str, copy: str = "dma", staging: int = 64 << 20, api: str = "auto",
-        batch_max: int = 1024) -> dict:
+        batch_max: int = 1024, access_order: str = "stream", flags: int = 0,
+        streams: int = 1) -> dict:
     row_bytes = LAYERS * PAGE
     host = aligned_buffer(ROWS * row_bytes)
     host_arr = np.frombuffer(host, np.uint8)
     host_base = host_arr.ctypes.data
     engine = CudaCopyEngine(host_base, len(host_arr), api=api, batch_max=batch_max, copy=copy,
-                            staging_bytes=staging)
+                            staging_bytes=staging, access_order=access_order, copy_flags=flags,
+                            streams_per_direction=streams)
     if layout_name == "per-layer":
         tensors = [torch.randint(-128, 127, (BLOCKS, PAGE), dtype=torch.int8, device="cuda")
                    for _ in range(LAYERS)]
@@ -125,7 +127,10 @@ def dma(layout_name: str, copy: str = "dma", staging: int = 64 << 20, api: str =
     res = {
         "layout": layout_name, "copy": engine.copy,
         "api": f"{engine.api}/{batch_max}" + (f"/{staging >> 20}M" if engine.copy == "staged"
-                                               else ""),
+                                               else "")
+        + (f"/{access_order}" if access_order != "stream" else "")
+        + (f"/f{flags}" if flags else "") + (f"/{streams}s" if streams > 1 else ""),
+        "access_order": access_order, "flags": flags, "streams_per_direction": streams,
         "jobs_by_path": dict(engine.jobs_by_path),
         "bytes": nbytes, "descriptors": len(size),
         "store_GBps": nbytes / t_store / GB, "load_GBps": nbytes / t_load / GB,
@@ -167,23 +172,40 @@ def main() -> None:
     print(json.dumps(info), flush=True)
     results = {"info": info, "dma": [], "errors": []}
     # (layout, copy path, staging bytes): the descriptor path is the old default
-    variants = [("per-layer", "dma", 0), ("per-layer", "auto", 128 << 20),
-                ("per-layer", "staged", 64 << 20), ("per-layer", "staged", 256 << 20),
-                ("per-layer", "direct", 0), ("packed", "dma", 0), ("packed", "auto", 128 << 20)]
+    variants: list[tuple[str, str, int, dict]] = [
+        ("per-layer", "dma", 0, {}), ("per-layer", "auto", 128 << 20, {}),
+        ("per-layer", "staged", 64 << 20, {}), ("per-layer", "staged", 256 << 20, {}),
+        ("per-layer", "direct", 0, {}), ("packed", "dma", 0, {}), ("packed", "auto", 128 << 20, {})]
+    # both directions at once (issue 15): the descriptor path's options side by side
+    both_ways: list[tuple[str, str, int, dict]] = [
+        ("per-layer", "dma", 0, {"access_order": "any"}),
+        ("per-layer", "dma", 0, {"flags": 1}),
+        ("per-layer", "dma", 0, {"streams": 2}),
+        ("per-layer", "dma", 0, {"streams": 2, "access_order": "any"}),
+        ("per-layer", "dma", 0, {"streams": 4}),
+        ("per-layer", "dma", 0, {"batch_max": 4096}),
+        ("per-layer", "dma", 0, {"batch_max": 256}),
+        ("packed", "dma", 0, {"streams": 2}),
+    ]
+    pick = os.environ.get("GPU_CHECK_VARIANTS", "all")
+    if pick == "both":  # the baseline and the both-ways candidates only
+        variants = variants[:1] + both_ways
+    else:
+        variants = variants + both_ways
     if os.environ.get("GPU_CHECK_QUICK"):
         variants = variants[:2]
-    for name, copy, staging in variants:
+    for name, copy, staging, opts in variants:
         try:
-            results["dma"].append(dma(name, copy, staging))
+            results["dma"].append(dma(name, copy, staging, **opts))
         except Exception:
             import traceback
 
             traceback.print_exc()
             results["errors"].append(traceback.format_exc())
-    print(f"{'layout':<10} {'path':<7} {'api/batch/staging':<18} {'desc':>6} {'store':>7} {'load':>7} {'both':>7} | {'copy d2h':>8} "
+    print(f"{'layout':<10} {'path':<7} {'api/batch/staging':<24} {'desc':>6} {'store':>7} {'load':>7} {'both':>7} | {'copy d2h':>8} "
           f"{'copy h2d':>8} {'copy both':>9} | {'store%':>6} {'load%':>6} ok | gpu-side store% load%")
     for r in results["dma"]:
-        print(f"{r['layout']:<10} {r['copy']:<7} {r['api']:<18} {r['descriptors']:>6} {r['store_GBps']:>7.1f} "
+        print(f"{r['layout']:<10} {r['copy']:<7} {r['api']:<24} {r['descriptors']:>6} {r['store_GBps']:>7.1f} "
               f"{r['load_GBps']:>7.1f} {r['both_GBps']:>7.1f} | {r['copy_d2h_GBps']:>8.1f} "
               f"{r['copy_h2d_GBps']:>8.1f} {r['copy_both_GBps']:>9.1f} | "
               f"{100 * r['store_vs_copy']:>5.0f}% {100 * r['load_vs_copy']:>5.0f}% {r['correct']} | "

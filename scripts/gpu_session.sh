@@ -8,6 +8,10 @@
 #   throughput  gpu-bench, 8B shape, throughput, CPU tier 0.5x and 2x the working set,
 #               none + ours,ours-wb,cpu,vtier-fs,vtier-ours at each size             ~6 min
 #   32b         gpu-bench, 32B shape, none,cpu,ours at 2k/8k, cold,cpu,recompute,disk ~2.5 min
+#   sweep       gpu-bench prefill sweep (issue 15): 1B, 8B, 32B shapes, none,cpu,ours, hit rates
+#               0-100%, unique 512-token prompts, prefix caching off                ~7 min
+#               (SWEEP_ARGS adds options to it alone: --profile cprofile,py-spy,
+#               --sweep-chunk-tokens 16,64,256, --sweep-shapes 8b ...)
 # Every step writes into OUT as it goes (a log per step, JUnit XML, gpu-bench's JSON after each
 # config), so a run cut short still returns what it measured. A step starts only if the budget
 # left covers its minimum (printed otherwise); gpu-bench gets the rest of the budget and skips
@@ -27,14 +31,16 @@ MARGIN_S=15  # for gpu-bench to write its table and exit after its last step
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 for step in "${STEPS[@]}"; do
-  case $step in tests|phases|throughput|32b) ;;
-    *) echo "gpu_session: unknown step '$step' (tests, phases, throughput, 32b)" >&2; exit 2 ;;
+  case $step in tests|phases|throughput|32b|sweep) ;;
+    *) echo "gpu_session: unknown step '$step' (tests, phases, throughput, 32b, sweep)" >&2; exit 2 ;;
   esac
 done
 source scripts/gpu_env.sh
 nvidia-smi -L || true
 # shellcheck disable=SC2206
 extra=(${BENCH_ARGS:-})  # last on gpu-bench's command line: they override the step's options
+# shellcheck disable=SC2206
+sweep_extra=(${SWEEP_ARGS:-})  # the sweep step's own extra options (before BENCH_ARGS)
 summary="$OUT/session.txt"
 echo "session $(date -u +%FT%TZ) budget ${BUDGET_S}s steps: ${STEPS[*]}" >> "$summary"
 
@@ -81,6 +87,9 @@ for step in "${STEPS[@]}"; do
     32b)
       run 32b 90 "$BUDGET_S" "${bench[@]}" --tag "$TAG" --shape 32b --lengths 2048,8192 --configs none,cpu,ours \
         --phases cold,cpu,recompute,disk "${extra[@]}" ;;
+    sweep)
+      run sweep 90 "$BUDGET_S" "${bench[@]}" --tag "$TAG" --phases prefill-sweep \
+        --sweep-shapes 1b,8b,32b --sweep-configs none,cpu,ours "${sweep_extra[@]}" "${extra[@]}" ;;
   esac
 done
 echo "[session] done in ${SECONDS}s; results in $OUT" | tee -a "$summary"

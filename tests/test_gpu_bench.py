@@ -283,3 +283,106 @@ def test_counters_the_kernel_refuses_are_reported_not_taken_for_quiet(monkeypatc
         assert got.unreadable == 1
     finally:
         stop(proc)
+
+
+# ---- the prefill sweep (issue 15) ------------------------------------------------------------
+
+def test_1b_shape_is_llama_3_2_1b_with_half_a_mib_per_block():
+    layers, hidden, heads, kv_heads, _, _ = gpu_bench.SHAPES["1b"]
+    assert (layers, hidden // heads, kv_heads) == (16, 64, 8)
+    assert 16 * gpu_bench.kv_bytes_per_token("1b", "bfloat16") == 512 << 10
+    assert 16 * gpu_bench.kv_bytes_per_token("8b", "bfloat16") == 2 << 20
+    assert 16 * gpu_bench.kv_bytes_per_token("32b", "bfloat16") == 4 << 20
+
+
+def test_sweep_batches_reuse_the_last_prompts_of_the_batch_before():
+    n = 50
+    plan = gpu_bench.sweep_batches(n, [0, 20, 50, 80, 100])
+    assert [(k, r) for k, r, _ in plan] == [("fill", 0), ("hit", 0), ("hit", 20), ("hit", 50),
+                                            ("hit", 80), ("hit", 100)]
+    assert plan[0][2] == list(range(n))
+    seen: set[int] = set()
+    prev_order: list[int] = []
+    for kind, rate, batch in plan:
+        assert len(batch) == len(set(batch)) == n
+        old = [p for p in batch if p in seen]
+        assert len(old) == round(rate * n / 100), (kind, rate)
+        if old:  # exactly the most recently submitted prompts of the batch before
+            assert set(old) == set(prev_order[n - len(old):])
+        seen |= set(batch)
+        prev_order = batch
+    assert len(seen) == n + n * (1 + 0.8 + 0.5 + 0.2)
+
+
+def test_sweep_configs_are_valid_and_set_the_chunk_size():
+    from tiering.config import parse
+
+    assert gpu_bench.sweep_transfer_config("none", 1 << 30, None, 16) is None
+    cpu = gpu_bench.sweep_transfer_config("cpu", 1 << 30, 64, 16)["kv_connector_extra_config"]
+    assert cpu == {"cpu_bytes_to_use": 1 << 30, "block_size": 64,
+                   "spec_name": "CPUOffloadingSpec"}
+    ours = gpu_bench.sweep_transfer_config("ours", 1 << 30, 16, 16)["kv_connector_extra_config"]
+    assert "block_size" not in ours  # vLLM's default: one GPU block a chunk
+    assert ours["spec_name"] == "TieredOffloadingSpec"
+    cfg = parse(dict(ours))
+    assert cfg.cpu_bytes_to_use == 1 << 30 and cfg.files == []  # the CPU tier alone
+    with pytest.raises(ValueError, match="unknown config"):
+        gpu_bench.sweep_transfer_config("vtier-fs", 1 << 30, None, 16)
+
+
+def test_sweep_options_parse_and_reject_garbage(monkeypatch, capsys):
+    base = ["gpu_bench", "--phases", "prefill-sweep"]
+    monkeypatch.setattr(sys, "argv", base + ["--sweep-hit-rates", "100,0,50",
+                                             "--sweep-chunk-tokens", "16,256",
+                                             "--sweep-shapes", "1b,32b", "--profile", "cprofile"])
+    a = gpu_bench.parse()
+    assert a.sweep_hit_rates == [0, 50, 100] and a.sweep_chunk_tokens == [16, 256]
+    assert a.sweep_shapes == ["1b", "32b"] and a.profile == ["cprofile"]
+    for bad in (["--sweep-hit-rates", "0,120"], ["--sweep-shapes", "70b"],
+                ["--profile", "perf"], ["--phases", "prefill-sweep,cold"]):
+        monkeypatch.setattr(sys, "argv", base + bad)
+        with pytest.raises(SystemExit):
+            gpu_bench.parse()
+        assert bad[1].split(",")[-1] in capsys.readouterr().err
+
+
+def test_sweep_table_gives_the_speedup_over_no_offloading():
+    rows = [{"shape": "8b", "config": c, "chunk_tokens": 16, "batch": "hit", "hit_rate": r,
+             "prompts": 4, "prompt_tokens": 512, "tokens_per_s": t, "blocks_loaded": b,
+             "blocks_per_s": b * 10}
+            for c, r, t, b in (("none", 0, 100.0, 0), ("none", 100, 100.0, 0),
+                               ("ours", 0, 90.0, 0), ("ours", 100, 800.0, 124))]
+    text = gpu_bench.sweep_table(rows, [0, 100])
+    assert "| none | 100 (1.00x) | 100 (1.00x) |" in text
+    assert "| ours (16-token chunks) | 90 (0.90x) | 800 (8.00x) 1240 b/s |" in text
+
+
+def test_profile_summary_splits_time_by_part_of_the_code(tmp_path):
+    """A real cProfile run through start/stop, read back: our worker code and our scheduler
+    code land in their groups, with µs per block."""
+    import numpy as np
+
+    from tiering import profiling
+    from tiering.backends.block_copy import merge_runs
+    from tiering.chain import tier_label
+
+    path = tmp_path / "p.pstats"
+    assert profiling.stop_profile(None, str(path)) is False  # none running
+    profiling.start_profile(None, str(path))
+    a = np.arange(0, 4096 * 64, 4096, dtype=np.int64)
+    for _ in range(200):
+        merge_runs(a, a + 7, np.full(64, 4096, dtype=np.int64))
+        for i in range(20):
+            tier_label(i)
+    assert profiling.stop_profile(None, str(path)) is True
+    text = profiling.summarize(str(path), blocks=100)
+    worker = next(line for line in text.splitlines() if line.startswith("ours: worker"))
+    sched = next(line for line in text.splitlines() if line.startswith("ours: scheduler"))
+    assert float(worker.split()[-3]) > 0 and float(worker.split()[-1]) > 0
+    assert float(sched.split()[-3]) > 0
+    assert "block_copy.py:merge_runs" in text
+    assert profiling.group_of("/x/vllm/distributed/kv_transfer/kv_connector/v1/offloading/"
+                              "scheduler.py", "f").startswith("vLLM offloading: scheduler")
+    assert profiling.group_of("/x/vllm/v1/kv_offload/cpu/gpu_worker.py", "f").startswith(
+        "vLLM offloading: worker")
+    assert profiling.group_of("~", "{built-in method time.sleep}").startswith("waiting")

@@ -29,7 +29,7 @@ class Setup:
     """KV tensors on the GPU, a pinned row region, the layout and an engine."""
 
     def __init__(self, copy, pages, num_blocks=96, bpc=1, rows=48, rank=0, world=1,
-                 groups=1, staging_bytes=64 << 20):
+                 groups=1, staging_bytes=64 << 20, engine_kw=None):
         self.pages, self.bpc, self.rank = pages, bpc, rank
         self.tensors = [torch.randint(-128, 127, (num_blocks, p), dtype=torch.int8,
                                       device="cuda") for p in pages]
@@ -45,7 +45,7 @@ class Setup:
         self.layout = CopyLayout(infos, refs, base, self.row_bytes, rank, self.cell, bpc,
                                  torch_tensors=self.tensors)
         self.engine = CudaCopyEngine(base, len(self.region), copy=copy,
-                                     staging_bytes=staging_bytes)
+                                     staging_bytes=staging_bytes, **(engine_kw or {}))
         self.job = 0
 
     def submit(self, blocks, group_sizes, block_indices, rows, direction):
@@ -140,6 +140,35 @@ def test_store_then_load_is_byte_exact(path, layout):
         else:
             expect = "dma" if path == "auto" else path
             assert s.engine.jobs_by_path[expect] == 2, s.engine.jobs_by_path
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("engine_kw", [{"streams_per_direction": 2},
+                                       {"streams_per_direction": 3, "access_order": "any"},
+                                       {"access_order": "any"}, {"copy_flags": 1}],
+                         ids=["2-streams", "3-streams-any-order", "any-order", "flag-1"])
+@pytest.mark.parametrize("layout", ["per-layer", "packed", "chunks-of-4"])
+def test_descriptor_options_move_the_same_bytes(layout, engine_kw):
+    """A job split over several streams per direction, or read in any order, stores and
+    loads every byte exactly, and is finished only when all its parts are."""
+    pages, bpc, rank, world, groups = LAYOUTS[layout]
+    s = Setup("dma", pages, bpc=bpc, rank=rank, world=world, groups=groups, engine_kw=engine_kw)
+    try:
+        rng = np.random.default_rng(7)
+        n_rows = 11
+        src = rng.choice(40, n_rows * bpc, replace=False)
+        rows = rng.choice(48, n_rows, replace=False)
+        j = s.submit(src, [n_rows * bpc], [0], rows, "store")
+        s.finish([j])
+        for c in range(n_rows):
+            s.check_cell(rows[c], src[c * bpc:(c + 1) * bpc])
+        dst = 48 + rng.choice(48, n_rows * bpc, replace=False)
+        before = [t[torch.as_tensor(src, device="cuda")].clone() for t in s.tensors]
+        j = s.submit(dst, [n_rows * bpc], [0], rows, "load")
+        s.finish([j])
+        for t, b in zip(s.tensors, before, strict=True):
+            assert torch.equal(t[torch.as_tensor(dst, device="cuda")], b)
     finally:
         s.close()
 

@@ -111,3 +111,34 @@ def test_merge_runs_joins_only_continuations():
     s, d, n = merge_runs(src, dst, size)
     assert s.tolist() == [0, 200, 1000] and d.tolist() == [5000, 9000, 9100]
     assert n.tolist() == [200, 100, 100]
+
+
+def test_descriptors_of_groups_with_their_own_tensors_and_partial_chunks():
+    """Each group copies only its own tensors' pages (a ref may copy less than the padded
+    page), tensor by tensor, to the place each page has in its row: checked against the
+    layout's definition, entry by entry, for a partial first chunk and a second rank's cell."""
+    from tiering.backends.block_copy import CopyLayout, TensorInfo
+
+    tensors = [TensorInfo(1 << 40, 8192, 4096), TensorInfo(2 << 40, 4096, 2048),
+               TensorInfo(3 << 40, 16384, 8192)]
+    refs = [[(0, 4096), (2, 8000)], [(1, 2048)]]
+    bpc, rank = 2, 1
+    cell = (4096 + 2048 + 8192) * bpc
+    lay = CopyLayout(tensors, refs, 1 << 30, 2 * cell, rank, cell, bpc)
+    blocks = np.array([5, 9, 2, 11, 7], dtype=np.int64)  # group 0: 5, 9, 2; group 1: 11, 7
+    rows = np.array([4, 0, 3], dtype=np.int64)  # group 0 from logical block 1: rows 4, 0; g1: 3
+    dev, host, size = lay.descriptors(blocks, [3, 2], [1, 0], rows)
+    expect = []
+    tensor_off = [0, 4096 * bpc, (4096 + 2048) * bpc]
+    for g, (blks, first, grp_rows) in enumerate((([5, 9, 2], 1, [4, 0]), ([11, 7], 0, [3]))):
+        for t_idx, nbytes in refs[g]:
+            t = tensors[t_idx]
+            for i, b in enumerate(blks):
+                pos = first % bpc + i
+                row = grp_rows[pos // bpc]
+                expect.append((t.base + b * t.stride,
+                               (1 << 30) + rank * cell + row * 2 * cell + tensor_off[t_idx]
+                               + (pos % bpc) * t.page, nbytes))
+    assert list(zip(dev.tolist(), host.tolist(), size.tolist(), strict=True)) == expect
+    slots = lay.page_rows([3, 2], [1, 0])
+    assert slots.tolist() == [0, 1, 1, 0, 1, 1, 2, 2]  # the job's row index of each entry

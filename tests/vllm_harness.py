@@ -33,20 +33,22 @@ EOS = 2
 
 
 class Harness:
-    def __init__(self, model: str, extra: dict, gpu_tokens: int = 5120, delay: int = 0,
+    def __init__(self, model: str, extra: dict | None, gpu_tokens: int = 5120, delay: int = 0,
                  max_len: int = 2048, hash_algo: str = "sha256",
-                 config_context: bool = True, batched_tokens: int | None = None) -> None:
+                 config_context: bool = True, batched_tokens: int | None = None,
+                 max_num_seqs: int = 4, prefix_caching: bool = True) -> None:
         """``config_context=False`` builds the scheduler as vLLM's EngineCore does, outside
-        ``set_current_vllm_config``."""
+        ``set_current_vllm_config``; ``extra=None``: no connector (vLLM without offloading)."""
         from vllm.platforms import current_platform
 
         if not current_platform.device_type:  # CUDA vLLM on a machine without a GPU: the
             current_platform.device_type = "cpu"  # scheduler side needs no device at all
-        kvt = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                               kv_connector_extra_config=extra)
+        kvt = None if extra is None else KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
         args = EngineArgs(model=model, dtype="float32", max_model_len=max_len,
-                          enable_prefix_caching=True, kv_transfer_config=kvt,
-                          max_num_batched_tokens=batched_tokens or max_len, max_num_seqs=4,
+                          enable_prefix_caching=prefix_caching, kv_transfer_config=kvt,
+                          max_num_batched_tokens=batched_tokens or max_len,
+                          max_num_seqs=max_num_seqs,
                           enforce_eager=True,
                           prefix_caching_hash_algo=hash_algo)
         self.config = args.create_engine_config()
@@ -70,9 +72,12 @@ class Harness:
         else:
             self.scheduler = Scheduler(self.config, kv, StructuredOutputManager(self.config), bs,
                                        log_stats=True)
-        self.manager = self.scheduler.connector.connector_scheduler.manager
+        connector = self.scheduler.connector
+        self.manager = connector.connector_scheduler.manager if connector is not None else None
         init_none_hash(sha256)
-        self._hasher = get_request_block_hasher(bs, sha256)
+        # vLLM's EngineCore hashes blocks when prefix caching is on or a connector is there
+        self._hasher = (get_request_block_hasher(bs, sha256)
+                        if prefix_caching or connector is not None else None)
         self.delay = delay
         self._pending: dict[int, tuple[int, str | None]] = {}  # job -> (due step, load req)
         self.step_no = 0
@@ -90,6 +95,9 @@ class Harness:
         self.step_no += 1
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
+        if meta is None:  # no connector: only the model runner's part
+            self._no_connector_step(out)
+            return
         for j, job in meta.load_jobs.items():
             self._pending[j] = (self.step_no + self.delay, job.req_id)
             self.loads += 1
@@ -119,6 +127,18 @@ class Harness:
                     completed_jobs=dict.fromkeys(done, 1))))
         self.scheduler.update_from_output(out, mro)
 
+    def _no_connector_step(self, out) -> None:
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None and rid not in self.cached:
+                self.cached[rid] = req.num_computed_tokens - n
+        running = [r for r in self.scheduler.running if out.num_scheduled_tokens.get(r.request_id)]
+        reqs = [r.request_id for r in running]
+        sampled = [[7] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in running]
+        self.scheduler.update_from_output(out, ModelRunnerOutput(
+            req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+            sampled_token_ids=sampled))
+
     def run(self, max_steps: int = 500) -> None:
         """Step until every request finished and every transfer completed."""
         for _ in range(max_steps):
@@ -128,7 +148,7 @@ class Harness:
         else:
             raise AssertionError(f"not finished after {max_steps} steps")
         self.step()  # let the connector see the last completions
-        if hasattr(self.manager, "chain"):  # our spec's manager (vLLM's own specs have none)
+        if self.manager is not None and hasattr(self.manager, "chain"):  # our spec's manager
             self.manager.chain.wait_idle()
 
     def reset_gpu_prefix_cache(self, connector: bool = False) -> None:

@@ -54,6 +54,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 CONFIGS = ("none", "cpu", "vtier-fs", "vtier-ours", "ours", "ours-wb")
 PHASES = ("cold", "gpu", "cpu", "recompute", "disk", "restart", "throughput")
 SHAPES = {  # Llama-style shapes: layers, hidden, heads, kv heads, intermediate, vocab
+    "1b": (16, 2048, 32, 8, 8192, 128256),     # Llama-3.2-1B: 0.5 MiB of KV per 16 tokens
     "8b": (32, 4096, 32, 8, 14336, 128256),    # Llama-3.1-8B
     "32b": (64, 5120, 40, 8, 27648, 128256),   # a 32B dense shape (Qwen2.5-32B-like widths)
     "small": (4, 1024, 8, 8, 2048, 32000),     # 64 KiB per-layer pages like 8b (GPU tests)
@@ -122,12 +123,16 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--tag", default="h200")
     ap.add_argument("--cpu-platform", action="store_true",
                     help="vLLM's CPU platform (a smoke run of this script without a GPU)")
+    add_sweep_args(ap)
     a = ap.parse_args()
     a.configs = [c for c in a.configs.split(",") if c]
     a.phases = [p for p in a.phases.split(",") if p]
     a.lengths = _numbers(ap, "--lengths", a.lengths, int)
     a.tp_cpu_fraction = _numbers(ap, "--tp-cpu-fraction", a.tp_cpu_fraction, float)
-    bad = sorted(set(a.configs) - set(CONFIGS)) + sorted(set(a.phases) - set(PHASES))
+    bad = sorted(set(a.configs) - set(CONFIGS)) + sorted(set(a.phases) - set(PHASES)
+                                                         - {SWEEP_PHASE})
+    if SWEEP_PHASE in a.phases:
+        check_sweep_args(ap, a)
     if bad:
         ap.error(f"unknown config/phase {bad}; configs {CONFIGS}, phases {PHASES}")
     return a
@@ -235,13 +240,14 @@ class Engine:
     """One ``LLM`` (its own engine-core process) and the phase measurements taken on it."""
 
     def __init__(self, a, model: Path, config: str, kvt: dict | None, gpu_blocks: int,
-                 max_len: int, warm_tokens: int | list[int] = 64, max_num_seqs: int = 64) -> None:
+                 max_len: int, warm_tokens: int | list[int] = 64, max_num_seqs: int | None = 64,
+                 prefix_caching: bool = True, engine_kw: dict | None = None) -> None:
         from vllm import LLM
 
         self.settle_max_s = getattr(a, "settle_max_s", 120.0)
         kw = dict(model=str(model), skip_tokenizer_init=True, load_format="dummy",
                   dtype=a.dtype, enforce_eager=True, seed=0, max_model_len=max_len,
-                  enable_prefix_caching=True, prefix_caching_hash_algo="sha256",
+                  enable_prefix_caching=prefix_caching, prefix_caching_hash_algo="sha256",
                   disable_log_stats=False, num_gpu_blocks_override=gpu_blocks,
                   max_num_seqs=max_num_seqs)
         if not a.cpu_platform:
@@ -249,6 +255,7 @@ class Engine:
                       compilation_config={"custom_ops": ["none"]})
         if kvt is not None:
             kw["kv_transfer_config"] = kvt
+        kw.update(engine_kw or {})
         t = time.perf_counter()
         self.llm = LLM(**kw)
         self.config = config
@@ -672,6 +679,430 @@ class StepBudget:
         self.longest[key] = max(self.longest.get(key, 0.0), seconds)
 
 
+# -- the prefill sweep (issue 15: the source article's throughput experiment) ---------------------
+#
+# N unique prompts of --sweep-prompt-tokens tokens, max_tokens=1, GPU prefix caching off. A first
+# pass (fill) stores them in the CPU tier; then one batch of N prompts per hit rate, in which
+# that share of the prompts are prompts of the previous batch (the most recently used ones, so
+# that an LRU tier of 1.5 batches holds them while the batch's new prompts are stored) and the
+# rest are new. Throughput = prompt tokens / wall time of ``generate``. One engine per (shape,
+# setup, chunk size) serves every hit rate. ``none`` (no offloading) runs a fresh batch and the
+# same batch again (no cache of any kind: both cost the same; the two rows show it).
+
+SWEEP_PHASE = "prefill-sweep"
+SWEEP_CONFIGS = ("none", "cpu", "ours")
+# N per shape: all three of 1b, 8b, 32b with none, cpu and ours in ~7 minutes of an H200
+# (a cold batch: ~3.3 s at 1b, ~3.6 s at 8b, ~5.4 s at 32b at the issue's no-offloading rates)
+SWEEP_PROMPTS = {"1b": 1024, "8b": 256, "32b": 96, "small": 64, "tiny": 8}
+PROFILERS = ("cprofile", "py-spy")
+
+
+def _percentages(ap: argparse.ArgumentParser, option: str, text: str) -> list[float]:
+    """Comma-separated percentages in [0, 100], sorted, or one clear error naming the option."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not 0 <= v <= 100 for v in values):
+        ap.error(f"{option}: expected comma-separated percentages from 0 to 100, got {text!r}")
+    return sorted(set(values))
+
+
+def add_sweep_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group(
+        "prefill sweep (--phases prefill-sweep)",
+        "throughput of unique prompts against the share served from the CPU tier")
+    g.add_argument("--sweep-shapes", default="",
+                   help="shapes run one after another in this process, comma-separated "
+                        "(default: --shape)")
+    g.add_argument("--sweep-configs", default=",".join(SWEEP_CONFIGS),
+                   help=f"comma-separated, of {', '.join(SWEEP_CONFIGS)} (ours: our spec with "
+                        "its CPU tier only)")
+    g.add_argument("--sweep-prompts", type=int, default=0,
+                   help="N, prompts per batch (0: per shape, " +
+                        ", ".join(f"{k} {v}" for k, v in SWEEP_PROMPTS.items()) + ")")
+    g.add_argument("--sweep-prompt-tokens", type=int, default=512)
+    g.add_argument("--sweep-hit-rates", default="0,20,50,80,100",
+                   help="percent of each batch's prompts seen before, comma-separated")
+    g.add_argument("--sweep-chunk-tokens", default="",
+                   help="offloaded chunk sizes in tokens (kv_connector_extra_config "
+                        "'block_size'), comma-separated: cpu and ours run one engine each "
+                        "(default: vLLM's GPU block size)")
+    g.add_argument("--sweep-max-num-seqs", type=int, default=0, help="0: vLLM's default")
+    g.add_argument("--sweep-max-batched-tokens", type=int, default=0, help="0: vLLM's default")
+    g.add_argument("--sweep-cpu-factor", type=float, default=1.5,
+                   help="CPU tier size / KV of one batch")
+    g.add_argument("--profile", default="",
+                   help="comma-separated, of cprofile (in the engine-core process), py-spy "
+                        "(py-spy record from outside): one more 100%%-hit batch per setup, "
+                        "profiled; the stats and a summary land in --out")
+
+
+def check_sweep_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.phases != [SWEEP_PHASE]:
+        ap.error(f"--phases {SWEEP_PHASE} runs alone (got {','.join(a.phases)})")
+    a.sweep_shapes = [x for x in (a.sweep_shapes or a.shape).split(",") if x]
+    a.sweep_configs = [x for x in a.sweep_configs.split(",") if x]
+    a.sweep_hit_rates = _percentages(ap, "--sweep-hit-rates", a.sweep_hit_rates)
+    a.sweep_chunk_tokens = (_numbers(ap, "--sweep-chunk-tokens", a.sweep_chunk_tokens, int)
+                            if a.sweep_chunk_tokens else [])
+    a.profile = [x for x in a.profile.split(",") if x]
+    bad = (sorted(set(a.sweep_shapes) - set(SHAPES)) + sorted(set(a.sweep_configs)
+                                                              - set(SWEEP_CONFIGS))
+           + sorted(set(a.profile) - set(PROFILERS)))
+    if bad:
+        ap.error(f"prefill sweep: unknown shape/config/profiler {bad}; shapes {sorted(SHAPES)}, "
+                 f"configs {SWEEP_CONFIGS}, profilers {PROFILERS}")
+    if a.sweep_prompts < 0 or a.sweep_prompt_tokens < 16 or a.sweep_cpu_factor <= 0:
+        ap.error("--sweep-prompts must be >= 0, --sweep-prompt-tokens >= 16, "
+                 "--sweep-cpu-factor > 0")
+
+
+def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
+                          gpu_block_tokens: int, gpu_copy: str = "auto") -> dict | None:
+    """The sweep's offloading setups: vLLM's CPUOffloadingSpec (``cpu``) or our spec with its
+    CPU tier only (``ours``), offloading chunks of ``chunk_tokens`` (None or the GPU block
+    size: vLLM's default of one GPU block per chunk)."""
+    if config == "none":
+        return None
+    extra: dict = {"cpu_bytes_to_use": cpu_bytes}
+    if chunk_tokens and chunk_tokens != gpu_block_tokens:
+        extra["block_size"] = chunk_tokens
+    if config == "cpu":
+        extra["spec_name"] = "CPUOffloadingSpec"
+    elif config == "ours":
+        extra.update(spec_name="TieredOffloadingSpec", spec_module_path="tiering.vllm",
+                     gpu_copy=gpu_copy, tiers=[{"medium": "cpu", "policy": "lru"}])
+    else:
+        raise ValueError(f"prefill sweep: unknown config {config!r}")
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}
+
+
+def sweep_batches(n: int, rates: list[float], seed: int = 11) -> list[tuple[str, float,
+                                                                            list[int]]]:
+    """The sweep's batches as prompt numbers: ``fill`` (prompts 0..n-1), then per hit rate a
+    batch of ``n`` prompts, ``round(rate% * n)`` of them the last-submitted prompts of the
+    previous batch (the most recently used ones), the rest never seen, in a shuffled order."""
+    import random
+
+    r = random.Random(seed)
+    batches: list[tuple[str, float, list[int]]] = [("fill", 0.0, list(range(n)))]
+    nxt = n
+    prev = batches[0][2]
+    for rate in rates:
+        k = round(rate * n / 100)
+        seen = prev[len(prev) - k:] if k else []
+        batch = seen + list(range(nxt, nxt + n - k))
+        nxt += n - k
+        r.shuffle(batch)
+        batches.append(("hit", rate, batch))
+        prev = batch
+    return batches
+
+
+def sweep_prompts(count: int, tokens: int, vocab: int, seed: int) -> list[list[int]]:
+    """``count`` distinct prompts of random token ids (no two share their first block)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    arr = rng.integers(100, vocab - 300, size=(count, tokens), dtype=np.int64)
+    return arr.tolist()
+
+
+def _py_spy() -> str | None:
+    """The py-spy executable: on PATH, or beside a sys.path entry (a ``pip --target`` folder,
+    as scripts/gpu_env.sh installs the carried wheels)."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    for entry in sys.path:
+        cand = Path(entry) / "bin" / "py-spy"
+        if entry and cand.is_file() and os.access(cand, os.X_OK):
+            return str(cand)
+    return None
+
+
+def _engine_core_pid() -> int | None:
+    """The engine-core child process of this one (vLLM names it ``EngineCore``)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    kids = psutil.Process().children(recursive=True)
+    for p in kids:
+        try:
+            if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()):
+                return p.pid
+        except psutil.Error:
+            continue
+    return kids[0].pid if kids else None
+
+
+class SweepEngine(Engine):
+    """An engine of the sweep: prefix caching off, one output token, throughput per batch."""
+
+    def run_batch(self, prompts: list[list[int]]) -> dict:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+        before = self.counters()
+        t = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        wall = time.perf_counter() - t
+        time.sleep(0.2)  # let the last stats reach the frontend's counters
+        after = self.counters()
+        src = {s: after.get(f"vllm:prompt_tokens_cached_by_source[{s}]", 0.0)
+               - before.get(f"vllm:prompt_tokens_cached_by_source[{s}]", 0.0)
+               for s in ("device", "host", "disk")}
+        return {"wall_s": wall, "from_gpu": src["device"], "from_cpu": src["host"],
+                "from_disk": src["disk"], "cached_tokens": sum(o.num_cached_tokens for o in outs),
+                "first_tokens": [o.outputs[0].token_ids[0] for o in outs]}
+
+    def profiled_batch(self, prompts: list[list[int]], profilers: list[str], stem: Path,
+                       expect_s: float) -> dict:
+        """The batch again under the profilers: cProfile inside the engine core (started and
+        stopped through ``collective_rpc``), py-spy recording from outside."""
+        from tiering import profiling
+
+        files: dict = {}
+        spy = None
+        if "py-spy" in profilers:
+            exe, pid = _py_spy(), _engine_core_pid()
+            if exe is None or pid is None:
+                files["py_spy_error"] = f"py-spy {exe or 'not found'}, engine core pid {pid}"
+            else:
+                import subprocess
+
+                dump = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True,
+                                      text=True, timeout=30)
+                files["py_spy_dump_before"] = (dump.stdout + dump.stderr)[-4000:]
+                spy_out = stem.with_suffix(".py-spy.txt")
+                spy = subprocess.Popen(
+                    [exe, "record", "--pid", str(pid), "--rate", "200", "--nonblocking",
+                     "--format", "raw", "--duration", str(max(2, int(expect_s * 2 + 2))),
+                     "-o", str(spy_out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    text=True)
+                files["py_spy"] = spy_out.name
+                time.sleep(1.0)  # py-spy attaches
+        pstats_path = stem.with_suffix(".pstats")
+        if "cprofile" in profilers:
+            self.llm.collective_rpc(profiling.start_profile, args=(str(pstats_path),))
+        try:
+            res = self.run_batch(prompts)
+        finally:
+            if "cprofile" in profilers:
+                ok = self.llm.collective_rpc(profiling.stop_profile, args=(str(pstats_path),))
+                files["cprofile"] = pstats_path.name if all(ok) else None
+            if spy is not None:
+                try:
+                    out, _ = spy.communicate(timeout=expect_s * 2 + 60)
+                except Exception:  # noqa: BLE001
+                    spy.kill()
+                    out, _ = spy.communicate()
+                files["py_spy_log"] = (out or "")[-2000:]
+        if files.get("cprofile"):
+            blocks = res["from_cpu"] / max(1, self.gpu_block_tokens)
+            text = profiling.summarize(str(pstats_path), blocks=blocks)
+            stem.with_suffix(".profile.txt").write_text(text + "\n")
+            files["summary"] = stem.with_suffix(".profile.txt").name
+            print(text.split("\ntop ")[0], flush=True)
+        res["profile"] = files
+        return res
+
+
+def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
+                chunk: int | None, n: int, tokens: int, block_tokens: int, out: Path,
+                tag: str) -> tuple[list[dict], dict]:
+    """One engine of the sweep: the fill pass and one batch per hit rate (``none``: a fresh
+    batch and the same again), then the profiled batch if asked for."""
+    kvb = kv_bytes_per_token(shape, a.dtype)
+    vocab = SHAPES[shape][5]
+    key = config if chunk is None else f"{config}@{chunk}"
+    batch_bytes = n * tokens * kvb
+    cpu_bytes = int(batch_bytes * a.sweep_cpu_factor)
+    kvt = sweep_transfer_config(config, cpu_bytes, chunk, block_tokens, a.gpu_copy)
+    plan = sweep_batches(n, a.sweep_hit_rates)
+    if config == "none":  # no cache of any kind: a fresh batch, then the same prompts again
+        plan = [("hit", 0.0, list(range(n))), ("hit", 100.0, list(range(n)))]
+    prompts = sweep_prompts(max(max(b) for _, _, b in plan) + 1, tokens, vocab,
+                            seed=1000 + list(SHAPES).index(shape))
+    engine_kw: dict = {}
+    if a.sweep_max_batched_tokens:
+        engine_kw["max_num_batched_tokens"] = a.sweep_max_batched_tokens
+    timings: dict = {"cpu_tier_bytes": cpu_bytes if kvt else 0}
+    print(f"[sweep] {shape} {key}: {n} prompts x {tokens} tokens = "
+          f"{batch_bytes / 2**30:.2f} GiB of KV a batch; CPU tier {cpu_bytes / 2**30:.2f} GiB",
+          flush=True)
+    eng = SweepEngine(a, model, key, kvt, None, tokens + 16, [tokens],
+                      max_num_seqs=a.sweep_max_num_seqs or None, prefix_caching=False,
+                      engine_kw=engine_kw)
+    eng.gpu_block_tokens = block_tokens
+    timings["init_s"], timings["weights_s"] = eng.init_s, eng.weights_s
+    rows: list[dict] = []
+    try:
+        for kind, rate, batch in plan:
+            res = eng.run_batch([prompts[i] for i in batch])
+            seen = round(rate * n / 100) if kind == "hit" else 0
+            row = {"shape": shape, "config": config, "chunk_tokens": chunk or block_tokens,
+                   "batch": kind, "hit_rate": rate, "prompts": n, "prompt_tokens": tokens,
+                   "seen_prompts": seen, "tokens_per_s": n * tokens / res["wall_s"],
+                   "blocks_loaded": res["from_cpu"] / block_tokens,
+                   "blocks_per_s": res["from_cpu"] / block_tokens / res["wall_s"],
+                   "kv_bytes_per_block": kvb * block_tokens, **res}
+            rows.append(row)
+            print(f"[sweep] {shape} {key:<9} {kind:<4} {rate:5.0f}% seen: "
+                  f"{row['tokens_per_s']:9.0f} tok/s  {res['wall_s']:6.2f} s  from CPU "
+                  f"{res['from_cpu']:.0f} tokens ({row['blocks_per_s']:.0f} blocks/s)",
+                  flush=True)
+            if kvt is not None:  # the batch's new prompts' stores finish before the next one
+                time.sleep(0.3 + (n - seen) * tokens * kvb / 20e9)
+        if a.profile and kvt is not None:
+            last = plan[-1][2]
+            stem = out / f"prefill_sweep_{tag}_{shape}_{key.replace('@', '_')}"
+            expect = rows[-1]["wall_s"]
+            res = eng.profiled_batch([prompts[i] for i in last], a.profile, stem, expect)
+            timings["profiled"] = {k: v for k, v in res.items() if k != "first_tokens"}
+            print(f"[sweep] {shape} {key} profiled batch: {n * tokens / res['wall_s']:.0f} "
+                  f"tok/s under the profilers; files {res['profile']}", flush=True)
+    finally:
+        eng.close()
+    return rows, timings
+
+
+def sweep_table(rows: list[dict], rates: list[float]) -> str:
+    """tokens/s per setup and hit rate, and the speed-up over no offloading."""
+    lines = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        rs = [r for r in rows if r["shape"] == shape and r["batch"] == "hit"]
+        if not rs:
+            continue
+        none = [r["tokens_per_s"] for r in rs if r["config"] == "none"]
+        base = statistics.mean(none) if none else None
+        r0 = rs[0]
+        lines.append(f"\nPrefill sweep, {shape}: {r0['prompts']} prompts of "
+                     f"{r0['prompt_tokens']} tokens a batch, max_tokens 1, prefix caching off; "
+                     f"tokens/s (x no offloading"
+                     + (f", {base:.0f} tok/s" if base else "") + "); blocks/s loaded from CPU")
+        lines.append("| setup | " + " | ".join(f"{x:g}%" for x in rates) + " |")
+        lines.append("|---|" + "---|" * len(rates))
+        for setup in dict.fromkeys((r["config"], r["chunk_tokens"]) for r in rs):
+            cells = []
+            for rate in rates:
+                r = next((x for x in rs if (x["config"], x["chunk_tokens"]) == setup
+                          and x["hit_rate"] == rate), None)
+                if r is None:
+                    cells.append("")
+                    continue
+                cell = f"{r['tokens_per_s']:.0f}"
+                if base:
+                    cell += f" ({r['tokens_per_s'] / base:.2f}x)"
+                if r["blocks_loaded"]:
+                    cell += f" {r['blocks_per_s']:.0f} b/s"
+                cells.append(cell)
+            name = setup[0] if setup[0] == "none" else f"{setup[0]} ({setup[1]}-token chunks)"
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_plot(rows: list[dict], path: Path) -> None:
+    """tokens/s against the hit rate, one line per setup, one panel per shape (the source
+    article's figure)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[sweep] matplotlib missing: no plot", flush=True)
+        return
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    if not shapes:
+        return
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes, strict=True):
+        rs = [r for r in rows if r["shape"] == shape and r["batch"] == "hit"]
+        for setup in dict.fromkeys((r["config"], r["chunk_tokens"]) for r in rs):
+            pts = sorted((r["hit_rate"], r["tokens_per_s"]) for r in rs
+                         if (r["config"], r["chunk_tokens"]) == setup)
+            label = setup[0] if setup[0] == "none" else f"{setup[0]} ({setup[1]} tok)"
+            ax.plot([p[0] for p in pts], [p[1] / 1000 for p in pts], marker="o", label=label)
+        ax.set_title(f"{shape}: prefill of unique prompts", fontsize=10)
+        ax.set_xlabel("CPU hit rate %")
+        ax.set_ylabel("k prompt tokens/s")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"[sweep] plot: {path}", flush=True)
+
+
+def sweep_main(a: argparse.Namespace, t0: float) -> None:
+    """``--phases prefill-sweep``: every shape of ``--sweep-shapes`` in turn, each setup one
+    engine; JSON, table and plot written after every engine."""
+    import vllm
+
+    scratch = Path(a.scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    block_tokens = 128 if a.cpu_platform else 16
+    chunks: list[int | None] = list(a.sweep_chunk_tokens) or [None]
+    tokens = a.sweep_prompt_tokens
+    stem = out / f"prefill_sweep_{a.tag}"
+    info = {"vllm": vllm.__version__, "argv": sys.argv[1:], "shapes": a.sweep_shapes,
+            "configs": a.sweep_configs, "hit_rates": a.sweep_hit_rates,
+            "chunk_tokens": [c or block_tokens for c in chunks], "prompt_tokens": tokens,
+            "gpu_block_tokens": block_tokens}
+    rows: list[dict] = []
+    timings: dict = {}
+    budget = StepBudget(a.budget_s, t0)
+
+    def save() -> None:
+        info["total_s"] = time.perf_counter() - t0
+        stem.with_suffix(".json").write_text(json.dumps(
+            {"info": info, "timings": timings, "rows": rows}, indent=1))
+        stem.with_suffix(".md").write_text(sweep_table(rows, a.sweep_hit_rates) + "\n")
+
+    for shape in a.sweep_shapes:
+        n = a.sweep_prompts or SWEEP_PROMPTS.get(shape, 64)
+        model = write_model(scratch / f"model-{shape}", shape, max(4096, 2 * tokens))
+        steps = [("none", None)] if "none" in a.sweep_configs else []
+        steps += [(c, ch) for ch in chunks for c in a.sweep_configs if c != "none"]
+        for config, chunk in steps:
+            key = f"{shape}/{config}" + ("" if chunk is None else f"@{chunk}")
+            if not budget.fits(f"sweep-{shape}", config):
+                print(f"[sweep] {key} skipped (--budget-s {a.budget_s:.0f}: "
+                      f"{budget.spent():.0f}s spent)", flush=True)
+                timings[key] = {"skipped": "budget"}
+                continue
+            t = time.perf_counter()
+            try:
+                got, tim = sweep_setup(a, model, shape, config, chunk, n, tokens, block_tokens,
+                                       out, a.tag)
+                rows += got
+                timings[key] = tim
+            except Exception as exc:  # report and go on with the next setup
+                import traceback
+
+                traceback.print_exc()
+                timings[key] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+            took = time.perf_counter() - t
+            timings[key]["wall_s"] = took
+            budget.took(f"sweep-{shape}", config, took)
+            print(f"[sweep] {key} done in {took:.0f}s", flush=True)
+            save()
+            gc.collect()
+    save()
+    text = sweep_table(rows, a.sweep_hit_rates)
+    print(text, flush=True)
+    sweep_plot(rows, stem.with_suffix(".png"))
+    print(f"[sweep] total {time.perf_counter() - t0:.0f}s; results in {stem}.*", flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # do not hang on engine-core teardown
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--from-json":
         render(Path(sys.argv[2]))
@@ -680,6 +1111,9 @@ def main() -> None:
     t0 = time.perf_counter()
     if a.cpu_platform:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    if SWEEP_PHASE in a.phases:
+        sweep_main(a, t0)
+        return
     import vllm
 
     scratch = Path(a.scratch)
