@@ -21,6 +21,7 @@ import mmap
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -43,9 +44,14 @@ def remove_stale(keep: Path | None = None) -> list[Path]:
     for p in SHM_DIR.glob(f"{_PREFIX}*.shm"):
         if keep is not None and p == keep:
             continue
-        try:
-            fd = os.open(p, os.O_RDWR)
+        try:  # ours only: a regular file of this user, rows of whole pages
+            st = os.lstat(p)
+            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
+            continue
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                or st.st_size % mmap.PAGESIZE):
+            os.close(fd)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
