@@ -66,10 +66,10 @@ def _targets(args: argparse.Namespace) -> tuple[list[Path], list[dict]]:
             if name not in ours:
                 raise ValueError(f"{path}: no namespace {name!r}")
             chosen.append(ours[name][0])
+    elif not ours:  # nothing here is ours: say why the first candidate is not
+        raise next(iter(refused.values()))
     elif args.all or len(ours) == 1:
         chosen = [p for p, _ in ours.values()]
-    elif not ours:
-        raise next(iter(refused.values()))
     else:
         listing = [info for _, info in ours.values()]
         if args.json:
