@@ -20,8 +20,8 @@ import numpy as np
 from tiering.backends.checksum import checksum_of, namespace_seed
 from tiering.backends.index import Index
 from tiering.backends.namespace import (
-    META_FILE,
     check_folder,
+    is_candidate,
     list_namespaces,
     read_meta,
     read_writer_info,
@@ -170,9 +170,9 @@ def _histogram(values: np.ndarray, bounds: tuple, label, first: str | None = Non
 def find_namespaces(path: Path) -> list[Path]:
     """``path`` may be a cache root (several namespaces) or one namespace folder."""
     path = Path(path)
-    if (path / META_FILE).exists():
+    if is_candidate(path):  # a namespace folder itself (named by its id, with a meta.json)
         return [path]
-    found = list_namespaces(path)
+    found: list[Path] = list_namespaces(path)
     if not found:
         raise FileNotFoundError(f"{path}: no vllm-tiering namespace found "
                                 "(expected <path>/<namespace>/meta.json)")

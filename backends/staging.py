@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tiering.backends.namespace import make_dirs
+
 log = logging.getLogger(__name__)
 SHM_DIR = Path(os.environ.get("TIERING_SHM_DIR", "/dev/shm"))
 _PREFIX = "vllm_tiering_"
@@ -79,7 +81,7 @@ class StagingRegion:
         self.path = region_path(engine_id)
         self.num_rows, self.row_bytes = num_rows, row_bytes
         size = num_rows * row_bytes
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.path.parent)  # 0700 whatever the umask (TIERING_SHM_DIR may be new)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from tiering import cli_args
 from tiering.backends.sizes import format_size
@@ -32,7 +33,7 @@ def _namespaces(args: argparse.Namespace) -> list[Path]:
     return found
 
 
-def _targets(args: argparse.Namespace) -> tuple[list[Path], list[dict]]:
+def _targets(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]]:
     """The namespaces ``evict``/``clear`` act on, each proven ours, and the folders left alone
     (not proven ours: never touched). Acting on more than one needs them named or ``--all``;
     otherwise PATH's namespaces are listed and the command refuses (exit 2)."""
@@ -45,7 +46,7 @@ def _targets(args: argparse.Namespace) -> tuple[list[Path], list[dict]]:
     if not candidates:
         raise FileNotFoundError(f"{path}: no vllm-tiering namespace found (expected "
                                 "<path>/<namespace id: 16 hex digits>/meta.json)")
-    ours: dict[str, tuple[Path, dict]] = {}
+    ours: dict[str, tuple[Path, dict[str, Any]]] = {}
     refused: dict[str, NamespaceError] = {}
     for c in candidates:
         try:
@@ -110,7 +111,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _admin(args: argparse.Namespace, op: dict) -> int:
+def _admin(args: argparse.Namespace, op: dict[str, Any]) -> int:
     from tiering.backends import admin
 
     targets, skipped = _targets(args)
@@ -127,7 +128,7 @@ def _admin(args: argparse.Namespace, op: dict) -> int:
     return 1 if any("error" in r for r in replies) else 0
 
 
-def _describe(r: dict) -> str:
+def _describe(r: dict[str, Any]) -> str:
     """One reply of ``admin.run`` as the line ``evict``/``clear`` print."""
     ns = f"namespace {r['namespace']}"
     if "error" in r:
