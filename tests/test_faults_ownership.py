@@ -362,3 +362,26 @@ def test_under_umask_000_folders_are_0700_and_files_0600(tmp_path, capsys):
         want = 0o700 if p.is_dir() else 0o600
         assert mode == want, f"{p.relative_to(tmp_path)}: {oct(mode)}, expected {oct(want)}"
     assert stat.S_IMODE(prom.stat().st_mode) == 0o600
+
+
+def test_live_writer_takes_only_tool_requests(tmp_path):
+    """The writer renames and answers only the requests a tool wrote (12-hex names): a JSON
+    file of someone else's in requests/ is never renamed, read as a request or removed."""
+    with open_tier(tmp_path) as t:
+        store(t, [key(i) for i in range(3)])
+        (t.folder / "requests").mkdir()
+        mine = t.folder / "requests" / "mine.json"
+        mine.write_text('{"op": "clear"}')
+        done = {}
+
+        def submit() -> None:
+            done["r"] = admin.submit_request(t.folder, {"op": "evict", "bytes": 1}, 10)
+
+        th = threading.Thread(target=submit)
+        th.start()
+        while th.is_alive():
+            t.poll()
+            th.join(0.02)
+        assert done["r"]["removed_entries"] == 1 and len(t) == 2  # the planted clear: not run
+        assert mine.read_text() == '{"op": "clear"}'
+        assert sorted(p.name for p in mine.parent.iterdir()) == ["mine.json"]
