@@ -106,7 +106,11 @@ def make_dirs(path: Path) -> None:
             os.mkdir(d, 0o700)
         except FileExistsError:
             continue  # made meanwhile (another engine on the same root)
-        os.chmod(d, 0o700, follow_symlinks=False)  # the umask may have taken bits; never more
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, 0o700)  # the umask may have taken the owner's bits; never more
+        finally:
+            os.close(fd)
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
