@@ -22,8 +22,8 @@ def _namespaces(args: argparse.Namespace) -> list[Path]:
     """The namespaces a read-only command looks at: all of PATH's, or those named."""
     from tiering.backends.reader import find_namespaces
 
-    found = find_namespaces(Path(args.path))
-    wanted = list(dict.fromkeys(args.namespace or []))
+    found: list[Path] = find_namespaces(Path(args.path))
+    wanted: list[str] = list(dict.fromkeys(args.namespace or []))
     if wanted:
         by_name = {p.name: p for p in found}
         missing = [n for n in wanted if n not in by_name]
