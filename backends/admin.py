@@ -14,6 +14,11 @@ the writer's back. Instead:
 
 Operations (JSON): ``{"op": "evict", "bytes": N}`` (by policy order),
 ``{"op": "evict", "older_than": SECONDS}`` (by last access), ``{"op": "clear"}``.
+
+Before anything, ``run`` proves the folder is a namespace of ours (``ownership.identify``);
+anything else is refused (NamespaceError: exit 2), and a format-1 namespace of ours is only ever
+cleared, file by file (``ownership.remove_format_1``). ``preview`` answers a dry run from a
+read-only snapshot of the index: it never writes, never takes the lock, never asks a writer.
 """
 
 from __future__ import annotations
@@ -30,12 +35,12 @@ from typing import Any
 from tiering.backends.file_state import lock_holder, writer_alive
 from tiering.backends.namespace import (
     OtherFormatVersion,
-    check_folder,
     facts_from_meta,
     read_meta,
     read_writer_info,
     write_json,
 )
+from tiering.backends.ownership import FORMAT_1, Owned, identify, remove_format_1
 
 log = logging.getLogger(__name__)
 REQUESTS = "requests"
@@ -200,36 +205,53 @@ def _recorded_policy(folder: Path) -> str:
     return policy.lower() if isinstance(policy, str) else "lru"
 
 
-def run(folder: Path, op: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+def run(folder: Path, op: dict[str, Any], timeout: float = 30.0,
+        dry_run: bool = False) -> dict[str, Any]:
+    """Apply ``op`` to the namespace ``folder`` (or, ``dry_run``, say what it would remove).
+
+    NamespaceError (exit 2) unless ``folder`` is proven ours; a format-1 namespace of ours is
+    only cleared (never opened), an evict of one is refused."""
+    op = check_op(op)
+    owned = identify(folder)
+    if owned.format_version == FORMAT_1:
+        if op["op"] != "clear":
+            raise OtherFormatVersion(f"{folder}: a format-1 namespace of vllm-tiering; this "
+                                     "version cannot evict from it, only clear it")
+        return clear_format_1(owned, dry_run)
+    if dry_run:
+        return {**preview(folder, op), "via": "dry run"}
     if writer_alive(folder):
         return {**submit_request(folder, op, timeout), "via": "live writer"}
-    try:
-        return {**run_offline(folder, op), "via": "offline"}
-    except OtherFormatVersion:
-        if op.get("op") != "clear":
-            raise
-        return {**remove_other_format(folder), "via": "offline"}
+    return {**run_offline(folder, op), "via": "offline"}
 
 
-def remove_other_format(folder: Path) -> dict[str, Any]:
-    """``clear`` of a namespace written by another format version: nothing in it can be read
-    by this version, so the whole folder goes (its writer, if any, would hold the folder lock
-    or, before version 2, the flock on ``writer.lock``)."""
-    import fcntl
-    import shutil
+def preview(folder: Path, op: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+    """What ``op`` would remove, from the index as last committed (read-only). A live server
+    skips chunks pinned at the moment it applies it, so the real run may remove fewer."""
+    from tiering.backends.reader import NamespaceReader
 
-    check_folder(folder)
-    lock = folder / "writer.lock"
-    if os.path.lexists(lock):
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RuntimeError(f"{folder}: a writer of another version holds it; stop it "
-                               "first") from None
-        finally:
-            os.close(fd)
-    shutil.rmtree(folder)
-    log.warning("%s: removed a namespace of another format version", folder)
+    now = time.time() if now is None else now
+    with NamespaceReader(folder) as r:
+        _, recs = r.index.load_all()
+        row = r.row_bytes
+    total = len(recs)
+    if op["op"] == "clear":
+        n = total
+    elif "bytes" in op:
+        n = min(total, -(-op["bytes"] // row))
+    else:
+        n = int((recs["last_access"] < now - op["older_than"]).sum()) if total else 0
+    return {"removed_entries": n, "removed_bytes": n * row, "entries": total - n,
+            "dry_run": True}
+
+
+def clear_format_1(owned: Owned, dry_run: bool = False) -> dict[str, Any]:
+    """``clear`` of a proven format-1 namespace: nothing in it can be read by this version, so
+    the files that version wrote go, one by one (what it did not write stays, named)."""
+    done = remove_format_1(owned, dry_run)
     return {"removed_entries": 0, "removed_bytes": 0, "entries": 0,
-            "note": "namespace of another format version removed"}
+            "format_version": FORMAT_1, "removed_files": done.removed, "kept": done.kept,
+            "folder_removed": done.folder_removed, "dry_run": dry_run,
+            "via": "dry run" if dry_run else "offline",
+            "note": "namespace of format version 1 " + ("would be removed" if dry_run
+                                                         else "removed")}

@@ -15,6 +15,7 @@ from typing import Any
 
 from tiering.backends.codec import check_codec
 from tiering.backends.io_engines import ALIGN, ENGINES
+from tiering.backends.paths import check_path
 from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
 
@@ -64,6 +65,7 @@ def check_types(cfg: FileTierConfig) -> None:
     """Types and ranges of the plain settings; ValueError naming the first bad one."""
     if not isinstance(cfg.path, str | os.PathLike) or not str(cfg.path):
         raise ValueError(f"path: expected a folder path, got {cfg.path!r:.80}")
+    check_path(cfg.path, "path")  # a link loop, a name or path too long: one error, here
     for name, (low, high) in _INT_RANGES.items():
         v = getattr(cfg, name)
         if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -50,6 +51,7 @@ from tiering.settings import (
 )
 
 log = logging.getLogger(__name__)
+REQUEST_NAME = re.compile(r"^[0-9a-f]{12}\.json$")  # what admin.submit_request writes
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -310,6 +312,8 @@ class Committer(threading.Thread):
         if os.path.islink(req_dir) or not req_dir.is_dir():  # never read requests via a link
             return
         for path in sorted(req_dir.glob("*.json")):
+            if not REQUEST_NAME.match(path.name):  # only a tool's request (uuid hex): never
+                continue  # rename a file someone else put there
             try:
                 op = json.loads(path.read_text())
                 path.rename(path.with_suffix(".taken"))

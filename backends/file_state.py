@@ -16,6 +16,7 @@ import gc
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -139,31 +140,40 @@ class SlotState:
     ready: list[bool]
     ordered_keys: list[bytes]  # oldest access first
     reused: list[bool]  # per ordered key: hit at least once
+    dropped_unusable: int = 0  # rows dropped at load: they were in a damaged slab file
 
 
-def load_slot_state(index: Index, n_slots: int, folder: Path) -> SlotState:
+def load_slot_state(index: Index, n_slots: int, folder: Path,
+                    unusable: Sequence[range] = ()) -> SlotState:
+    """``unusable``: slots of damaged slab files; their records are dropped (misses) and the
+    slots are never handed out (``SlotState.dropped_unusable`` says how many rows went)."""
     # Millions of new objects would trigger repeated full garbage collections for nothing
     # (none of them can be cyclic garbage yet): pause the collector while loading.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _load(index, n_slots, folder)
+        return _load(index, n_slots, folder, unusable)
     finally:
         if enabled:
             gc.enable()
 
 
-def _load(index: Index, n_slots: int, folder: Path) -> SlotState:
+def _load(index: Index, n_slots: int, folder: Path, unusable: Sequence[range]) -> SlotState:
     keys, recs = index.load_all()
     slots = recs["slot"] if len(recs) else np.empty(0, np.uint64)
     bad = slots >= n_slots  # capacity shrank
     uniq, counts = np.unique(slots, return_counts=True)
     dup = np.isin(slots, uniq[counts > 1])  # never trust a slot claimed twice
-    drop = [keys[i] for i in np.nonzero(bad | dup)[0]]
+    lost = np.zeros(len(slots), dtype=bool)
+    for r in unusable:  # rows in a damaged slab file: misses
+        lost |= (slots >= r.start) & (slots < r.stop)
+    lost &= ~(bad | dup)
+    drop = [keys[i] for i in np.nonzero(bad | dup | lost)[0]]
     if drop:
-        log.warning("%s: dropping %d index entries (beyond capacity or sharing a slot)",
-                    folder, len(drop))
+        log.warning("%s: dropping %d index entries (beyond capacity, sharing a slot, or in a "
+                    "damaged slab file: %d)", folder, len(drop), int(lost.sum()))
         index.publish([], [], drop_keys=drop)
+    bad |= lost
     keep = np.nonzero(~(bad | dup))[0]
     order = keep[np.argsort(recs["last_access"][keep], kind="stable")]
     r = recs[order]
@@ -177,10 +187,14 @@ def _load(index: Index, n_slots: int, folder: Path) -> SlotState:
     ready = np.zeros(n_slots, dtype=bool)
     ready[slot_list] = True
     ordered_keys = np.array(keys, dtype=object)[order].tolist() if len(keys) else []
-    free = np.nonzero(~ready)[0][::-1].tolist()  # pop() hands out low slots first
+    usable = ~ready
+    for rng in unusable:
+        usable[rng.start:rng.stop] = False
+    free = np.nonzero(usable)[0][::-1].tolist()  # pop() hands out low slots first
     return SlotState(dict(zip(ordered_keys, slot_list.tolist(), strict=True)), free,
                      ready=ready.tolist(), ordered_keys=ordered_keys,
-                     reused=(r["hits"] > 0).tolist(), **columns)
+                     reused=(r["hits"] > 0).tolist(), dropped_unusable=int(lost.sum()),
+                     **columns)
 
 
 def announce(tier: Any) -> None:

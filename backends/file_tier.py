@@ -48,7 +48,13 @@ from tiering.backends.file_state import (
 )
 from tiering.backends.index import MAX_KEY_BYTES, Index, pack_record
 from tiering.backends.io_engines import make_engine
-from tiering.backends.namespace import NamespaceFacts, check_folder, open_meta
+from tiering.backends.namespace import (
+    NamespaceFacts,
+    check_folder,
+    check_for_writer,
+    make_dirs,
+    open_meta,
+)
 from tiering.backends.slab import SlabSet
 from tiering.backends.slot_reads import ReadItem, ReadsDone, start_reads
 from tiering.policies import StoreThreshold, create, evict_or_none
@@ -81,8 +87,11 @@ class FileTier(Tier):
         nums = validate(cfg, self.row_bytes, facts.namespace_id)
         self.capacity, self.n_slots = nums["capacity"], nums["n_slots"]
 
-        Path(cfg.path).mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.folder.mkdir(mode=0o700, exist_ok=True)
+        make_dirs(Path(cfg.path))  # every folder it creates 0700, whatever the umask
+        if os.path.lexists(self.folder):
+            check_for_writer(self.folder)  # proven ours (or an empty start) before a byte is written
+        else:
+            make_dirs(self.folder)
         self._lock_fd = acquire_writer_lock(self.folder)
         try:
             self._open(cfg, facts, info or {}, nums)
@@ -139,6 +148,8 @@ class FileTier(Tier):
         self._inflight_writes = 0
         # this process's counters; each increment is also persisted with the next index txn
         self.stats = TierStats(on_add=self.pending.count)
+        if self._lost_to_damaged_slabs:  # rows in a damaged slab file: counted misses
+            self.stats.add("io_errors", self._lost_to_damaged_slabs)
         self.closed = False
         announce(self)
 
@@ -146,7 +157,9 @@ class FileTier(Tier):
         """Load the index: ``entries`` (key -> slot), the per-slot record fields (plain lists,
         valid while the slot is in ``entries``), policy order and free slots."""
         t0 = time.perf_counter()
-        state = load_slot_state(self.index, self.n_slots, self.folder)
+        state = load_slot_state(self.index, self.n_slots, self.folder,
+                                self.slabs.unusable_slots())
+        self._lost_to_damaged_slabs = state.dropped_unusable
         self.entries, self._free = state.entries, state.free
         self._len, self._codec, self._sum = state.length, state.codec, state.checksum
         self._created, self._last, self._hits = state.created, state.last, state.hits

@@ -36,7 +36,7 @@ import ctypes
 import errno
 import logging
 import os
-import shutil
+import stat
 import struct
 import time
 from collections.abc import Iterable, Iterator
@@ -111,18 +111,48 @@ def prepare_lock_file(env_dir: Path) -> None:
     os.close(fd)
 
 
+ENV_FILES = ("data.mdb", "lock.mdb")  # all LMDB writes in an environment folder (subdir=True)
+
+
+def remove_env_dir(env_dir: Path) -> bool:
+    """Remove an LMDB environment folder this writer made (a rebuild's ``.new``/``.old``/
+    ``.tmp-PID``): its two files, then the folder if that emptied it. Never a recursive delete:
+    anything else in it (not ours) stays, and so does the folder (logged). True if it is gone."""
+    try:
+        dfd = os.open(env_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:  # a link or a file where our folder should be: not ours, keep it
+        log.warning("%s: not removing it (%s)", env_dir, exc.strerror or exc)
+        return False
+    try:
+        for name in ENV_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(os.lstat(name, dir_fd=dfd).st_mode):
+                    os.unlink(name, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    try:
+        os.rmdir(env_dir)
+    except OSError as exc:
+        log.warning("%s: left in place, it holds files vllm-tiering did not write (%s)",
+                    env_dir, exc.strerror or exc)
+        return False
+    return True
+
+
 def _finish_swap(folder: Path) -> None:
     """Complete or undo a rebuild that a crash interrupted (see ``_rebuild``)."""
     path, new, old = folder / INDEX_DIR, folder / f"{INDEX_DIR}.new", folder / f"{INDEX_DIR}.old"
     if os.path.isdir(new) and not os.path.islink(new):
         if os.path.lexists(path):
-            shutil.rmtree(new)  # the swap had not started: the old index is current
+            remove_env_dir(new)  # the swap had not started: the old index is current
         else:
             os.rename(new, path)
     for stale in folder.glob(f"{INDEX_DIR}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_env_dir(stale)
     if os.path.isdir(old) and not os.path.islink(old):
-        shutil.rmtree(old, ignore_errors=True)
+        remove_env_dir(old)
 
 
 def _rebuild(folder: Path, map_size: int, tables: dict[str, tuple[list[bytes], list[bytes]]]
@@ -134,7 +164,7 @@ def _rebuild(folder: Path, map_size: int, tables: dict[str, tuple[list[bytes], l
     that a crash cut short, so there is always exactly one index.
     """
     tmp = folder / f"{INDEX_DIR}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_env_dir(tmp)
     tmp.mkdir(mode=0o700)
     try:
         prepare_lock_file(tmp)
@@ -150,11 +180,11 @@ def _rebuild(folder: Path, map_size: int, tables: dict[str, tuple[list[bytes], l
             env.close()
         os.rename(tmp, folder / f"{INDEX_DIR}.new")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_env_dir(tmp)
         raise
     os.rename(folder / INDEX_DIR, folder / f"{INDEX_DIR}.old")
     os.rename(folder / f"{INDEX_DIR}.new", folder / INDEX_DIR)
-    shutil.rmtree(folder / f"{INDEX_DIR}.old", ignore_errors=True)
+    remove_env_dir(folder / f"{INDEX_DIR}.old")
 
 
 def _slot_key(slot: int) -> bytes:

@@ -8,6 +8,13 @@ served to another. A folder whose ``meta.json`` disagrees with its own name (or 
 longer hash to it: an edited file), or that was written by another format version, is refused,
 never misread.
 
+``meta.json`` is also the namespace's marker: it carries ``"magic": MAGIC``, and a folder is a
+namespace only when its marker proves it (``read_meta``) and it holds nothing but what this
+format writes (``check_folder``). A ``meta.json`` written by this format before the magic existed
+is recognised by its exact field set instead (``LEGACY_FIELDS``), so those caches keep opening;
+the writer adds the magic when it next opens them. What may be removed, and how an older format
+of ours is recognised, is ``ownership.py``.
+
 ``meta.json`` also records the slab layout (``slab_file_bytes``, fixed when the namespace is
 created, and ``slots``, the writer's current capacity), so that tools reopen a namespace exactly
 as it was made and never resize it.
@@ -20,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,6 +37,16 @@ from typing import Any
 # 2: slot checksums are seeded by key and namespace; meta.json records the slab layout.
 FORMAT_VERSION = 2
 META_FILE = "meta.json"
+# The marker every meta.json of ours carries (not part of the namespace id: adding it to a
+# namespace written before it existed keeps the folder's name, and so its hits).
+MAGIC = "vllm-tiering namespace"
+# What a format-2 writer put in meta.json before the magic existed: exactly these (the first
+# set always, ``hash_algo``/``restart_safe`` when an engine passed them).
+LEGACY_REQUIRED = frozenset({"namespace", "model", "dtype", "layout", "row_bytes",
+                             "chunk_tokens", "parallel", "extra", "format_version", "created",
+                             "element_bytes", "slab_file_bytes", "slots"})
+LEGACY_FIELDS = LEGACY_REQUIRED | {"hash_algo", "restart_safe"}
+NAMESPACE_NAME = re.compile(r"^[0-9a-f]{16}$")
 log = logging.getLogger(__name__)
 
 
@@ -38,7 +56,11 @@ class NamespaceError(ValueError):
 
 class OtherFormatVersion(NamespaceError):
     """The namespace was written by another on-disk format version (``tiering clear`` removes
-    it when no writer holds it)."""
+    a format-1 namespace of ours when no writer holds it: ``ownership.py``)."""
+
+
+class NotOurs(NamespaceError):
+    """The folder is not a namespace this project wrote (no marker, or not our layout)."""
 
 
 @dataclass(frozen=True)
@@ -53,15 +75,42 @@ class NamespaceFacts:
     parallel: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self, version: int = FORMAT_VERSION) -> dict[str, Any]:
         d = asdict(self)
-        d["format_version"] = FORMAT_VERSION
+        d["format_version"] = version
         return d
 
     @property
     def namespace_id(self) -> str:
-        blob = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"), default=str)
+        return self.id_for(FORMAT_VERSION)
+
+    def id_for(self, version: int) -> str:
+        """The folder name these facts have in format ``version`` (1 and 2 hash alike)."""
+        blob = json.dumps(self.identity(version), sort_keys=True, separators=(",", ":"),
+                          default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def make_dirs(path: Path) -> None:
+    """``mkdir -p`` with every folder it creates 0700 whatever the umask (Path.mkdir's
+    ``parents`` creates the parents with the umask's mode)."""
+    missing: list[Path] = []
+    p = Path(path)
+    while not os.path.lexists(p):
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue  # made meanwhile (another engine on the same root)
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, 0o700)  # the umask may have taken the owner's bits; never more
+        finally:
+            os.close(fd)
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -84,19 +133,41 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
         raise
 
 
-# What each known entry of a namespace folder must be (a link is never acceptable).
-_ENTRY_KINDS = {"meta.json": stat.S_ISREG, "writer.json": stat.S_ISREG,
-                "writer.lock": stat.S_ISREG, "index.lmdb": stat.S_ISDIR,
-                "requests": stat.S_ISDIR}
+# The layout format 2 writes: every entry of a namespace folder matches one of these, of that
+# kind (a link is never acceptable). A slab that is not a regular file is a damaged slab: its
+# rows are misses, the writer never opens or removes it (``slab.py``).
+SLAB_FILE = re.compile(r"^slab-\d{4,}\.dat$")
+LAYOUT: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"^(meta|writer)\.json$"), "file"),
+    (re.compile(r"^writer\.lock$"), "file"),
+    (re.compile(r"^\.(meta|writer)\.json\.\d+\.tmp$"), "file"),  # write_json's, mid-write
+    (re.compile(r"^index\.lmdb(\.new|\.old|\.tmp-\d+|\.damaged-\d{8}T\d{6}-\d+)?$"), "folder"),
+    (SLAB_FILE, "slab"),
+    (re.compile(r"^requests$"), "folder"),
+)
+LAYOUT_TEXT = ("meta.json, writer.json, writer.lock, index.lmdb/ (and its .new/.old/.tmp-PID/"
+               ".damaged-TIME-PID siblings), slab-NNNN.dat, requests/")
 
 
-def check_folder(folder: Path) -> None:
+def entry_kind(name: str, layout: tuple[tuple[re.Pattern[str], str], ...] = LAYOUT
+               ) -> str | None:
+    """What ``name`` must be in a namespace folder of that layout, or None: not ours."""
+    for pattern, kind in layout:
+        if pattern.match(name):
+            return kind
+    return None
+
+
+def check_folder(folder: Path, layout: tuple[tuple[re.Pattern[str], str], ...] = LAYOUT,
+                 layout_text: str = LAYOUT_TEXT) -> None:
     """Refuse a namespace folder whose files are not what they should be.
 
     The folder must be a real directory owned by this user; no entry in it (or in
-    ``index.lmdb/``) may be a symbolic link, and the known entries must be regular files or
-    directories as expected. A planted link would otherwise make the writer truncate, overwrite
-    or create files outside the cache. NamespaceError names the first offending entry.
+    ``index.lmdb/``) may be a symbolic link; every entry must be one this format writes
+    (``layout``), a regular file or a directory as expected and owned by this user. A planted
+    link would otherwise make the writer truncate, overwrite or create files outside the cache;
+    a foreign entry says the folder is not (only) ours. NamespaceError names the first
+    offending entry.
     """
     uid = os.geteuid()
     try:
@@ -120,18 +191,53 @@ def check_folder(folder: Path) -> None:
         if stat.S_ISLNK(est.st_mode):
             raise NamespaceError(f"{path}: {name} is a symbolic link; refusing a cache folder "
                                  "with links in it")
-        want = _ENTRY_KINDS.get(name) or (stat.S_ISREG if name.startswith("slab-") else None)
-        if want is not None and not want(est.st_mode):
+        if "/" in name:  # inside index.lmdb/: LMDB's files; nothing else is ever removed there
+            want = "file" if name.endswith((".mdb",)) else None
+        else:
+            want = entry_kind(name, layout)
+            if want is None:
+                raise NotOurs(f"{path}: {name!r} is not something vllm-tiering writes in a "
+                              f"namespace folder; refusing {folder} (expected only "
+                              f"{layout_text})")
+        if want in ("file", "folder") and not (stat.S_ISDIR(est.st_mode) if want == "folder"
+                                              else stat.S_ISREG(est.st_mode)):
             raise NamespaceError(f"{path}: {name} is not a "
-                                 f"{'folder' if want is stat.S_ISDIR else 'regular file'}")
+                                 f"{'folder' if want == 'folder' else 'regular file'}")
         if est.st_uid != uid and want is not None:
             raise NamespaceError(f"{path}: {name} is owned by uid {est.st_uid}, not by this "
                                  f"user ({uid}); refusing it")
 
 
 def write_meta(folder: Path, facts: NamespaceFacts, info: dict[str, Any]) -> None:
-    meta = {"namespace": facts.namespace_id, **facts.identity(), "created": time.time(), **info}
+    meta = {"namespace": facts.namespace_id, **facts.identity(), "created": time.time(), **info,
+            "magic": MAGIC}
     write_json(folder / META_FILE, meta)
+
+
+# What a first open leaves before meta.json exists (a writer killed there): nothing else.
+_UNSTARTED = re.compile(r"^(writer\.lock|\.meta\.json\.\d+\.tmp)$")
+
+
+def check_unstarted(folder: Path) -> None:
+    """A namespace folder without meta.json may be started only if it holds nothing but what
+    a first open leaves before writing meta.json; NotOurs otherwise (never write into a folder
+    we cannot prove is ours)."""
+    for e in os.scandir(folder):
+        if not _UNSTARTED.match(e.name) or not e.is_file(follow_symlinks=False):
+            raise NotOurs(f"{folder}: has no {META_FILE} but holds {e.name!r}; not a "
+                          "vllm-tiering namespace (a new namespace folder is empty); refusing "
+                          "to write there")
+
+
+def check_for_writer(folder: Path) -> None:
+    """Before a writer writes anything in an existing ``folder``: it must be a namespace of
+    this format proven ours, or a folder a first open left before meta.json (NotOurs,
+    OtherFormatVersion or NamespaceError otherwise, naming the path). Reads only."""
+    check_folder(folder)
+    if os.path.lexists(folder / META_FILE):
+        read_meta(folder)
+    else:
+        check_unstarted(folder)
 
 
 def open_meta(folder: Path, facts: NamespaceFacts, info: dict[str, Any],
@@ -141,14 +247,15 @@ def open_meta(folder: Path, facts: NamespaceFacts, info: dict[str, Any],
     capacity. Only the lock holder calls this."""
     path = folder / META_FILE
     if not os.path.lexists(path):
+        check_unstarted(folder)
         write_meta(folder, facts, {**info, "slab_file_bytes": slab_file_bytes, "slots": slots})
         return read_meta(folder)
     meta = read_meta(folder)
     if meta["slab_file_bytes"] != slab_file_bytes:
         log.info("%s: keeping the slab files of %d bytes this namespace was created with "
                  "(slab_file_bytes %d asked)", folder, meta["slab_file_bytes"], slab_file_bytes)
-    if meta["slots"] != slots:
-        meta["slots"] = slots
+    if meta["slots"] != slots or meta.get("magic") != MAGIC:  # proven ours: mark it as such
+        meta["slots"], meta["magic"] = slots, MAGIC
         try:
             write_json(path, meta)
         except OSError as exc:  # a full disk must not stop a restart; tools see the mismatch
@@ -193,13 +300,29 @@ def read_meta(folder: Path) -> dict[str, Any]:
     except ValueError as exc:  # not UTF-8, not JSON
         raise NamespaceError(f"{path}: not a JSON file ({exc})") from None
     if not isinstance(meta, dict):
-        raise NamespaceError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+        raise NotOurs(f"{path}: expected a JSON object, got {type(meta).__name__}; not a "
+                      "vllm-tiering namespace")
     version = meta.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise NotOurs(f"{path}: no format_version (got {version!r:.40}); not a vllm-tiering "
+                      f"namespace (expected a meta.json with \"magic\": {MAGIC!r} and "
+                      f"\"format_version\": {FORMAT_VERSION})")
     if version != FORMAT_VERSION:
         raise OtherFormatVersion(
             f"{path}: format version {version!r}, this vllm-tiering reads version "
-            f"{FORMAT_VERSION}; refusing to read it (clear it with `tiering clear`, or open it "
-            "with the version that wrote it)")
+            f"{FORMAT_VERSION}; refusing to read it (`tiering clear` removes a format-1 "
+            "namespace of vllm-tiering; or open it with the version that wrote it)")
+    magic = meta.get("magic")
+    if magic is None:
+        fields = set(meta)
+        if not LEGACY_REQUIRED <= fields <= LEGACY_FIELDS:
+            odd = sorted(fields - LEGACY_FIELDS) or sorted(LEGACY_REQUIRED - fields)
+            raise NotOurs(f"{path}: no \"magic\": {MAGIC!r}, and its fields are not those a "
+                          f"vllm-tiering format-{FORMAT_VERSION} writer writes (unexpected or "
+                          f"missing: {', '.join(odd)[:120]}); not a vllm-tiering namespace")
+    elif magic != MAGIC:
+        raise NotOurs(f"{path}: magic {magic!r:.40}, expected {MAGIC!r}; not a vllm-tiering "
+                      "namespace")
     for name, kind in _META_TYPES.items():
         value = meta.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
@@ -221,9 +344,19 @@ def read_meta(folder: Path) -> dict[str, Any]:
     return meta
 
 
+def is_candidate(folder: Path) -> bool:
+    """Named like a namespace (16 hex digits: its id) and holding a meta.json: worth asking
+    ``read_meta`` whether it is one. A folder of any other name never is."""
+    return (bool(NAMESPACE_NAME.match(Path(os.path.abspath(folder)).name))
+            and os.path.isdir(folder) and not os.path.islink(folder)
+            and os.path.lexists(Path(folder) / META_FILE))
+
+
 def list_namespaces(root: Path) -> list[Path]:
-    """Folders under ``root`` that look like namespaces (have a meta.json)."""
-    if not root.is_dir():
+    """Folders under ``root`` that may be namespaces (``is_candidate``); each still has to be
+    proven by ``read_meta``/``check_folder`` before anything reads or changes it."""
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(p for p in root.iterdir()
-                  if p.is_dir() and os.path.lexists(p / META_FILE))
+    return sorted(root / n for n in names if is_candidate(root / n))

@@ -20,13 +20,13 @@ import numpy as np
 from tiering.backends.checksum import checksum_of, namespace_seed
 from tiering.backends.index import Index
 from tiering.backends.namespace import (
-    META_FILE,
     check_folder,
+    is_candidate,
     list_namespaces,
     read_meta,
     read_writer_info,
 )
-from tiering.backends.slab import slab_name
+from tiering.backends.slab import damage_of, slab_name
 
 HIT_BUCKETS = (0, 1, 2, 5, 10, 100)
 AGE_BUCKETS = (60, 3600, 86400, 7 * 86400)  # seconds
@@ -65,6 +65,17 @@ class NamespaceReader:
 
     def capacity_slots(self) -> int:
         return int(self.meta["slots"])
+
+    def damaged_slabs(self) -> dict[str, str]:
+        """Slab files of the recorded layout that are there but are not regular files
+        (``slab.damage_of``): file name -> what it is."""
+        n_files = -(-self.capacity_slots() // self._per_file)
+        out = {}
+        for i in range(n_files):
+            problem = damage_of(self.folder / slab_name(i))
+            if problem:
+                out[slab_name(i)] = problem
+        return out
 
     def summary(self, now: float | None = None) -> dict[str, Any]:
         now = time.time() if now is None else now
@@ -106,11 +117,15 @@ class NamespaceReader:
         seed = namespace_seed(self.folder.name)
         bad: list[Corrupt] = []
         fds: dict[int, int] = {}
+        damaged = {int(name[5:-4]) for name in self.damaged_slabs()}
         try:
             for i, key in enumerate(keys):
                 r = recs[i]
                 slot, length, checksum = int(r["slot"]), int(r["length"]), int(r["checksum"])
-                reason = self._check_slot(fds, seed, key, slot, length, checksum)
+                if slot // self._per_file in damaged:  # never opened: not a file of ours
+                    reason = "damaged_slab"
+                else:
+                    reason = self._check_slot(fds, seed, key, slot, length, checksum)
                 if reason and self._still_same(key, r):
                     bad.append(Corrupt(key, slot, reason))
                 if progress:
@@ -155,9 +170,9 @@ def _histogram(values: np.ndarray, bounds: tuple, label, first: str | None = Non
 def find_namespaces(path: Path) -> list[Path]:
     """``path`` may be a cache root (several namespaces) or one namespace folder."""
     path = Path(path)
-    if (path / META_FILE).exists():
+    if is_candidate(path):  # a namespace folder itself (named by its id, with a meta.json)
         return [path]
-    found = list_namespaces(path)
+    found: list[Path] = list_namespaces(path)
     if not found:
         raise FileNotFoundError(f"{path}: no vllm-tiering namespace found "
                                 "(expected <path>/<namespace>/meta.json)")

@@ -6,6 +6,12 @@ per chunk: no create/unlink/metadata traffic per write, aligned offsets for O_DI
 eviction is just an index delete. Files are capped (``slab_file_bytes``) so no single file
 grows huge. ``fallocate`` reserves the blocks up front so writes never meet ENOSPC later; where
 the filesystem refuses it, files are extended sparsely (``ftruncate``) and a log line says so.
+
+A slab that is there but is not a regular file (a folder, a fifo: someone replaced it) is a
+*damaged slab*: it was not written by us as it is, so it is never opened, resized or removed;
+its slots are unusable (``damaged``), the rows indexed there are misses (the writer drops them
+at open, counted as ``io_errors``), and the other files serve as before. ``tiering verify``
+names it. Removing it by hand and restarting gives its slots back.
 """
 
 from __future__ import annotations
@@ -28,6 +34,18 @@ def slab_name(i: int) -> str:
     return f"slab-{i:04d}.dat"
 
 
+def damage_of(path: Path) -> str | None:
+    """Why ``path`` is a damaged slab (there, but neither a regular file nor a link), or None
+    (a regular file, missing, or a link: links are refused before, by ``check_folder``)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+        return None
+    return "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+
+
 class SlabSet:
     def __init__(self, folder: Path, slot_bytes: int, n_slots: int, slab_file_bytes: int) -> None:
         self.folder = folder
@@ -38,22 +56,29 @@ class SlabSet:
         self.sparse = False
         self.seed = namespace_seed(folder.name)  # checksums bind bytes to key and namespace
         self._handles: list[Any] = []
+        self.damaged: dict[int, str] = {}  # file index -> why it is not a slab file
 
     def file_slots(self, i: int) -> int:
         return min(self.slots_per_file, self.n_slots - i * self.slots_per_file)
 
+    def slots_of_file(self, i: int) -> range:
+        return range(i * self.slots_per_file, i * self.slots_per_file + self.file_slots(i))
+
     def mismatch(self) -> str | None:
         """Why the slab files on disk are not exactly this layout, or None. Tools that open a
         namespace as its writer check this first: a writer resizes to its layout, so a tool
-        must never open with a layout the files do not already have."""
+        must never open with a layout the files do not already have. A damaged slab (not a
+        regular file) is no mismatch: the writer leaves it exactly as it is."""
         for i in range(self.n_files):
             path = self.folder / slab_name(i)
             try:
                 st = os.lstat(path)
             except FileNotFoundError:
                 return f"{path.name} is missing"
+            if stat.S_ISLNK(st.st_mode):
+                return f"{path.name} is a symbolic link"
             if not stat.S_ISREG(st.st_mode):
-                return f"{path.name} is not a regular file"
+                continue
             if st.st_size != self.file_slots(i) * self.slot_bytes:
                 return (f"{path.name} is {st.st_size} bytes, the layout says "
                         f"{self.file_slots(i) * self.slot_bytes}")
@@ -62,10 +87,19 @@ class SlabSet:
         return None
 
     def create_or_resize(self, preallocate: bool) -> None:
-        """Make every slab file exactly as large as its slots; drop files beyond the capacity."""
+        """Make every slab file exactly as large as its slots; drop files beyond the capacity.
+        A damaged slab (not a regular file) is left as it is and recorded in ``damaged``."""
+        self.damaged = {}
         for i in range(self.n_files):
             path = self.folder / slab_name(i)
             size = self.file_slots(i) * self.slot_bytes
+            problem = damage_of(path)
+            if problem:
+                self.damaged[i] = problem
+                log.warning("%s: %s, not a slab file: a damaged slab, left as it is; its %d "
+                            "slots are unused and the rows stored there are misses (remove it "
+                            "and restart to get them back)", path, problem, self.file_slots(i))
+                continue
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
                 current = os.fstat(fd).st_size
@@ -77,7 +111,11 @@ class SlabSet:
                 os.close(fd)
         i = self.n_files
         while os.path.lexists(self.folder / slab_name(i)):
-            (self.folder / slab_name(i)).unlink()
+            path = self.folder / slab_name(i)
+            if damage_of(path):  # not a file we wrote as it is: never removed
+                log.warning("%s: beyond the capacity and not a slab file; left as it is", path)
+            else:
+                path.unlink()
             i += 1
 
     def _extend(self, fd: int, path: Path, current: int, size: int, preallocate: bool) -> None:
@@ -95,11 +133,18 @@ class SlabSet:
         os.ftruncate(fd, size)
 
     def open(self, engine: IoEngine) -> None:
-        self._handles = [engine.open(str(self.folder / slab_name(i))) for i in range(self.n_files)]
+        """Open every slab file but the damaged ones (their handle is None: no slot of theirs
+        is ever read or written, ``unusable_slots``)."""
+        self._handles = [None if i in self.damaged else engine.open(str(self.folder / slab_name(i)))
+                         for i in range(self.n_files)]
+
+    def unusable_slots(self) -> list[range]:
+        return [self.slots_of_file(i) for i in sorted(self.damaged)]
 
     def close(self, engine: IoEngine) -> None:
         for h in self._handles:
-            engine.close(h)
+            if h is not None:
+                engine.close(h)
         self._handles = []
 
     def locate(self, slot: int) -> tuple[Any, int, int]:

@@ -21,9 +21,12 @@ import mmap
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
+
+from tiering.backends.namespace import make_dirs
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path(os.environ.get("TIERING_SHM_DIR", "/dev/shm"))
@@ -43,9 +46,14 @@ def remove_stale(keep: Path | None = None) -> list[Path]:
     for p in SHM_DIR.glob(f"{_PREFIX}*.shm"):
         if keep is not None and p == keep:
             continue
-        try:
-            fd = os.open(p, os.O_RDWR)
+        try:  # ours only: a regular file of this user, rows of whole pages
+            st = os.lstat(p)
+            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
+            continue
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                or st.st_size % mmap.PAGESIZE):
+            os.close(fd)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -73,7 +81,7 @@ class StagingRegion:
         self.path = region_path(engine_id)
         self.num_rows, self.row_bytes = num_rows, row_bytes
         size = num_rows * row_bytes
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.path.parent)  # 0700 whatever the umask (TIERING_SHM_DIR may be new)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 import time
 
 import pytest
@@ -68,7 +69,11 @@ def test_export_to_file_is_atomic(cache, tmp_path, capsys):
     out = tmp_path / "tiering.prom"
     assert main(["export", str(cache), "-o", str(out)]) == 0
     assert "tiering_cache_entries" in out.read_text()
-    assert not (tmp_path / "tiering.prom.tmp").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    out.chmod(0o644)  # the operator lets node-exporter's user read it: later exports keep that
+    assert main(["export", str(cache), "-o", str(out)]) == 0
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
 
 
 def test_evict_offline_by_bytes_then_by_age_then_clear(cache, capsys):

@@ -86,6 +86,53 @@ def test_slab_damage_is_a_miss_and_only_that_file_is_lost(tmp_path, trials):
           "0 wrong bytes, 0 rows lost from intact files")
 
 
+def test_slab_that_is_a_directory_is_a_damaged_slab(tmp_path, capsys):
+    """``rm NS/slab-0002.dat; mkdir NS/slab-0002.dat``: its rows are misses (counted), verify
+    exits 1 naming it, the writer opens and serves the rest, writes never land there, and the
+    folder (not ours as it is) and what is in it are never removed."""
+    import json
+
+    from tiering.cli import main
+
+    keys = [key(i) for i in range(16)]
+    with open_tier(tmp_path, slots=16) as t:  # 4 files of 4 rows
+        store(t, keys)
+        folder = t.folder
+        slot_of = {k: t.entry(k).slot for k in keys}
+    victim = folder / "slab-0002.dat"
+    victim.unlink()
+    victim.mkdir()
+    (victim / "user.bin").write_bytes(b"user bytes")
+    in_victim = {k for k, s in slot_of.items() if s // 4 == 2}
+    assert len(in_victim) == 4
+    assert main(["verify", str(tmp_path), "--json"]) == 1
+    (ns,) = json.loads(capsys.readouterr().out)["namespaces"]
+    assert ns["damaged_slabs"] == [{"file": "slab-0002.dat", "problem": "a folder"}]
+    assert {bytes.fromhex(c["key"]) for c in ns["corrupt"]} == in_victim
+    assert main(["verify", str(tmp_path)]) == 1
+    assert "damaged slab slab-0002.dat" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path)]) == 0
+    with open_tier(tmp_path, slots=16) as t:
+        assert t.stats["io_errors"] == 4
+        for k in keys:
+            if k in in_victim:
+                assert not t.contains(k) and read(t, k)[0] is None
+            else:
+                assert read(t, k)[0] == bytes(row_for(k))
+        fresh = [key(f"fresh{i}") for i in range(8)]
+        t.put(fresh, [row_for(k) for k in fresh])
+        done = t.wait_idle()
+        landed = [d.key for d in done if d.ok]
+        assert len(landed) == 8 and len(t) == 12  # the victim's 4 slots are never used
+        assert all(t.entry(k).slot // 4 != 2 for k in t.entries)
+        for k in landed:
+            assert read(t, k)[0] == bytes(row_for(k))
+    for cmd in (["evict", str(tmp_path), "--bytes", "1"], ["clear", str(tmp_path)]):
+        assert main(cmd) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert victim.is_dir() and (victim / "user.bin").read_bytes() == b"user bytes"
+
+
 
 def _fill(path, leave: int = 0) -> None:
     """Fill the filesystem, then give back ``leave`` bytes."""

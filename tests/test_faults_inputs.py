@@ -227,3 +227,65 @@ def test_bad_file_tier_setting_is_one_error_and_creates_nothing(tmp_path, overri
         FileTier(cfg, facts())
     assert words in str(exc.value) and "\n" not in str(exc.value)
     assert not path.exists()
+
+
+# -- paths the system cannot walk: a symbolic link loop, a path too long -----------------------
+LONG = "a" * 5000
+PATH_CMDS = [  # (argv with {p} for the bad path, the argument the one line names)
+    (["inspect", "{p}"], "path"),
+    (["verify", "{p}"], "path"),
+    (["stats", "{p}"], "path"),
+    (["export", "{p}"], "path"),
+    (["export", "{c}", "-o", "{p}/out.prom"], "--output"),
+    (["clear", "{p}"], "path"),
+    (["clear", "{p}", "--dry-run"], "path"),
+    (["evict", "{p}", "--bytes", "1"], "path"),
+    (["bench", "{p}"], "path"),
+    (["config", "--cpu", "1GiB", "--disk", "{p}:1MiB"], "path"),
+]
+
+
+@pytest.mark.parametrize("kind", ["loop", "too-long", "long-name"])
+@pytest.mark.parametrize("argv, words", PATH_CMDS, ids=lambda v: " ".join(v)[:40]
+                         if isinstance(v, list) else None)
+def test_bad_path_is_exit_2_one_line_naming_the_argument(cache, tmp_path, capsys, monkeypatch,
+                                                         kind, argv, words):
+    monkeypatch.chdir(tmp_path)
+    if kind == "loop":
+        (tmp_path / "L").symlink_to("L")  # ln -s L L
+        bad = "L/kv"
+    elif kind == "too-long":
+        bad = LONG
+    else:
+        bad = str(tmp_path / ("n" * 300) / "kv")
+    before = snapshot(cache)
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    args = [a.format(p=bad, c=cache) for a in argv]
+    try:
+        rc = main(args)
+    except SystemExit as exc:
+        rc = exc.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2, (rc, err[:300])
+    assert len(lines) == 1 and "Traceback" not in err, err[:300]
+    assert words in lines[0] and "Errno" not in lines[0], lines[0][:300]
+    assert snapshot(cache) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing, "a bad path created something"
+
+
+@pytest.mark.parametrize("kind", ["loop", "too-long", "long-name"])
+def test_file_tier_on_a_bad_path_is_one_error_naming_the_key(tmp_path, monkeypatch, kind):
+    monkeypatch.chdir(tmp_path)
+    if kind == "loop":
+        (tmp_path / "L").symlink_to("L")
+        bad = "L/kv"
+    elif kind == "too-long":
+        bad = LONG
+    else:
+        bad = str(tmp_path / ("n" * 300) / "kv")
+    with pytest.raises(ValueError) as exc:
+        FileTier({"path": bad, "capacity": 16 * ROW, "io": "posix"}, facts())
+    msg = str(exc.value)
+    assert msg.startswith("path: ") and "\n" not in msg and "Errno" not in msg, msg[:300]
+    assert ("loop" in msg) if kind == "loop" else ("bytes" in msg)

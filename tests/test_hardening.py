@@ -551,14 +551,18 @@ def test_a_policy_that_raises_is_a_counted_rejection(tmp_path):
         REGISTRY.pop("broken-for-test", None)
 
 
-def test_clear_removes_a_namespace_of_an_older_format(tmp_path, capsys):
+def test_clear_refuses_a_namespace_that_only_claims_an_older_format(tmp_path, capsys):
+    """A format-2 folder whose meta.json was edited to say format 1 is no folder format 1 wrote
+    (its name is not its facts' format-1 hash, its fields are not format 1's): refused, kept.
+    A real format-1 namespace is removed file by file: test_faults_ownership.py."""
     with open_tier(tmp_path) as t:
         store(t, [key(0)])
         folder = t.folder
     meta = json.loads((folder / "meta.json").read_text())
     meta["format_version"] = 1
     (folder / "meta.json").write_text(json.dumps(meta))
-    assert cli_main(["inspect", str(tmp_path)]) == 2  # refused, with the way out
-    assert "tiering clear" in capsys.readouterr().err
-    assert cli_main(["clear", str(tmp_path)]) == 0
-    assert not folder.exists()
+    assert cli_main(["inspect", str(tmp_path)]) == 2  # refused, naming the version
+    assert "format version 1" in capsys.readouterr().err
+    assert cli_main(["clear", str(tmp_path)]) == 2
+    assert "not a format-1 namespace" in capsys.readouterr().err
+    assert (folder / "meta.json").exists() and (folder / "slab-0000.dat").exists()

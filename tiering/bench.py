@@ -47,6 +47,7 @@ import numpy as np
 
 from tiering import cli_args
 from tiering.backends.io_engines import aligned_buffer
+from tiering.backends.namespace import make_dirs
 
 
 def _cpu() -> float:
@@ -333,7 +334,7 @@ def bench(path: str, row_bytes: int, total: int, threads: int, repeat: int,
     runs: dict[str, list | None] = {p: [] for p in parts}
     notes: list[str] = []
     root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
+    make_dirs(root)  # 0700 whatever the umask
     for _ in range(repeat):
         for part in parts:
             folder = Path(tempfile.mkdtemp(prefix=f"bench-{part}-", dir=root))
@@ -437,7 +438,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def add_bench_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="file tier vs fio vs vLLM's fs tier on the same disk",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="a folder on the filesystem to measure (scratch data goes here)")
+    p.add_argument("path", type=cli_args.cache_path,
+                   help="a folder on the filesystem to measure (scratch data goes here)")
     p.add_argument("--row-bytes", type=cli_args.size(4096, 1 << 30, multiple=4096),
                    default="2MiB", help="row size, a multiple of 4096 (default 2MiB)")
     p.add_argument("--total", type=cli_args.size(4096, 1 << 44), default="4GiB",

@@ -8,6 +8,7 @@ live writer did not answer, a server could not be reached); 2 bad usage or bad i
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import sys
@@ -128,9 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, PermissionError) as exc:
         print(f"tiering {args.command}: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except (TimeoutError, OSError, RuntimeError) as exc:  # e.g. a live writer did not answer
+    except (TimeoutError, RuntimeError) as exc:  # e.g. a live writer did not answer
         print(f"tiering {args.command}: {_one_line(exc)}", file=sys.stderr)
         return 1
+    except OSError as exc:  # a path the system cannot walk is bad input; others are problems
+        print(f"tiering {args.command}: {_one_line(exc)}", file=sys.stderr)
+        return 2 if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTDIR) else 1
     except Exception as exc:  # a bug: still one line (the traceback with -v)
         log.debug("tiering %s failed", args.command, exc_info=True)
         print(f"tiering {args.command}: unexpected {type(exc).__name__}: {_one_line(exc)} "

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from tiering import cli_args
 from tiering.backends.sizes import format_size
@@ -18,14 +19,73 @@ from tiering.stats import COUNTER_KEYS
 
 
 def _namespaces(args: argparse.Namespace) -> list[Path]:
+    """The namespaces a read-only command looks at: all of PATH's, or those named."""
     from tiering.backends.reader import find_namespaces
 
-    found = find_namespaces(Path(args.path))
-    if getattr(args, "namespace", None):
-        found = [p for p in found if p.name == args.namespace]
-        if not found:
-            raise ValueError(f"{args.path}: no namespace {args.namespace!r}")
+    found: list[Path] = find_namespaces(Path(args.path))
+    wanted: list[str] = list(dict.fromkeys(args.namespace or []))
+    if wanted:
+        by_name = {p.name: p for p in found}
+        missing = [n for n in wanted if n not in by_name]
+        if missing:
+            raise ValueError(f"{args.path}: no namespace {missing[0]!r}")
+        found = [by_name[n] for n in wanted]
     return found
+
+
+def _targets(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]]:
+    """The namespaces ``evict``/``clear`` act on, each proven ours, and the folders left alone
+    (not proven ours: never touched). Acting on more than one needs them named or ``--all``;
+    otherwise PATH's namespaces are listed and the command refuses (exit 2)."""
+    from tiering.backends.namespace import NamespaceError, is_candidate, list_namespaces
+    from tiering.backends.ownership import identify
+
+    path = Path(args.path)
+    single = is_candidate(path)
+    candidates = [path] if single else list_namespaces(path)
+    if not candidates:
+        raise FileNotFoundError(f"{path}: no vllm-tiering namespace found (expected "
+                                "<path>/<namespace id: 16 hex digits>/meta.json)")
+    ours: dict[str, tuple[Path, dict[str, Any]]] = {}
+    refused: dict[str, NamespaceError] = {}
+    for c in candidates:
+        try:
+            owned = identify(c)
+            ours[c.name] = (c, {"namespace": c.name, "format_version": owned.format_version,
+                                "model": owned.meta.get("model"),
+                                "row_bytes": owned.meta.get("row_bytes"),
+                                "slots": owned.meta.get("slots")})
+        except NamespaceError as exc:
+            refused[c.name] = exc
+    if single and refused:
+        raise refused[path.name]
+    if args.namespace:
+        chosen = []
+        for name in dict.fromkeys(args.namespace):
+            if name in refused:
+                raise refused[name]
+            if name not in ours:
+                raise ValueError(f"{path}: no namespace {name!r}")
+            chosen.append(ours[name][0])
+    elif not ours:  # nothing here is ours: say why the first candidate is not
+        raise next(iter(refused.values()))
+    elif args.all or len(ours) == 1:
+        chosen = [p for p, _ in ours.values()]
+    else:
+        listing = [info for _, info in ours.values()]
+        if args.json:
+            print(json.dumps({"path": str(path), "namespaces": listing}, indent=2))
+        else:
+            print(f"{path} holds {len(listing)} namespaces:")
+            for ns in listing:
+                print(f"  {ns['namespace']}  model {ns['model']}  format {ns['format_version']}"
+                      f"  row {ns['row_bytes']} B  slots {ns['slots']}")
+        raise ValueError(f"{path} holds {len(listing)} namespaces ({', '.join(ours)}); name "
+                         f"the ones to {args.command} with --namespace ID (repeatable) or pass "
+                         "--all")
+    skipped = [{"path": str(path / name), "reason": " ".join(str(exc).split())}
+               for name, exc in refused.items()]
+    return chosen, skipped
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -51,22 +111,41 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _admin(args: argparse.Namespace, op: dict) -> int:
+def _admin(args: argparse.Namespace, op: dict[str, Any]) -> int:
     from tiering.backends import admin
 
-    replies = []
-    for folder in _namespaces(args):
-        replies.append({"namespace": folder.name, **admin.run(folder, op, args.timeout)})
+    targets, skipped = _targets(args)
+    replies = [{"namespace": folder.name, **admin.run(folder, op, args.timeout, args.dry_run)}
+               for folder in targets]
     if args.json:
-        print(json.dumps({"path": str(args.path), "results": replies}, indent=2))
+        print(json.dumps({"path": str(args.path), "dry_run": args.dry_run, "results": replies,
+                          "skipped": skipped}, indent=2))
     else:
         for r in replies:
-            if "error" in r:
-                print(f"namespace {r['namespace']}: {r['error']}")
-                continue
-            print(f"namespace {r['namespace']}: removed {r['removed_entries']} entries "
-                  f"({format_size(r['removed_bytes'])}), {r['entries']} left ({r['via']})")
+            print(_describe(r))
+        for s in skipped:
+            print(f"left alone {s['path']}: {s['reason']}")
     return 1 if any("error" in r for r in replies) else 0
+
+
+def _describe(r: dict[str, Any]) -> str:
+    """One reply of ``admin.run`` as the line ``evict``/``clear`` print."""
+    ns = f"namespace {r['namespace']}"
+    if "error" in r:
+        return f"{ns}: {r['error']}"
+    if "removed_files" in r:  # a format-1 namespace
+        verb = "would remove" if r["dry_run"] else "removed"
+        text = (f"{ns} (format version 1): {verb} {len(r['removed_files'])} files "
+                f"({', '.join(r['removed_files']) or 'none'})")
+        if r["kept"]:
+            return text + f"; kept what vllm-tiering did not write: {', '.join(r['kept'])}"
+        return text + (", then its folder" if r["dry_run"] else ", and its folder")
+    if r.get("dry_run"):
+        return (f"{ns}: would remove {r['removed_entries']} entries "
+                f"({format_size(r['removed_bytes'])}), {r['entries']} left (dry run: nothing "
+                "removed; a live server skips chunks in use)")
+    return (f"{ns}: removed {r['removed_entries']} entries "
+            f"({format_size(r['removed_bytes'])}), {r['entries']} left ({r['via']})")
 
 
 def _cmd_evict(args: argparse.Namespace) -> int:
@@ -86,12 +165,37 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     text = render(_namespaces(args))
     if args.output is not None:
-        tmp = Path(args.output + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(args.output)  # node-exporter reads whole files only
+        _write_private(Path(args.output), text)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replace ``path`` atomically (node-exporter reads whole files only). A new file is 0600
+    whatever the umask; a file being replaced keeps its mode (an operator who let
+    node-exporter's user read it keeps that), never anything wider than it had."""
+    import contextlib
+    import os
+    import stat
+
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = 0o600
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fh.fileno(), mode)
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:
@@ -117,8 +221,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     def with_path(name: str, help_: str, desc: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=desc)
-        p.add_argument("path", help="cache root (the tier's path) or one namespace folder")
-        p.add_argument("--namespace", type=cli_args.namespace, help="only this namespace id")
+        p.add_argument("path", type=cli_args.cache_path,
+                       help="cache root (the tier's path) or one namespace folder")
+        p.add_argument("--namespace", type=cli_args.namespace, action="append",
+                       help="only this namespace id (repeatable)")
         p.add_argument("--json", action="store_true", help="print one JSON object")
         return p
 
@@ -129,12 +235,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     for name, func, desc in (
             ("evict", _cmd_evict, "Evict entries by policy order (--bytes) or by last access "
              "(--older-than). Safe on a live cache: a running server applies it at its next "
-             "scheduler step; otherwise the tool opens the namespace itself."),
-            ("clear", _cmd_clear, "Remove every entry (the namespace stays). Safe on a live "
-             "cache, like evict.")):
+             "scheduler step; otherwise the tool opens the namespace itself. Only a namespace "
+             "proven to be vllm-tiering's (meta.json marker and layout) is ever changed."),
+            ("clear", _cmd_clear, "Remove every entry (the namespace stays; a format-1 "
+             "namespace of vllm-tiering is removed file by file). Safe on a live cache, like "
+             "evict. Only a namespace proven to be vllm-tiering's is ever changed.")):
         p = with_path(name, desc.split(".")[0].lower(), desc)
         p.add_argument("--timeout", type=cli_args.seconds(0, 86400), default=30.0,
                        help="seconds to wait for a live server's reply (default 30)")
+        p.add_argument("--dry-run", action="store_true",
+                       help="print what would be removed and remove nothing")
+        p.add_argument("--all", action="store_true",
+                       help="act on every namespace under PATH (needed when it holds several "
+                       "and none is named with --namespace)")
         if name == "evict":
             p.add_argument("--bytes", type=cli_args.size(low=1),
                            help="free at least this much, e.g. 100GiB")
@@ -145,8 +258,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="Prometheus textfile (node-exporter) for a cache",
                        description="Write the cache's gauges and counters in Prometheus text "
                        "format, for node-exporter's textfile collector (read-only).")
-    p.add_argument("path")
-    p.add_argument("--namespace", type=cli_args.namespace)
+    p.add_argument("path", type=cli_args.cache_path)
+    p.add_argument("--namespace", type=cli_args.namespace, action="append",
+                   help="only this namespace id (repeatable)")
     p.add_argument("--prometheus", action="store_true", default=True,
                    help="Prometheus text format (the only format; accepted for clarity)")
     p.add_argument("-o", "--output", type=cli_args.output_file,

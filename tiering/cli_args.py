@@ -113,8 +113,23 @@ def readable_file(text: str) -> str:
     return text
 
 
+def cache_path(text: str) -> str:
+    """A cache root or namespace folder the system can walk (no link loop, names that fit)."""
+    from tiering.backends.paths import path_problem
+
+    problem = path_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def output_file(text: str) -> str:
     """A file to write: not empty, not a folder, in a folder that exists."""
+    from tiering.backends.paths import path_problem
+
+    problem = path_problem(text) if text else None
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     parent = os.path.dirname(os.path.abspath(text)) if text else ""
     if not text or os.path.isdir(text) or not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"expected a file path in an existing folder, got "

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from tiering import cli_args
 from tiering.backends.sizes import format_size
 
 
@@ -55,19 +56,26 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         with NamespaceReader(folder) as r:
             n = r.index.count()
             bad = r.verify(progress)
+            damaged = r.damaged_slabs()
             if show:
                 print(file=sys.stderr)
-        corrupt_total += len(bad)
+        corrupt_total += len(bad) + len(damaged)
         report.append({"namespace": folder.name, "checked": n,
                        "corrupt": [{"key": b.key.hex(), "slot": b.slot, "reason": b.reason}
-                                   for b in bad]})
+                                   for b in bad],
+                       "damaged_slabs": [{"file": f, "problem": p} for f, p in damaged.items()]})
     if args.json:
         print(json.dumps({"path": str(args.path), "ok": corrupt_total == 0,
                           "namespaces": report}, indent=2))
     else:
         for ns in report:
-            status = "ok" if not ns["corrupt"] else f"{len(ns['corrupt'])} CORRUPT"
+            problems = len(ns["corrupt"]) + len(ns["damaged_slabs"])
+            status = "ok" if not problems else (
+                f"{len(ns['corrupt'])} CORRUPT, {len(ns['damaged_slabs'])} DAMAGED SLAB FILES")
             print(f"namespace {ns['namespace']}: {ns['checked']} slots checked, {status}")
+            for d in ns["damaged_slabs"]:
+                print(f"  damaged slab {d['file']}: {d['problem']}, not a slab file (its rows "
+                      "are misses)")
             for b in ns["corrupt"]:
                 print(f"  corrupt key {b['key']} slot {b['slot']}: {b['reason']}")
     return 1 if corrupt_total else 0
@@ -76,14 +84,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="namespaces, capacity, usage, entries, histograms",
                        description="Summarise every namespace under PATH (read-only).")
-    p.add_argument("path")
+    p.add_argument("path", type=cli_args.cache_path)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("verify", help="checksum every slot; exit 1 on corruption",
                        description="Read every published slot and check its xxh3 checksum "
                        "(read-only). Exit 0: all good; 1: corrupt slots found (listed).")
-    p.add_argument("path")
+    p.add_argument("path", type=cli_args.cache_path)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_verify)
 

@@ -138,6 +138,24 @@ def parse() -> argparse.Namespace:
     return a
 
 
+SCRATCH_MARKER = ".tiering-gpu-bench-scratch"
+
+
+def reset_scratch(scratch: Path) -> None:
+    """Empty the scratch folder, only if this script made it (its marker file is there) or it
+    is empty: never remove a folder someone pointed --scratch at by mistake."""
+    if os.path.lexists(scratch):
+        if scratch.is_symlink() or not scratch.is_dir():
+            raise SystemExit(f"--scratch {scratch}: not a folder; refusing to use it")
+        if any(scratch.iterdir()) and not (scratch / SCRATCH_MARKER).is_file():
+            raise SystemExit(f"--scratch {scratch}: holds files and no {SCRATCH_MARKER} (not "
+                             "made by this script); refusing to remove it, give an empty or "
+                             "new folder")
+        shutil.rmtree(scratch)
+    scratch.mkdir(parents=True, mode=0o700)
+    (scratch / SCRATCH_MARKER).write_text("made by tiering.gpu_bench; removed by its next run\n")
+
+
 def write_model(folder: Path, shape: str, max_pos: int) -> Path:
     layers, hidden, heads, kv_heads, inter, vocab = SHAPES[shape]
     folder.mkdir(parents=True, exist_ok=True)
@@ -1117,8 +1135,7 @@ def main() -> None:
     import vllm
 
     scratch = Path(a.scratch)
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
+    reset_scratch(scratch)
     max_len = max(a.lengths) + 64 + a.max_tokens
     model = write_model(scratch / f"model-{a.shape}", a.shape, max(max_len, 4096) * 2)
     sizes = shape_sizes(a.shape, a.dtype)
