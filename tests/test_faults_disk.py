@@ -62,7 +62,7 @@ def test_slab_damage_is_a_miss_and_only_that_file_is_lost(tmp_path, trials):
         with open_tier(path, slots=32) as t:  # 8 files of 4 rows
             store(t, [key(f"{trial}-{i}") for i in range(rng.randint(12, 32))])
             folder = t.folder
-            slot_of = {k: t.entry(k).slot for k in t.entries}
+            slot_of = {k: t.entry(k).slot for k in t.keys()}
         damaged = _damage_slab(folder, kind, rng)
         proc = cli("verify", str(path))
         assert_tool_ok(proc, allowed=(0, 1))

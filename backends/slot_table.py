@@ -1,0 +1,314 @@
+"""The file tier's slot table: which key holds each disk slot, in which state, with what record.
+
+A slot's life (``SlotTable`` asserts each move; anything else is a bug and raises
+``IllegalTransition``)::
+
+    FREE ─reserve─▶ WRITING ─published─▶ READY ─start_read─▶ READING ─end_read (last)─▶ READY
+    WRITING ─write_failed─▶ FREE                       (never published: free at once)
+    READY ─release─▶ DROPPING ─freed─▶ FREE            (dropped, evicted, a bad read)
+    READY ─reuse─▶ WRITING                             (evicted by ``put`` for another key)
+
+* WRITING: ``put`` gave the slot to a key; the committer writes and publishes it. Pinned.
+* READY: published in the index; readable.
+* READING: READY with reads in flight (``readers``); readable, pinned: never dropped or reused.
+* DROPPING: its key is gone from memory; the slot is reusable only once the committer has
+  deleted the key's record (``SlotsFreed``). A delete that fails keeps it here until the next
+  open, rather than let two records claim one slot.
+* A reused slot needs no DROPPING: the committer deletes the old key's record in the same
+  batch, durably, before it writes the new bytes.
+
+Pins: the table is their one source for the file tier (a WRITING slot holds one, a READING
+slot one per read). The tier's policy mirrors them so that ``evict`` steps over pinned keys;
+``pins`` says what the mirror must hold and ``FileTier.check`` compares the two.
+
+Layout: columns by slot (plain lists and a ``bytearray`` of states), not one object per slot:
+a reopen of a million entries builds them from numpy arrays in a few calls
+(``load``), and the scheduler's ``lookup`` reads one dict and one byte.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from tiering.backends.index import Index, pack_record
+from tiering.tier import IllegalTransition
+
+log = logging.getLogger(__name__)
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    DROPPING = 1  # key gone; its record's delete not yet committed
+    WRITING = 2  # reserved for a key; being written and published
+    READY = 3  # published, readable
+    READING = 4  # readable, with reads in flight
+
+
+# plain ints for the hot paths (comparing IntEnum members costs more than ints)
+_FREE, _DROPPING, _WRITING, _READY, _READING = (int(s) for s in SlotState)
+
+#: a slot is readable when its state code is at least this (READY, READING)
+READABLE = _READY
+
+_LEGAL: frozenset[tuple[int, int]] = frozenset({
+    (_FREE, _WRITING), (_READY, _WRITING),
+    (_WRITING, _READY), (_WRITING, _FREE),
+    (_READY, _READING), (_READING, _READY),
+    (_READY, _DROPPING), (_DROPPING, _FREE),
+})
+
+
+class Entry(NamedTuple):
+    """A snapshot of one key's slot record (for tools and tests)."""
+
+    slot: int
+    length: int
+    codec: int
+    checksum: int
+    created: float
+    last_access: float
+    hits: int
+    ready: bool
+
+
+class SlotTable:
+    """Every slot of one file tier: state, key, record fields, free list, in-flight counts.
+
+    Owned by the tier's owner thread (vLLM's scheduler); the committer and I/O threads never
+    see it. Record fields (``length`` .. ``hits``) are valid while the slot holds a key.
+    """
+
+    def __init__(self, n_slots: int) -> None:
+        self.n_slots = n_slots
+        self.slot_of: dict[bytes, int] = {}  # keys WRITING, READY or READING
+        self.state = bytearray(n_slots)  # SlotState per slot
+        self.free: list[int] = list(range(n_slots - 1, -1, -1))  # pop() gives low slots first
+        self.length = [0] * n_slots
+        self.codec = [0] * n_slots
+        self.checksum = [0] * n_slots
+        self.created = [0.0] * n_slots
+        self.last = [0.0] * n_slots
+        self.hits = [0] * n_slots
+        self.readers: dict[int, int] = {}  # READING slot -> reads in flight
+        self.writing = 0  # slots WRITING
+        self.reads = 0  # reads in flight (sum of ``readers``)
+
+    # -- loading --------------------------------------------------------------------------
+    @classmethod
+    def load(cls, index: Index, n_slots: int, folder: Path
+             ) -> tuple[SlotTable, list[bytes], list[bool]]:
+        """The whole index in one snapshot as a table of READY slots; also the keys oldest
+        access first and, per key, whether it was hit (for the policy's ``bulk_load``).
+        Records beyond a shrunk capacity, and slots claimed by two keys, are deleted from the
+        index (never trusted)."""
+        # Millions of new objects would trigger repeated full garbage collections for nothing
+        # (none of them can be cyclic garbage yet): pause the collector while loading.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return cls._load(index, n_slots, folder)
+        finally:
+            if enabled:
+                gc.enable()
+
+    @classmethod
+    def _load(cls, index: Index, n_slots: int, folder: Path
+              ) -> tuple[SlotTable, list[bytes], list[bool]]:
+        keys, recs = index.load_all()
+        slots = recs["slot"] if len(recs) else np.empty(0, np.uint64)
+        bad = slots >= n_slots  # capacity shrank
+        uniq, counts = np.unique(slots, return_counts=True)
+        dup = np.isin(slots, uniq[counts > 1])  # never trust a slot claimed twice
+        drop = [keys[i] for i in np.nonzero(bad | dup)[0]]
+        if drop:
+            log.warning("%s: dropping %d index entries (beyond capacity or sharing a slot)",
+                        folder, len(drop))
+            index.publish([], [], drop_keys=drop)
+        keep = np.nonzero(~(bad | dup))[0]
+        order = keep[np.argsort(recs["last_access"][keep], kind="stable")]
+        r = recs[order]
+        slot_list = r["slot"].astype(np.int64)
+        table = cls.__new__(cls)
+        table.n_slots = n_slots
+        for name, col in (("length", "length"), ("codec", "codec"), ("checksum", "checksum"),
+                          ("created", "created"), ("last", "last_access"), ("hits", "hits")):
+            arr = np.zeros(n_slots, dtype=r[col].dtype)
+            arr[slot_list] = r[col]
+            setattr(table, name, arr.tolist())
+        state = np.full(n_slots, _FREE, dtype=np.uint8)
+        state[slot_list] = _READY
+        table.state = bytearray(state.tobytes())
+        table.free = np.nonzero(state == _FREE)[0][::-1].tolist()  # pop() gives low slots first
+        ordered_keys = np.array(keys, dtype=object)[order].tolist() if len(keys) else []
+        table.slot_of = dict(zip(ordered_keys, slot_list.tolist(), strict=True))
+        table.readers, table.writing, table.reads = {}, 0, 0
+        return table, ordered_keys, (r["hits"] > 0).tolist()
+
+    # -- queries --------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.slot_of
+
+    def readable(self, key: bytes) -> bool:
+        slot = self.slot_of.get(key)
+        return slot is not None and self.state[slot] >= _READY
+
+    def state_of(self, key: bytes) -> SlotState | None:
+        slot = self.slot_of.get(key)
+        return None if slot is None else SlotState(self.state[slot])
+
+    def entry(self, key: bytes) -> Entry | None:
+        s = self.slot_of.get(key)
+        if s is None:
+            return None
+        return Entry(s, self.length[s], self.codec[s], self.checksum[s], self.created[s],
+                     self.last[s], self.hits[s], self.state[s] >= _READY)
+
+    def record(self, key: bytes) -> bytes:
+        """The key's index record as it stands now (access stats included)."""
+        s = self.slot_of[key]
+        return pack_record(s, self.length[s], self.codec[s], self.checksum[s], self.created[s],
+                           self.last[s], self.hits[s])
+
+    def pins(self, key: bytes) -> int:
+        """How many pins the key holds: 1 while WRITING, one per read while READING."""
+        s = self.slot_of[key]
+        st = self.state[s]
+        return 1 if st == _WRITING else self.readers.get(s, 0)
+
+    def free_count(self) -> int:
+        return len(self.free)
+
+    def ready_keys(self, last_used_before: float | None = None) -> list[bytes]:
+        """Readable keys that no read uses (all, or those last used before a time)."""
+        st, last = self.state, self.last
+        return [k for k, s in self.slot_of.items() if st[s] == _READY and (
+            last_used_before is None or last[s] < last_used_before)]
+
+    # -- moves ----------------------------------------------------------------------------
+    def _move(self, slot: int, new: int) -> None:
+        old = self.state[slot]
+        if (old, new) not in _LEGAL:
+            raise IllegalTransition(f"slot {slot}: {SlotState(old).name} -> "
+                                    f"{SlotState(new).name}")
+        self.state[slot] = new
+
+    def reserve(self, key: bytes, now: float) -> int:
+        """FREE -> WRITING: a free slot for ``key`` (the caller checked ``free``)."""
+        slot = self.free.pop()
+        self._bind(key, slot, now)
+        return slot
+
+    def reuse(self, victim: bytes, key: bytes, now: float) -> int:
+        """READY -> WRITING: the slot of ``victim`` (evicted) for ``key`` at once."""
+        slot = self.slot_of.pop(victim)
+        self._bind(key, slot, now)
+        return slot
+
+    def _bind(self, key: bytes, slot: int, now: float) -> None:
+        self._move(slot, _WRITING)
+        self.slot_of[key] = slot
+        self.hits[slot] = 0
+        self.created[slot] = self.last[slot] = now
+        self.writing += 1
+
+    def is_writing(self, key: bytes, slot: int) -> bool:
+        """Is this the write of ``key`` into ``slot`` that the table waits for?"""
+        return self.slot_of.get(key) == slot and self.state[slot] == _WRITING
+
+    def published(self, slot: int, length: int, codec: int, checksum: int) -> None:
+        """WRITING -> READY: the committer published the slot's record."""
+        self._move(slot, _READY)
+        self.length[slot], self.codec[slot], self.checksum[slot] = length, codec, checksum
+        self.writing -= 1
+
+    def write_failed(self, key: bytes, slot: int) -> None:
+        """WRITING -> FREE: never published, so nothing in the index names it."""
+        self._move(slot, _FREE)
+        del self.slot_of[key]
+        self.free.append(slot)
+        self.writing -= 1
+
+    def start_read(self, key: bytes) -> int | None:
+        """READY/READING -> READING: one more read of ``key``; its slot, or None if the key
+        is not readable."""
+        slot = self.slot_of.get(key)
+        if slot is None:
+            return None
+        st = self.state[slot]
+        if st == _READY:
+            self._move(slot, _READING)
+        elif st != _READING:
+            return None
+        self.readers[slot] = self.readers.get(slot, 0) + 1
+        self.reads += 1
+        return slot
+
+    def end_read(self, slot: int) -> None:
+        """One read of ``slot`` ended; the last one moves READING -> READY."""
+        n = self.readers.get(slot, 0)
+        if n == 0 or self.state[slot] != _READING:
+            raise IllegalTransition(f"slot {slot}: a read ended that never started "
+                                    f"({SlotState(self.state[slot]).name})")
+        self.reads -= 1
+        if n == 1:
+            del self.readers[slot]
+            self._move(slot, _READY)
+        else:
+            self.readers[slot] = n - 1
+
+    def hit(self, key: bytes, now: float) -> bool:
+        """Record a use of a readable key (hit count, last access); False if not readable."""
+        slot = self.slot_of.get(key)
+        if slot is None or self.state[slot] < _READY:
+            return False
+        self.hits[slot] += 1
+        self.last[slot] = now
+        return True
+
+    def release(self, key: bytes) -> int | None:
+        """READY -> DROPPING: forget ``key``; its slot, or None if the key is absent, being
+        written or being read (such keys are not dropped)."""
+        slot = self.slot_of.get(key)
+        if slot is None or self.state[slot] != _READY:
+            return None
+        self._move(slot, _DROPPING)
+        del self.slot_of[key]
+        return slot
+
+    def freed(self, slots: list[int]) -> None:
+        """DROPPING -> FREE: the committer deleted these slots' records."""
+        for slot in slots:
+            self._move(slot, _FREE)
+            self.free.append(slot)
+
+    # -- consistency ----------------------------------------------------------------------
+    def check(self) -> None:
+        """Assert the table agrees with itself (tests; O(slots))."""
+        st = self.state
+        assert len(st) == self.n_slots, (len(st), self.n_slots)
+        free = set(self.free)
+        assert len(free) == len(self.free), "a slot is free twice"
+        held = set(self.slot_of.values())
+        assert len(held) == len(self.slot_of), "two keys share a slot"
+        counts = {s: 0 for s in SlotState}
+        for slot in range(self.n_slots):
+            s = SlotState(st[slot])
+            counts[s] += 1
+            assert (s is SlotState.FREE) == (slot in free), (slot, s.name, "free list")
+            assert (s >= SlotState.WRITING) == (slot in held), (slot, s.name, "key")
+            assert (s is SlotState.READING) == (slot in self.readers), (slot, s.name, "readers")
+        for slot, key in ((s, k) for k, s in self.slot_of.items()):
+            if st[slot] >= _READY:
+                assert 0 < self.length[slot], (key.hex(), slot, "a readable slot's record")
+        assert all(n > 0 for n in self.readers.values()), self.readers
+        assert self.writing == counts[SlotState.WRITING], (self.writing, counts)
+        assert self.reads == sum(self.readers.values()), (self.reads, self.readers)
