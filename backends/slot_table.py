@@ -7,6 +7,7 @@ A slot's life (``SlotTable`` asserts each move; anything else is a bug and raise
     WRITING ─write_failed─▶ FREE                       (never published: free at once)
     READY ─release─▶ DROPPING ─freed─▶ FREE            (dropped, evicted, a bad read)
     READY ─reuse─▶ WRITING                             (evicted by ``put`` for another key)
+    WRITING ─write_failed (reused slot)─▶ DROPPING     (the old key's record may remain)
 
 * WRITING: ``put`` gave the slot to a key; the committer writes and publishes it. Pinned.
 * READY: published in the index; readable.
@@ -15,7 +16,9 @@ A slot's life (``SlotTable`` asserts each move; anything else is a bug and raise
   deleted the key's record (``SlotsFreed``). A delete that fails keeps it here until the next
   open, rather than let two records claim one slot.
 * A reused slot needs no DROPPING: the committer deletes the old key's record in the same
-  batch, durably, before it writes the new bytes.
+  batch, durably, before it writes the new bytes. If that batch fails, the delete may not
+  have happened either, so the slot goes to DROPPING and the old key is dropped again
+  (``write_failed`` returns it): never two records on one slot.
 
 Pins: the table is their one source for the file tier (a WRITING slot holds one, a READING
 slot one per read). The tier's policy mirrors them so that ``evict`` steps over pinned keys;
@@ -58,7 +61,7 @@ READABLE = _READY
 
 _LEGAL: frozenset[tuple[int, int]] = frozenset({
     (_FREE, _WRITING), (_READY, _WRITING),
-    (_WRITING, _READY), (_WRITING, _FREE),
+    (_WRITING, _READY), (_WRITING, _FREE), (_WRITING, _DROPPING),
     (_READY, _READING), (_READING, _READY),
     (_READY, _DROPPING), (_DROPPING, _FREE),
 })
@@ -96,6 +99,7 @@ class SlotTable:
         self.last = [0.0] * n_slots
         self.hits = [0] * n_slots
         self.readers: dict[int, int] = {}  # READING slot -> reads in flight
+        self.replaced: dict[int, bytes] = {}  # reused WRITING slot -> the key it held before
         self.writing = 0  # slots WRITING
         self.reads = 0  # reads in flight (sum of ``readers``)
 
@@ -147,7 +151,7 @@ class SlotTable:
         table.free = np.nonzero(state == _FREE)[0][::-1].tolist()  # pop() gives low slots first
         ordered_keys = np.array(keys, dtype=object)[order].tolist() if len(keys) else []
         table.slot_of = dict(zip(ordered_keys, slot_list.tolist(), strict=True))
-        table.readers, table.writing, table.reads = {}, 0, 0
+        table.readers, table.replaced, table.writing, table.reads = {}, {}, 0, 0
         return table, ordered_keys, (r["hits"] > 0).tolist()
 
     # -- queries --------------------------------------------------------------------------
@@ -211,6 +215,7 @@ class SlotTable:
         """READY -> WRITING: the slot of ``victim`` (evicted) for ``key`` at once."""
         slot = self.slot_of.pop(victim)
         self._bind(key, slot, now)
+        self.replaced[slot] = victim
         return slot
 
     def _bind(self, key: bytes, slot: int, now: float) -> None:
@@ -229,13 +234,21 @@ class SlotTable:
         self._move(slot, _READY)
         self.length[slot], self.codec[slot], self.checksum[slot] = length, codec, checksum
         self.writing -= 1
+        self.replaced.pop(slot, None)  # its batch deleted the old key's record first
 
-    def write_failed(self, key: bytes, slot: int) -> None:
-        """WRITING -> FREE: never published, so nothing in the index names it."""
-        self._move(slot, _FREE)
+    def write_failed(self, key: bytes, slot: int) -> bytes | None:
+        """The write of ``key`` failed, so nothing in the index names it. WRITING -> FREE;
+        for a reused slot WRITING -> DROPPING, returning the key it held before, whose
+        record the failed batch may not have deleted: the caller drops it again."""
         del self.slot_of[key]
-        self.free.append(slot)
         self.writing -= 1
+        victim = self.replaced.pop(slot, None)
+        if victim is not None:
+            self._move(slot, _DROPPING)
+            return victim
+        self._move(slot, _FREE)
+        self.free.append(slot)
+        return None
 
     def start_read(self, key: bytes) -> int | None:
         """READY/READING -> READING: one more read of ``key``; its slot, or None if the key
@@ -310,5 +323,6 @@ class SlotTable:
             if st[slot] >= _READY:
                 assert 0 < self.length[slot], (key.hex(), slot, "a readable slot's record")
         assert all(n > 0 for n in self.readers.values()), self.readers
+        assert all(st[s] == _WRITING for s in self.replaced), ("replaced", self.replaced)
         assert self.writing == counts[SlotState.WRITING], (self.writing, counts)
         assert self.reads == sum(self.readers.values()), (self.reads, self.readers)

@@ -334,7 +334,11 @@ class CpuTier(RowTier):
         assert len(self.key_row) == len(self.policy), (len(self.key_row), len(self.policy))
         # the policy's pins mirror the rows' (detached rows' keys are out of the policy)
         pins = {k: r.pins for k, r in self.key_row.items() if r.pins}
-        assert self.policy.pin_counts() == pins, (self.policy.pin_counts(), pins)
+        mirror = self.policy.pin_counts()
+        assert mirror == pins, ("policy pins disagree with the rows'",
+                                {k.hex(): (mirror.get(k, 0), pins.get(k, 0))
+                                 for k in mirror.keys() | pins.keys()
+                                 if mirror.get(k, 0) != pins.get(k, 0)})
 
     def close(self) -> None:
         pass
