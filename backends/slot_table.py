@@ -58,6 +58,8 @@ _FREE, _DROPPING, _WRITING, _READY, _READING = (int(s) for s in SlotState)
 
 #: a slot is readable when its state code is at least this (READY, READING)
 READABLE = _READY
+#: the state code of a slot being written (for the owner's completion loop)
+WRITING = _WRITING
 
 _LEGAL: frozenset[tuple[int, int]] = frozenset({
     (_FREE, _WRITING), (_READY, _WRITING),
@@ -65,6 +67,10 @@ _LEGAL: frozenset[tuple[int, int]] = frozenset({
     (_READY, _READING), (_READING, _READY),
     (_READY, _DROPPING), (_DROPPING, _FREE),
 })
+
+
+# the moves the batch methods make inline, without ``_move``
+assert (_READING, _READY) in _LEGAL and (_WRITING, _READY) in _LEGAL
 
 
 class Entry(NamedTuple):
@@ -225,16 +231,16 @@ class SlotTable:
         self.created[slot] = self.last[slot] = now
         self.writing += 1
 
-    def is_writing(self, key: bytes, slot: int) -> bool:
-        """Is this the write of ``key`` into ``slot`` that the table waits for?"""
-        return self.slot_of.get(key) == slot and self.state[slot] == _WRITING
-
     def published(self, slot: int, length: int, codec: int, checksum: int) -> None:
         """WRITING -> READY: the committer published the slot's record."""
-        self._move(slot, _READY)
+        st = self.state
+        if st[slot] != _WRITING:  # (the one legal way to READY but from READING)
+            raise IllegalTransition(f"slot {slot}: {SlotState(st[slot]).name} -> READY")
+        st[slot] = _READY
         self.length[slot], self.codec[slot], self.checksum[slot] = length, codec, checksum
         self.writing -= 1
-        self.replaced.pop(slot, None)  # its batch deleted the old key's record first
+        if self.replaced:
+            self.replaced.pop(slot, None)  # its batch deleted the old key's record first
 
     def write_failed(self, key: bytes, slot: int) -> bytes | None:
         """The write of ``key`` failed, so nothing in the index names it. WRITING -> FREE;
@@ -265,18 +271,21 @@ class SlotTable:
         self.reads += 1
         return slot
 
-    def end_read(self, slot: int) -> None:
-        """One read of ``slot`` ended; the last one moves READING -> READY."""
-        n = self.readers.get(slot, 0)
-        if n == 0 or self.state[slot] != _READING:
-            raise IllegalTransition(f"slot {slot}: a read ended that never started "
-                                    f"({SlotState(self.state[slot]).name})")
-        self.reads -= 1
-        if n == 1:
-            del self.readers[slot]
-            self._move(slot, _READY)
-        else:
-            self.readers[slot] = n - 1
+    def end_reads(self, slots: list[int]) -> None:
+        """One read of each of ``slots`` ended; a slot's last one moves READING -> READY.
+        (One call per batch: the owner applies a run of reads at a time.)"""
+        readers, st = self.readers, self.state
+        for slot in slots:
+            n = readers.get(slot, 0)
+            if n == 0 or st[slot] != _READING:
+                raise IllegalTransition(f"slot {slot}: a read ended that never started "
+                                        f"({SlotState(st[slot]).name})")
+            if n == 1:
+                del readers[slot]
+                st[slot] = _READY  # READING -> READY (in _LEGAL)
+            else:
+                readers[slot] = n - 1
+        self.reads -= len(slots)
 
     def hit(self, key: bytes, now: float) -> bool:
         """Record a use of a readable key (hit count, last access); False if not readable."""

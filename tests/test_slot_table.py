@@ -20,15 +20,14 @@ def test_slot_transitions_are_asserted():
         t._move(s, SlotState.READING)
     assert t.start_read(key(0)) is None  # not readable while written
     t.published(s, 100, 0, 7)
-    with pytest.raises(IllegalTransition, match="READY -> READY"):
+    with pytest.raises(IllegalTransition, match=f"slot {s}: READY -> READY"):
         t.published(s, 100, 0, 7)  # a second publish of one write
     assert t.start_read(key(0)) == s and t.start_read(key(0)) == s
     assert t.state_of(key(0)) is SlotState.READING and t.pins(key(0)) == 2
     assert t.release(key(0)) is None  # never dropped under a read
-    t.end_read(s)
-    t.end_read(s)
+    t.end_reads([s, s])
     with pytest.raises(IllegalTransition, match="a read ended that never started"):
-        t.end_read(s)
+        t.end_reads([s])
     assert t.release(key(0)) == s and t.state_of(key(0)) is None
     with pytest.raises(IllegalTransition, match="DROPPING -> WRITING"):
         t._bind(key(1), s, 2.0)  # not reusable until the index forgot the old key
