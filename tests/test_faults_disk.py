@@ -160,6 +160,7 @@ def test_disk_full_while_running_rejects_writes_keeps_reads(small_fs, trials):
                     assert not t.contains(d.key)
             for k in early:
                 assert read(t, k)[0] == bytes(row_for(k, row))
+            t.check(index=True)  # the failed writes left no slot, pin or record behind
             (small_fs / "filler").unlink()
             retry = [key(f"{trial}-r")]
             assert t.put(retry, [row_for(retry[0], row)]).admitted == retry

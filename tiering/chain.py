@@ -436,6 +436,8 @@ class TierChain:
     def check(self) -> None:
         """Consistency checks across the chain (tests call it after each step)."""
         self.cpu.check()
+        for tier in self.file_tiers:
+            tier.check()
         for (i, kind, key), (row, _, _) in self._in_flight.items():
             assert self.cpu.rows[row].io_pins > 0, (i, kind, key, self.cpu.rows[row])
         writes = sum(kind == "store" for _, kind, _ in self._in_flight)
