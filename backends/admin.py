@@ -93,7 +93,7 @@ def apply(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
     else:
         removed = tier.clear(last_access_before=time.time() - op["older_than"])
     return {"removed_entries": removed, "removed_bytes": removed * tier.row_bytes,
-            "entries": len(tier.entries)}
+            "entries": len(tier)}
 
 
 def apply_request(tier: Any, op: dict[str, Any]) -> dict[str, Any]:

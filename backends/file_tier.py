@@ -8,9 +8,11 @@ thread) and none of them blocks on I/O. Writes and reads run on the I/O engine's
 committer thread; their results come back through a queue that ``poll()`` drains, and only then
 does the in-memory state change. ``wait_idle`` and ``close`` are the only blocking calls.
 
-State of a key: absent → *writing* (``put`` accepted it; pinned, not readable) → *ready*
-(``poll`` saw its publish) → absent again (evicted, dropped, failed checksum). A key is
-readable (``contains``) only when ready.
+State of a key and its slot: the slot table (``slot_table.py``) holds it, one asserted state
+per slot: a key is *writing* (``put`` accepted it; pinned, not readable), then *ready*
+(``poll`` saw its publish), *reading* while reads of it are in flight (pinned), and absent
+again once evicted, dropped or found bad (its slot *dropping* until the index forgets it).
+A key is readable (``contains``) when ready or reading. The contract: ``tiering.tier.StoreTier``.
 
 Failure rules: a failed or short write leaves no index entry (counted ``rejections{reason}``); a read
 that fails, comes back short or fails its checksum is a miss — the key is dropped from the index
@@ -40,13 +42,11 @@ from tiering.backends.file_io import (
     WritesDone,
 )
 from tiering.backends.file_state import (
-    Entry,
     NamespaceLocked,  # noqa: F401 - part of this module's interface
     acquire_writer_lock,
     announce,
-    load_slot_state,
 )
-from tiering.backends.index import MAX_KEY_BYTES, Index, pack_record
+from tiering.backends.index import MAX_KEY_BYTES, Index
 from tiering.backends.io_engines import make_engine
 from tiering.backends.namespace import (
     NamespaceFacts,
@@ -57,7 +57,8 @@ from tiering.backends.namespace import (
 )
 from tiering.backends.slab import SlabSet
 from tiering.backends.slot_reads import ReadItem, ReadsDone, start_reads
-from tiering.policies import StoreThreshold, create, evict_or_none
+from tiering.backends.slot_table import READABLE, WRITING, Entry, SlotState, SlotTable
+from tiering.policies import EvictionPolicy, StoreThreshold, create, evict_or_none
 from tiering.settings import (
     COMMIT_BATCH_BYTES,
     COMMIT_BATCH_MAX_ROWS,
@@ -66,13 +67,17 @@ from tiering.settings import (
     INDEX_MAP_BYTES_PER_SLOT,
 )
 from tiering.stats import TierStats
-from tiering.tier import Completion, Lookup, PutOutcome, Tier
+from tiering.tier import Completion, Lookup, PutOutcome, StoreTier
 
 log = logging.getLogger(__name__)
 
 
-class FileTier(Tier):
+class FileTier(StoreTier):
+    """A store tier of slots in slab files with an LMDB index (the contract:
+    ``tiering.tier.StoreTier``; slot states: ``slot_table.SlotTable``)."""
+
     medium = "file"
+    policy: EvictionPolicy
     _removed_listener: Callable[[list[bytes]], None] | None = None  # see on_removed
 
     def __init__(self, cfg: FileTierConfig | dict, facts: NamespaceFacts,
@@ -81,6 +86,7 @@ class FileTier(Tier):
         self.cfg, self.facts = cfg, facts
         self.row_bytes = facts.row_bytes
         self.policy_spec = cfg.policy
+        self.demote = cfg.demote
         check_types(cfg)  # before the path is used at all
         self.folder = Path(cfg.path) / facts.namespace_id
         # raises before anything is created; counts what this namespace already holds as ours
@@ -144,8 +150,6 @@ class FileTier(Tier):
                                        COMMIT_BATCH_MAX_ROWS, COMMIT_BATCH_BYTES // self.row_bytes)),
                                    self.pending)
         self.committer.start()
-        self._inflight_reads = 0
-        self._inflight_writes = 0
         # this process's counters; each increment is also persisted with the next index txn
         self.stats = TierStats(on_add=self.pending.count)
         if self._lost_to_damaged_slabs:  # rows in a damaged slab file: counted misses
@@ -154,17 +158,15 @@ class FileTier(Tier):
         announce(self)
 
     def _rebuild(self) -> None:
-        """Load the index: ``entries`` (key -> slot), the per-slot record fields (plain lists,
-        valid while the slot is in ``entries``), policy order and free slots."""
+        """Load the index into the slot table, and the policy's order from it."""
         t0 = time.perf_counter()
-        state = load_slot_state(self.index, self.n_slots, self.folder,
-                                self.slabs.unusable_slots())
-        self._lost_to_damaged_slabs = state.dropped_unusable
-        self.entries, self._free = state.entries, state.free
-        self._len, self._codec, self._sum = state.length, state.codec, state.checksum
-        self._created, self._last, self._hits = state.created, state.last, state.hits
-        self._ready = state.ready
-        self.policy.bulk_load(state.ordered_keys, state.reused)
+        self.slots, ordered_keys, reused = SlotTable.load(self.index, self.n_slots, self.folder,
+                                                          self.slabs.unusable_slots())
+        self._lost_to_damaged_slabs = self.slots.dropped_unusable
+        # read-only aliases for the scheduler's hottest path (lookup); only the table's
+        # methods change them
+        self._slot_of, self._state = self.slots.slot_of, self.slots.state
+        self.policy.bulk_load(ordered_keys, reused)
         self.reopen_seconds = time.perf_counter() - t0
 
     # -- queries (owner thread) ---------------------------------------------------------------
@@ -175,31 +177,31 @@ class FileTier(Tier):
         self._removed_listener = listener
 
     def contains(self, key: bytes) -> bool:
-        slot = self.entries.get(key)
-        return slot is not None and self._ready[slot]
+        slot = self._slot_of.get(key)
+        return slot is not None and self._state[slot] >= READABLE
 
     def lookup(self, key: bytes, count: bool = True) -> Lookup:
-        if self.contains(key):
+        slot = self._slot_of.get(key)
+        if slot is not None and self._state[slot] >= READABLE:
             if count:
-                self.stats.lookup(True, self.row_bytes)
+                self.count_lookup(key, True)
             return Lookup.HIT
         if count:
-            self.stats.lookup(False)
-            self.policy.on_miss(key)
-        return Lookup.PENDING if key in self.entries else Lookup.MISS
+            self.count_lookup(key, False)
+        return Lookup.MISS if slot is None else Lookup.PENDING
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.slots)
+
+    def keys(self) -> list[bytes]:
+        """Every key held (writing, ready or being read), oldest loaded first."""
+        return list(self._slot_of)
 
     def entry(self, key: bytes) -> Entry | None:
-        slot = self.entries.get(key)
-        if slot is None:
-            return None
-        return Entry(slot, self._len[slot], self._codec[slot], self._sum[slot],
-                     self._created[slot], self._last[slot], self._hits[slot], self._ready[slot])
+        return self.slots.entry(key)
 
     def usage(self) -> tuple[int, int, int]:
-        n = len(self.entries)
+        n = len(self.slots)
         return n * self.row_bytes, self.capacity, n
 
     @property
@@ -207,7 +209,7 @@ class FileTier(Tier):
         return self.engine.describe()
 
     def has_pending_work(self) -> bool:
-        return bool(self._inflight_reads or self._inflight_writes)
+        return bool(self.slots.reads or self.slots.writing)
 
     # -- writes (owner thread) ------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], rows: Sequence[memoryview] | None) -> PutOutcome:
@@ -227,38 +229,36 @@ class FileTier(Tier):
         out = PutOutcome()
         accepted, items, drop, reused = out.admitted, [], [], False
         now = time.time()
+        table = self.slots
         for key, row in zip(keys, rows, strict=True):
-            if key in self.entries:
+            if key in table:
                 continue
             if not self.admission.offer(key):
                 out.rejected[key] = "threshold"  # counted once per call, below
                 continue
-            if not self._free:
+            if table.free:
+                slot = table.reserve(key, now)
+            else:
                 victims = evict_or_none(self.policy, 1, protected=keys)
                 if victims is None:
                     out.rejected[key] = "full"
                     self.stats.reject("full")
                     continue
                 victim = victims[0]
-                self._free.append(self.entries.pop(victim))
+                slot = table.reuse(victim, key, now)
                 self.pending.discard(victim)
                 drop.append(victim)
                 out.evicted.append(victim)
                 reused = True
                 self.stats.add("evictions")
-            slot = self._free.pop()
-            self.entries[key] = slot
-            self._ready[slot], self._hits[slot] = False, 0
-            self._created[slot] = self._last[slot] = now
             items.append(WriteItem(key, slot, memoryview(row), now))
             accepted.append(key)
         if out.rejected:
             self.stats.reject("threshold", sum(r == "threshold" for r in out.rejected.values()))
         if accepted:
             self.policy.insert_many(accepted)
-            for key in accepted:
+            for key in accepted:  # the policy's mirror of the WRITING slots' pins
                 self.policy.pin(key)
-            self._inflight_writes += len(accepted)
         if items or drop:
             self._submit(Job(writes=items, drop_keys=drop, reused_slots=reused))
         if drop and self._removed_listener is not None:
@@ -273,11 +273,6 @@ class FileTier(Tier):
         job.records, job.stats = self.pending.take()
         self.committer.jobs.put(job)
 
-    def _record(self, key: bytes) -> bytes:
-        s = self.entries[key]
-        return pack_record(s, self._len[s], self._codec[s], self._sum[s], self._created[s],
-                           self._last[s], self._hits[s])
-
     # -- reads (owner thread) -------------------------------------------------------------------
     def get(self, items: Sequence[tuple[bytes, memoryview, Any]]) -> list[bool]:
         """Start reading ready keys into their buffers; one bool per item (False = miss, counted
@@ -286,37 +281,36 @@ class FileTier(Tier):
         Each started key is pinned until ``poll`` reports its ``read`` completion (carrying the
         item's token). Reads of consecutive slots are merged into vectored calls.
         """
+        for _key, out, _token in items:  # all checked before anything changes
+            if len(out) != self.row_bytes:
+                raise ValueError(f"get: buffer for key {_key.hex()} has {len(out)} bytes, "
+                                 f"expected row_bytes={self.row_bytes}")
         started: list[ReadItem] = []
         answers = []
+        table = self.slots
         for key, out, token in items:
-            slot = self.entries.get(key)
-            if slot is None or not self._ready[slot]:
+            slot = table.start_read(key)
+            if slot is None:
                 self.stats.add("promotion_failures")
                 answers.append(False)
                 continue
-            if len(out) != self.row_bytes:
-                raise ValueError(f"get: buffer for key {key.hex()} has {len(out)} bytes, "
-                                 f"expected row_bytes={self.row_bytes}")
-            self.policy.pin(key)
-            started.append(ReadItem(key, slot, self._len[slot], self._codec[slot],
-                                    self._sum[slot], out, token))
+            self.policy.pin(key)  # the mirror of the READING slot's pin
+            started.append(ReadItem(key, slot, table.length[slot], table.codec[slot],
+                                    table.checksum[slot], out, token))
             answers.append(True)
         if not started:
             return answers
-        self._inflight_reads += len(started)
         start_reads(self.engine, self.slabs, self.codec, started, self.cfg.verify, self._results)
         return answers
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Record a hit on ready keys (prefix order): policy recency and persisted hit counts."""
         now = time.time()
+        table = self.slots
         for key in keys:
-            slot = self.entries.get(key)
-            if slot is not None and self._ready[slot]:
-                self._hits[slot] += 1
-                self._last[slot] = now
-                self.pending.record(key, self._record(key))
-        self.policy.access_many([k for k in keys if k in self.entries])
+            if table.hit(key, now):
+                self.pending.record(key, table.record(key))
+        self.policy.access_many([k for k in keys if k in table])
 
     # -- completions (owner thread) -------------------------------------------------------------
     def poll(self, wait: float = 0.0) -> list[Completion]:
@@ -340,7 +334,7 @@ class FileTier(Tier):
             elif isinstance(r, ReadsDone):
                 done.extend(self._finish_reads(r))
             elif isinstance(r, SlotsFreed):
-                self._free.extend(r.slots)
+                self.slots.freed(r.slots)
             elif isinstance(r, AdminRequest):
                 self._admin(r)
         return done
@@ -349,40 +343,47 @@ class FileTier(Tier):
         """A group commit's rows, stores counted once per commit (two locked counter updates
         per row took the scheduler thread 1.3 us a row here, now 0.45 us in all)."""
         out, n_ok, ok_bytes = [], 0, 0
-        entries, ready, unpin = self.entries, self._ready, self.policy.unpin
+        table, unpin, published = self.slots, self.policy.unpin, self.slots.published
+        slot_of, state = self._slot_of, self._state
+        redrop: list[bytes] = []  # old keys of reused slots whose delete may have failed too
+        redrop_slots: list[int] = []
         for r in batch.results:
-            self._inflight_writes -= 1
-            slot = entries.get(r.key)
-            if slot == r.slot and not ready[slot]:
+            # (always true: a WRITING key is never dropped; inline, it is the hot loop)
+            if slot_of.get(r.key) == r.slot and state[r.slot] == WRITING:
                 unpin(r.key)
                 if r.ok:
-                    self._len[slot], self._codec[slot], self._sum[slot] = \
-                        r.length, r.codec, r.checksum
-                    ready[slot] = True
+                    published(r.slot, r.length, r.codec, r.checksum)
                     n_ok += 1
                     ok_bytes += r.length
                 else:
-                    del entries[r.key]
+                    victim = table.write_failed(r.key, r.slot)
+                    if victim is not None:
+                        redrop.append(victim)
+                        redrop_slots.append(r.slot)
                     self.policy.remove(r.key)
-                    self._free.append(r.slot)  # never published: free at once
                     self.stats.reject("full" if r.reason == "full" else "error")
                     self.stats.add("io_errors")
+            else:
+                log.error("file tier %s: a write result for key %s slot %d that no slot "
+                          "waits for; ignored", self.folder, r.key.hex(), r.slot)
             out.append(Completion("store", r.key, r.ok, r.reason, r.length, r.seconds))
         self.stats.add("stores", n_ok)
         self.stats.add("store_bytes", ok_bytes)
+        if redrop:  # the slots come back (SlotsFreed) once these deletes are committed
+            self._submit(Job(drop_keys=redrop, freed_slots=redrop_slots))
         return out
 
     def _finish_reads(self, batch: ReadsDone) -> list[Completion]:
         """A run of reads: counted once; a failed row takes ``_finish_read``'s miss path."""
         out, n_ok, ok_bytes, unpin, secs = [], 0, 0, self.policy.unpin, batch.seconds
+        # a key being read is never dropped: each is still its slot's
+        self.slots.end_reads([it.slot for it, _ in batch.outcomes])
         for it, reason in batch.outcomes:
             r = Completion("read", it.key, not reason, reason, it.length, secs, it.token)
+            unpin(it.key)
             if reason:
                 out.append(self._finish_read(r))
                 continue
-            self._inflight_reads -= 1
-            if it.key in self.entries:
-                unpin(it.key)
             n_ok += 1
             ok_bytes += it.length
             out.append(r)
@@ -391,17 +392,12 @@ class FileTier(Tier):
         return out
 
     def _finish_read(self, r: Completion) -> Completion:
-        self._inflight_reads -= 1
-        if r.key in self.entries:
-            self.policy.unpin(r.key)
-        if r.ok:
-            self.stats.add("promotions")
-            self.stats.add("promotion_bytes", r.nbytes)
-        else:
-            self.stats.add("promotion_failures")
-            self.stats.add("checksum_failures" if r.reason == "checksum" else "io_errors")
-            log.warning("file tier: key %s is a miss (%s); dropping it", r.key.hex(), r.reason)
-            self.drop([r.key])
+        """A failed read (its slot's read already ended): counted, and the key dropped
+        unless another read of it is still in flight (that one's outcome decides then)."""
+        self.stats.add("promotion_failures")
+        self.stats.add("checksum_failures" if r.reason == "checksum" else "io_errors")
+        log.warning("file tier: key %s is a miss (%s); dropping it", r.key.hex(), r.reason)
+        self.drop([r.key])
         return r
 
     def _admin(self, r: AdminRequest) -> None:
@@ -413,11 +409,11 @@ class FileTier(Tier):
     def drop(self, keys: Sequence[bytes]) -> int:
         """Remove ready keys; their slots return to the free list once the index forgets them."""
         gone, slots = [], []
+        release = self.slots.release
         for key in keys:
-            slot = self.entries.get(key)
-            if slot is None or not self._ready[slot] or self.policy.is_pinned(key):
+            slot = release(key)  # None: absent, being written or being read
+            if slot is None:
                 continue
-            del self.entries[key]
             self.policy.remove(key)
             self.pending.discard(key)
             gone.append(key)
@@ -438,14 +434,67 @@ class FileTier(Tier):
     def clear(self, last_access_before: float | None = None) -> int:
         """Drop every ready key (or those last used before a time); returns how many. In-flight
         ones finish, then can be dropped later."""
-        return self.drop([k for k, s in self.entries.items() if self._ready[s] and (
-            last_access_before is None or self._last[s] < last_access_before)])
+        return self.drop(self.slots.ready_keys(last_access_before))
+
+    def check(self, index: bool = False) -> None:
+        """Assert that the tier's books agree (tests and the fault suite call it after each
+        scenario; O(slots), never on the scheduler's path):
+
+        * the slot table agrees with itself (``SlotTable.check``: free list = FREE slots,
+          disjoint from the keys' slots, in-flight counts = WRITING slots and reads);
+        * every readable slot has a valid record (length within the slot; a raw row is
+          ``row_bytes`` long; a known codec);
+        * the policy holds exactly the table's keys, and its pins mirror the table's;
+        * with ``index=True`` (call it idle, after ``wait_idle``), LMDB agrees: every readable
+          key's record names its slot, length, codec and checksum, and every other record is
+          one whose delete is still in flight (its slot DROPPING or being rewritten).
+        """
+        table = self.slots
+        table.check()
+        assert table.n_slots == self.n_slots, (table.n_slots, self.n_slots)
+        policy = self.policy
+        assert len(policy) == len(table), ("policy", len(policy), "table", len(table))
+        slot_bytes = self.slabs.slot_bytes
+        for key, slot in table.slot_of.items():
+            assert key in policy, (key.hex(), "held but not in the policy")
+            if table.state[slot] >= READABLE:
+                length, codec = table.length[slot], table.codec[slot]
+                assert 0 < length <= slot_bytes and codec in (0, 1), (key.hex(), slot, length,
+                                                                      codec)
+                assert codec or length == self.row_bytes, (key.hex(), slot, length)
+        pins = {k: n for k in table.slot_of if (n := table.pins(k))}
+        mirror = policy.pin_counts()
+        assert mirror == pins, ("policy pins disagree with the slot table's",
+                                {k.hex(): (mirror.get(k, 0), pins.get(k, 0))
+                                 for k in mirror.keys() | pins.keys()
+                                 if mirror.get(k, 0) != pins.get(k, 0)})
+        if index:
+            self._check_index()
+
+    def _check_index(self) -> None:
+        table = self.slots
+        seen = set()
+        for key, (slot, length, codec, _flags, checksum, *_rest) in self.index.iter_records():
+            state = table.state_of(key)
+            if state is not None and state >= SlotState.READY:
+                ts = table.slot_of[key]
+                mine = (ts, table.length[ts], table.codec[ts], table.checksum[ts])
+                assert (slot, length, codec, checksum) == mine, (key.hex(), "index", slot,
+                                                                 length, codec, "table", mine)
+                seen.add(key)
+            else:  # dropped or evicted, its delete not committed yet
+                assert slot < self.n_slots and SlotState(table.state[slot]) in (
+                    SlotState.DROPPING, SlotState.WRITING), (key.hex(), slot, state,
+                                                             "an index record of no key")
+        readable = {k for k in table.slot_of if table.readable(k)}
+        assert readable == seen, ("readable keys missing from the index",
+                                  [k.hex() for k in readable - seen][:5])
 
     def describe(self) -> dict[str, Any]:
         """This process's counters and the tier's size, in one dict (tools, logs)."""
         used, cap, entries = self.usage()
         return {**self.stats.snapshot(), "entries": entries, "capacity_bytes": cap,
-                "used_bytes": used, "slots": self.n_slots, "free_slots": len(self._free),
+                "used_bytes": used, "slots": self.n_slots, "free_slots": self.slots.free_count(),
                 "engine": self.engine.describe()}
 
     # -- blocking helpers -------------------------------------------------------------------------

@@ -124,6 +124,11 @@ class EvictionPolicy(ABC):
     def is_pinned(self, key: Key) -> bool:
         return key in self._pins
 
+    def pin_counts(self) -> dict[Key, int]:
+        """Every pinned key and its pin count (a copy): tiers whose own records count pins
+        check in ``check()`` that this mirror agrees with them."""
+        return dict(self._pins)
+
     def _blocked(self, key: Key, protected: Collection[Key]) -> bool:
         return key in self._pins or key in protected
 

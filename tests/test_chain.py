@@ -93,7 +93,7 @@ def test_promotion_of_corrupt_slot_is_a_miss(tmp_path):
     fill(c, [key("x")])
     settle(c)
     disk = c.file_tiers[0]
-    slot = disk.entries[key("x")]
+    slot = disk.entry(key("x")).slot
     with open(disk.folder / "slab-0000.dat", "r+b") as fh:
         fh.seek(slot * ROW + 100)
         fh.write(b"\xff\x00\xff")

@@ -62,7 +62,7 @@ def test_slab_damage_is_a_miss_and_only_that_file_is_lost(tmp_path, trials):
         with open_tier(path, slots=32) as t:  # 8 files of 4 rows
             store(t, [key(f"{trial}-{i}") for i in range(rng.randint(12, 32))])
             folder = t.folder
-            slot_of = {k: t.entry(k).slot for k in t.entries}
+            slot_of = {k: t.entry(k).slot for k in t.keys()}
         damaged = _damage_slab(folder, kind, rng)
         proc = cli("verify", str(path))
         assert_tool_ok(proc, allowed=(0, 1))
@@ -124,7 +124,7 @@ def test_slab_that_is_a_directory_is_a_damaged_slab(tmp_path, capsys):
         done = t.wait_idle()
         landed = [d.key for d in done if d.ok]
         assert len(landed) == 8 and len(t) == 12  # the victim's 4 slots are never used
-        assert all(t.entry(k).slot // 4 != 2 for k in t.entries)
+        assert all(t.entry(k).slot // 4 != 2 for k in t.keys())
         for k in landed:
             assert read(t, k)[0] == bytes(row_for(k))
     for cmd in (["evict", str(tmp_path), "--bytes", "1"], ["clear", str(tmp_path)]):
@@ -207,6 +207,7 @@ def test_disk_full_while_running_rejects_writes_keeps_reads(small_fs, trials):
                     assert not t.contains(d.key)
             for k in early:
                 assert read(t, k)[0] == bytes(row_for(k, row))
+            t.check(index=True)  # the failed writes left no slot, pin or record behind
             (small_fs / "filler").unlink()
             retry = [key(f"{trial}-r")]
             assert t.put(retry, [row_for(retry[0], row)]).admitted == retry

@@ -49,7 +49,7 @@ WRITER = textwrap.dedent("""
             if d.kind == "store" and d.ok:
                 say("ack", d.key.hex())
         if i % 5 == 0:
-            t.touch(list(t.entries)[:2])
+            t.touch(t.keys()[:2])
 """)
 
 MODES = {"write": 600, "evict": 24, "admin": 48}  # mode -> slots
@@ -89,12 +89,11 @@ def _one_writer_kill(tmp_path, trial: int, mode: str, rng: random.Random) -> tup
         elif word == "gone":
             gone.update(keys)
     with open_tier(path, slots=slots) as t:
-        used = list(t.entries.values())
-        assert len(used) == len(set(used)), "a slot is indexed twice"
-        for k in list(t.entries):
+        t.check(index=True)  # no slot indexed twice, the index agrees with the slot table
+        for k in t.keys():
             data, done = read(t, k)
             assert data == bytes(row_for(k)), f"wrong or lost bytes for {k.hex()}: {done}"
-        present = {k.hex() for k in t.entries}
+        present = {k.hex() for k in t.keys()}
         lost = acked - gone - present
         assert not lost, f"{mode} trial {trial}: {len(lost)} acknowledged writes lost"
         fresh = [key(f"after-{trial}")]  # the next writer accepts writes
@@ -173,7 +172,7 @@ def test_killed_readers_never_stop_writes(tmp_path, trials):
         assert not stale, f"reader slots of killed tools still pinned: {stale}"
         data = t.folder / "index.lmdb" / "data.mdb"
         assert data.stat().st_size < 64 << 20
-        for k in rng.sample(list(t.entries), 50):
+        for k in rng.sample(t.keys(), 50):
             assert read(t, k)[0] == bytes(row_for(k, row))
     print(f"reader kills: {n} tools started, {len(killed)} killed mid-run, {written} writes "
           "after them, 0 failed, 0 stale reader slots")
@@ -206,7 +205,7 @@ def test_tools_against_a_busy_writer(tmp_path, trials):
                 if p.args[3] in ("evict", "clear"):
                     assert "(live writer)" in out, out
                     answered += 1
-            for k in list(t.entries)[:20]:
+            for k in t.keys()[:20]:
                 if t.contains(k):
                     assert read(t, k)[0] == bytes(row_for(k, row))
     assert os.path.isdir(t.folder)

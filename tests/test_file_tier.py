@@ -125,7 +125,7 @@ def test_capacity_shrink_drops_entries_beyond_it(tmp_path):
         store(t, [key(i) for i in range(8)])
     with open_tier(tmp_path, slots=4) as t:
         assert len(t) == 4
-        for k in t.entries:
+        for k in t.keys():
             assert read(t, k)[0] == bytes(row_for(k))
 
 

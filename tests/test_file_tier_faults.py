@@ -99,7 +99,7 @@ def test_flipped_byte_is_a_miss_and_verify_reports_it(tmp_path, capsys):
 def test_truncated_slab_is_a_short_read_miss(tmp_path):
     with open_tier(tmp_path, slots=4) as t:
         store(t, [key(i) for i in range(4)])
-        last = max(t.entries, key=t.entries.get)
+        last = max(t.keys(), key=lambda k: t.entry(k).slot)
         slab = t.folder / "slab-0000.dat"
     os.truncate(slab, 3 * ROW + 100)
     # reopening re-extends the file (zeros), so the slot's checksum fails instead
@@ -123,7 +123,7 @@ WRITER = textwrap.dedent("""
         else:
             t.poll()
         if i % 5 == 0:
-            t.touch(list(t.entries)[:2])
+            t.touch(t.keys()[:2])
 """)
 
 
@@ -139,11 +139,8 @@ def test_kill_9_mid_write_leaves_only_exact_rows(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         with open_tier(tmp_path, slots=24) as t:
-            used = list(t.entries.values())
-            assert len(used) == len(set(used)), "a slot is indexed twice"
-            assert not set(used) & set(t._free), "a slot is both free and indexed"
-            assert len(used) + len(t._free) == t.n_slots
-            for k in list(t.entries):
+            t.check(index=True)  # no slot twice, free list disjoint from the keys', index agrees
+            for k in t.keys():
                 data, done = read(t, k)
                 assert data == bytes(row_for(k)), f"wrong bytes for {k.hex()}: {done}"
             survived += len(t)

@@ -91,7 +91,7 @@ def _damage_script(path: Path) -> str:
         from tierutil import open_tier, read, key, row_for, store
         t = open_tier({str(path)!r})
         n = len(t)
-        ok = sum(read(t, k)[0] == bytes(row_for(k)) for k in list(t.entries))
+        ok = sum(read(t, k)[0] == bytes(row_for(k)) for k in t.keys())
         store(t, [key("after")])
         assert read(t, key("after"))[0] == bytes(row_for(key("after")))
         print("entries", n, "exact", ok, "resets", t.index.read_stats()["index_resets"])
@@ -267,7 +267,7 @@ def test_offline_evict_keeps_slab_files_and_rows(tmp_path, capsys):
     assert sorted(p.name for p in folder.glob("slab-*.dat")) == slabs
     with open_tier(tmp_path, slots=16) as t:
         assert len(t) == 13
-        for k in list(t.entries):
+        for k in t.keys():
             assert read(t, k)[0] == bytes(row_for(k))
 
 
@@ -339,15 +339,15 @@ def test_s3fifo_with_pinned_small_queue_never_raises(tmp_path):
         t.touch(first)
         store(t, [key("one")])
         for _ in range(3):
-            t.touch(list(t.entries))
+            t.touch(t.keys())
         six = [key(f"six{i}") for i in range(6)]
         t.put(six, [row_for(k) for k in six])  # in flight (pinned), not polled
         for _ in range(3):
-            t.touch(list(t.entries))
+            t.touch(t.keys())
         t.put([key("last")], [row_for(key("last"))])
         t.evict(2)
         t.wait_idle()
-        for k in list(t.entries):
+        for k in t.keys():
             if t.contains(k):
                 assert read(t, k)[0] == bytes(row_for(k))
     finally:

@@ -1,10 +1,18 @@
-"""The Tier redesign's promises: asserted row transitions, one counter registry that every reader
-agrees with, validation that knows what the tier owns, counts that ignore vLLM's re-asks."""
+"""The tier contracts' promises: the store-tier contract suite run against the file tier,
+asserted row transitions and pins that agree, one counter registry that every reader agrees
+with, validation that knows what the tier owns, counts that ignore vLLM's re-asks.
+
+Adding a store tier: subclass ``StoreTierContract`` (tests/store_tier_contract.py) as
+``TestFileTierContract`` does below.
+"""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+from store_tier_contract import StoreTierContract
 from tierutil import facts, key, open_tier, row_for
 
 import tiering.backends.staging as staging
@@ -14,8 +22,28 @@ from tiering.backends.staging import StagingRegion
 from tiering.chain import Lookup, TierChain
 from tiering.cpu_tier import CpuTier, IllegalTransition, Row, RowState
 from tiering.stats import COUNTER_KEYS, TierStats
+from tiering.tier import StoreTier
 
 ROW = 8192
+
+
+class TestFileTierContract(StoreTierContract):
+    @pytest.fixture
+    def make_tier(self, tmp_path):
+        def make(model: str = "tiny") -> StoreTier:
+            return open_tier(tmp_path, slots=self.CAPACITY, model=model)
+        return make
+
+    def corrupt(self, tier: StoreTier, k: bytes) -> None:
+        assert isinstance(tier, FileTier)
+        handle_file, offset = divmod(tier.entry(k).slot, tier.slabs.slots_per_file)
+        fd = os.open(tier.folder / f"slab-{handle_file:04d}.dat", os.O_WRONLY)
+        try:  # flip a byte in the middle of the row
+            pos = offset * tier.slabs.slot_bytes + 1234
+            os.pwrite(fd, bytes([bytes(row_for(k))[1234] ^ 0xFF]), pos)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @pytest.fixture(autouse=True)
@@ -33,6 +61,28 @@ def test_row_transitions_are_asserted():
         Row(1).move(RowState.READY)
     with pytest.raises(IllegalTransition, match="FREE -> DETACHED"):
         Row(2).move(RowState.DETACHED)
+
+
+def test_cpu_pins_have_one_source_and_check_compares_the_mirror():
+    """``Row.pins`` is the source; the policy's pins only mirror them (so ``evict`` steps over
+    pinned keys). ``check`` fails as soon as the two disagree."""
+    cpu = CpuTier(StagingRegion("pins", 4, ROW), "lru")
+    ks = [key(i) for i in range(3)]
+    assert cpu.reserve_store(ks).admitted == ks  # pinned while the GPU writes them
+    cpu.check()
+    assert cpu.finish_store(ks) == ks
+    cpu.prepare_load(ks[:1])
+    cpu.pin(ks[1], io=True)
+    cpu.check()
+    assert cpu.policy.pin_counts() == {ks[0]: 1, ks[1]: 1}
+    cpu.policy.unpin(ks[0])  # a pin released behind the row's back
+    with pytest.raises(AssertionError, match="pins"):
+        cpu.check()
+    cpu.policy.pin(ks[0])
+    cpu.complete_load(ks[:1])
+    cpu.unpin_row(cpu.row_of(ks[1]), io=True)
+    cpu.check()
+    assert cpu.policy.pin_counts() == {}
 
 
 def test_stats_registry_rejects_unknown_counters():

@@ -131,7 +131,7 @@ def test_promotion_from_disk_after_connector_reset(model, tmp_path):
     c = h.manager.chain.tiers[1].stats
     assert c["promotions"] >= 3 and c["hits"] >= 3
     assert h.loads == 1 and h.cached["a2"] >= 384
-    assert h.manager.get_load_source(next(iter(disk.entries)), None).value == "disk"
+    assert h.manager.get_load_source(disk.keys()[0], None).value == "disk"
 
 
 def test_promote_auto_recomputes_when_the_engine_outruns_the_disk(model, tmp_path):

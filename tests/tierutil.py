@@ -31,11 +31,31 @@ def row_for(k: bytes, row_bytes: int = ROW) -> memoryview:
     return buf
 
 
+class CheckedFileTier(FileTier):
+    """A FileTier that checks its books (``check(index=True)``) when it closes normally: every
+    scenario of the file-tier and fault tests that opens a tier through ``open_tier`` ends with
+    the slot table, the policy's pins and the LMDB index agreeing."""
+
+    def close(self) -> None:
+        try:
+            if not self.closed:
+                self.wait_idle()
+                self.check(index=True)
+        finally:  # closed even when the check fails: later tests need the lock and threads gone
+            super().close()
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is not None:  # the test already failed: keep its error, skip the check
+            FileTier.close(self)
+        else:
+            self.close()
+
+
 def open_tier(path, slots: int = 16, row_bytes: int = ROW, **cfg) -> FileTier:
     conf = {"path": str(path), "capacity": slots * row_bytes, "policy": "lru", "io": "posix",
             "io_threads": 4, "slab_file_bytes": 4 * row_bytes, **cfg}
     model = conf.pop("model", "tiny")
-    return FileTier(conf, facts(row_bytes, model))
+    return CheckedFileTier(conf, facts(row_bytes, model))
 
 
 def store(tier: FileTier, keys: list[bytes]) -> list[bytes]:

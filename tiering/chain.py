@@ -34,7 +34,6 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from tiering.advisor import PromotionAdvisor
-from tiering.backends.file_tier import FileTier
 from tiering.cpu_tier import CpuTier
 from tiering.owed_rows import OwedRows
 from tiering.request_lookups import DiskRun, RequestLookups, RunState
@@ -45,7 +44,7 @@ from tiering.settings import (
     WRITEBACK_RESERVE_FRACTION,
     WRITEBACK_RESERVE_MIN,
 )
-from tiering.tier import Completion, Lookup, Tier
+from tiering.tier import Completion, Lookup, StoreTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ def tier_label(i: int) -> str:
 
 
 class TierChain:
-    def __init__(self, cpu: CpuTier, file_tiers: Sequence[FileTier] = (),
+    def __init__(self, cpu: CpuTier, file_tiers: Sequence[StoreTier] = (),
                  events: bool = False, advisor: PromotionAdvisor | None = None) -> None:
         self.cpu = cpu
         self.file_tiers = list(file_tiers)
@@ -82,9 +81,9 @@ class TierChain:
         # (tier index, "store" | "promotion", seconds): read and cleared by the metrics layer
         self.transfer_samples: list[tuple[int, str, float]] = []
         self._writeback = [i for i, t in enumerate(self.file_tiers, start=1)
-                           if t.cfg.demote == "on_evict"]
+                           if t.demote == "on_evict"]
         self._write_through = [i for i, t in enumerate(self.file_tiers, start=1)
-                               if t.cfg.demote != "on_evict"]
+                               if t.demote != "on_evict"]
         self._write_through_set = frozenset(self._write_through)
         self._owed = OwedRows()
         # rows pinned by writes down (a row written to two tiers counts twice), and the cap
@@ -247,7 +246,7 @@ class TierChain:
         """(keys to store, their rows, evicted keys), or None if no room can be made now."""
         if self._owed:  # write down the rows this store is about to evict (they get pinned)
             self._keep_clean(len(keys))
-        out = self.cpu.put(keys, None)
+        out = self.cpu.reserve_store(keys)
         if not out.admitted and any(r != "threshold" for r in out.rejected.values()):
             return None
         self._evicted_from_cpu(out.evicted)
@@ -437,6 +436,8 @@ class TierChain:
     def check(self) -> None:
         """Consistency checks across the chain (tests call it after each step)."""
         self.cpu.check()
+        for tier in self.file_tiers:
+            tier.check()
         for (i, kind, key), (row, _, _) in self._in_flight.items():
             assert self.cpu.rows[row].io_pins > 0, (i, kind, key, self.cpu.rows[row])
         writes = sum(kind == "store" for _, kind, _ in self._in_flight)

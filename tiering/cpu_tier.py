@@ -6,7 +6,7 @@ every row's state; the chain and the vLLM adapter only call its methods.
 
 A row's life (``Row.move`` asserts each transition; anything else is a bug and raises)::
 
-    FREE ─put─▶ WRITING ─finish_store(ok)─▶ READY ─drop (unpinned)─▶ FREE
+    FREE ─reserve_store─▶ WRITING ─finish_store(ok)─▶ READY ─drop (unpinned)─▶ FREE
     FREE ─reserve_promotion─▶ PROMOTING ─finish_promotion(ok)─▶ READY
     WRITING / PROMOTING ─failed─▶ FREE
     WRITING / READY / PROMOTING ─drop while pinned─▶ DETACHED ─last unpin─▶ FREE
@@ -15,6 +15,10 @@ Pins: a row is pinned while a GPU job reads or writes it (vLLM's pins: ``pins``)
 tier reads or writes it (``io_pins``). A pinned row is never evicted or reused. vLLM forgets its
 in-flight jobs on a reset, so a reset removes vLLM's pins but keeps the I/O pins: such rows are
 detached until their I/O ends.
+
+One source of pins: ``Row.pins``. The policy keeps a mirror (``EvictionPolicy.pin``) only so
+that ``evict`` steps over pinned keys; ``pin``/``unpin_row``/``reset`` are the one place both
+change, and ``check`` asserts they agree.
 """
 
 from __future__ import annotations
@@ -22,12 +26,11 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Collection, Iterable, Sequence
-from typing import Any
 
 from tiering.backends.staging import StagingRegion
-from tiering.policies import StoreThreshold, create, evict_or_none
+from tiering.policies import EvictionPolicy, StoreThreshold, create, evict_or_none
 from tiering.stats import TierStats
-from tiering.tier import Completion, Lookup, PutOutcome, Tier
+from tiering.tier import IllegalTransition, Lookup, PutOutcome, RowTier
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +56,6 @@ _LEGAL = {
 _READY = RowState.READY  # (a module constant: enum member lookups cost on the hot path)
 
 
-class IllegalTransition(RuntimeError):
-    """A row was asked to move between states that its life cycle does not connect."""
-
-
 class Row:
     __slots__ = ("index", "state", "key", "pins", "io_pins", "source", "fresh")
 
@@ -78,8 +77,13 @@ class Row:
         return f"Row({self.index}, {self.state.name}, pins={self.pins}/{self.io_pins})"
 
 
-class CpuTier(Tier):
+class CpuTier(RowTier):
+    """The row tier over a staging region: one ``Row`` record per row, a free list, a policy
+    over the resident keys and tier 0's ``store_threshold`` admission (the contract:
+    ``tiering.tier.RowTier``)."""
+
     medium = "cpu"
+    policy: EvictionPolicy
 
     def __init__(self, region: StagingRegion, policy: str = "lru", store_threshold: int = 0,
                  tracker_size: int = 64_000) -> None:
@@ -92,7 +96,6 @@ class CpuTier(Tier):
         self.rows = [Row(i) for i in range(self.num_rows)]
         self.key_row: dict[bytes, Row] = {}
         self.free_rows = list(range(self.num_rows - 1, -1, -1))  # pop() hands out row 0 first
-        self._read_done: list[Completion] = []
 
     # -- queries -----------------------------------------------------------------------------
     def lookup(self, key: bytes, count: bool = True, per_request: bool = False) -> Lookup:
@@ -108,11 +111,10 @@ class CpuTier(Tier):
                 if not per_request:  # the promoting caller's own hit: the file tier's
                     return Lookup.HIT
             if count:
-                self.stats.lookup(True, self.row_bytes)
+                self.count_lookup(key, True)
             return Lookup.HIT
         if count:
-            self.stats.lookup(False)
-            self.policy.on_miss(key)
+            self.count_lookup(key, False)
         return Lookup.MISS
 
     def contains(self, key: bytes) -> bool:
@@ -138,9 +140,6 @@ class CpuTier(Tier):
 
     def __len__(self) -> int:
         return len(self.key_row)
-
-    def has_pending_work(self) -> bool:
-        return bool(self._read_done)
 
     # -- pins ------------------------------------------------------------------------------
     def pin(self, key: bytes, io: bool = False) -> None:
@@ -198,15 +197,13 @@ class CpuTier(Tier):
         row.key, row.source = key, source
         self.key_row[key] = row
 
-    # -- stores: put (rows for a GPU job) then finish_store --------------------------------
-    def put(self, keys: Sequence[bytes], rows: Sequence[memoryview] | None = None) -> PutOutcome:
-        """Reserve rows for ``keys`` (the GPU writes them; ``rows`` must be None).
+    # -- stores: reserve_store (rows for a GPU job) then finish_store ----------------------
+    def reserve_store(self, keys: Sequence[bytes]) -> PutOutcome:
+        """Reserve rows for ``keys`` (the GPU writes them).
 
         Keys already here and keys under the admission threshold are skipped. All or none:
         if rows for every admitted key cannot be found, none is reserved and all are rejected.
         """
-        if rows is not None:
-            raise ValueError("CpuTier.put: the GPU fills the rows; pass rows=None")
         out = PutOutcome()
         wanted = []
         for k in dict.fromkeys(keys):
@@ -305,36 +302,8 @@ class CpuTier(Tier):
             if row is not None:
                 self.unpin_row(row.index)
 
-    # -- the rest of the Tier contract -----------------------------------------------------
-    def get(self, items: Sequence[tuple[bytes, memoryview, Any]]) -> list[bool]:
-        """Copy ready rows into buffers (synchronous; completions come from ``poll``)."""
-        answers = []
-        for key, out, token in items:
-            if not self.contains(key):
-                answers.append(False)
-                continue
-            if len(out) != self.row_bytes:
-                raise ValueError(f"get: buffer for key {key.hex()} has {len(out)} bytes, "
-                                 f"expected row_bytes={self.row_bytes}")
-            out[:] = self.view(key)
-            self._read_done.append(Completion("read", key, True, nbytes=self.row_bytes,
-                                              token=token))
-            answers.append(True)
-        return answers
-
     def touch(self, keys: Sequence[bytes]) -> None:
         self.policy.access_many([k for k in keys if k in self.key_row])
-
-    def poll(self, wait: float = 0.0) -> list[Completion]:
-        done, self._read_done = self._read_done, []
-        return done
-
-    def evict(self, n: int) -> list[bytes]:
-        victims = evict_or_none(self.policy, min(n, self.policy.evictable_count())) or []
-        for v in victims:
-            self._free(self.key_row.pop(v))
-        self.stats.add("evictions", len(victims))
-        return victims
 
     def reset(self) -> list[bytes]:
         """Drop every key. vLLM's pins go (its jobs are forgotten); I/O pins stay, so rows
@@ -363,6 +332,13 @@ class CpuTier(Tier):
             elif row.state is not RowState.FREE:
                 assert self.key_row.get(row.key) is row, row
         assert len(self.key_row) == len(self.policy), (len(self.key_row), len(self.policy))
+        # the policy's pins mirror the rows' (detached rows' keys are out of the policy)
+        pins = {k: r.pins for k, r in self.key_row.items() if r.pins}
+        mirror = self.policy.pin_counts()
+        assert mirror == pins, ("policy pins disagree with the rows'",
+                                {k.hex(): (mirror.get(k, 0), pins.get(k, 0))
+                                 for k in mirror.keys() | pins.keys()
+                                 if mirror.get(k, 0) != pins.get(k, 0)})
 
     def close(self) -> None:
         pass
