@@ -29,11 +29,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # vllm_harness
 
 
-def extra_for(config: str, cpu_bytes: int, chunk_tokens: int, block_tokens: int
-              ) -> dict | None:
+def extra_for(config: str, cpu_bytes: int, chunk_tokens: int, block_tokens: int,
+              sync_load_bytes: int = 0) -> dict | None:
     if config == "none":
         return None
     extra: dict = {"cpu_bytes_to_use": cpu_bytes}
+    if sync_load_bytes:
+        extra["sync_load_budget_bytes"] = sync_load_bytes
     if chunk_tokens != block_tokens:
         extra["block_size"] = chunk_tokens
     if config == "cpu":
@@ -51,6 +53,9 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=16)
     ap.add_argument("--configs", default="none,cpu,ours")
     ap.add_argument("--repeat", type=int, default=3, help="hit batches timed (median)")
+    ap.add_argument("--sync-load-mib", type=float, default=0.0,
+                    help="vLLM's sync_load_budget_bytes (MiB of loads a step that run before "
+                         "the step's forward pass instead of asynchronously; 0: off)")
     ap.add_argument("--profile", default="", help="folder for the profiles of the hit batch")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-load-"))
@@ -74,7 +79,8 @@ def main() -> None:
           f"{a.repeat}x (median)")
     for config in [c for c in a.configs.split(",") if c]:
         cpu_bytes = int(n * tokens * kvb * 1.5) + (64 << 20)
-        h = Harness(model, extra_for(config, cpu_bytes, a.chunk_tokens, 16),
+        h = Harness(model, extra_for(config, cpu_bytes, a.chunk_tokens, 16,
+                                     int(a.sync_load_mib * 2**20)),
                     gpu_tokens=n * (tokens + 32) + 4096, delay=1, max_len=tokens + 64,
                     batched_tokens=16384, max_num_seqs=1024, prefix_caching=False)
         assert h.block_size == 16, f"GPU block size {h.block_size}: run with CUDA vLLM 0.33"

@@ -226,3 +226,33 @@ def test_promote_auto_loads_the_cpu_prefix_and_recomputes_a_declined_disk_run(mo
     chain.check()
     assert chain.usage()["pinned"] == 0 and not chain.has_pending_work()
     h.manager.shutdown()
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 4, 16])
+def test_offloaded_chunks_of_1_4_and_16_gpu_blocks(model, blocks_per_chunk):
+    """Our spec with chunks of 1, 4 and 16 GPU blocks (16, 64 and 256 tokens on CUDA vLLM's
+    16-token blocks): a 16-block prompt is stored as 16 / blocks_per_chunk rows of that many
+    blocks' KV, and the same prompt again, GPU prefix caching off, loads all 16 blocks from
+    the CPU tier; a prompt never seen loads nothing."""
+    h0 = Harness(model, None, max_len=4096)
+    block = h0.block_size
+    chunk_bytes = blocks_per_chunk * block * 2 * 2 * 64 * 2 * 4  # layers, heads, dim, K+V, f32
+    ex = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+          "blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": 3 * 16 * block * 2048,
+          "tiers": [{"medium": "cpu", "policy": "lru"}]}
+    tokens = 16 * block + 5  # every one of the 16 blocks full, the last tokens computed
+    h = Harness(model, ex, gpu_tokens=4 * tokens, delay=1, max_len=tokens + 64,
+                batched_tokens=tokens + 64, prefix_caching=False)
+    a = prompt(21, tokens)
+    h.add("a1", a, max_tokens=1)
+    h.run()
+    cpu = h.manager.chain.tiers[0]
+    _, _, entries = cpu.usage()
+    assert entries == 16 // blocks_per_chunk
+    assert cpu.region.row_bytes >= chunk_bytes
+    h.add("a2", a, max_tokens=1)
+    h.add("b", prompt(22, tokens), max_tokens=1)
+    h.run()
+    assert h.cached["a2"] == 16 * block
+    assert h.cached["b"] == 0
+    h.manager.shutdown()

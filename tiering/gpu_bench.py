@@ -748,6 +748,10 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
                         "(default: vLLM's GPU block size)")
     g.add_argument("--sweep-max-num-seqs", type=int, default=0, help="0: vLLM's default")
     g.add_argument("--sweep-max-batched-tokens", type=int, default=0, help="0: vLLM's default")
+    g.add_argument("--sweep-sync-load-mib", type=float, default=0.0,
+                   help="cpu and ours: vLLM's sync_load_budget_bytes in MiB (loads of up to "
+                        "that many bytes a step run before the step's forward pass, not "
+                        "asynchronously; vLLM takes none for a prompt whose every token hits)")
     g.add_argument("--sweep-cpu-factor", type=float, default=1.5,
                    help="CPU tier size / KV of one batch")
     g.add_argument("--profile", default="",
@@ -777,7 +781,8 @@ def check_sweep_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None
 
 
 def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
-                          gpu_block_tokens: int, gpu_copy: str = "auto") -> dict | None:
+                          gpu_block_tokens: int, gpu_copy: str = "auto",
+                          sync_load_bytes: int = 0) -> dict | None:
     """The sweep's offloading setups: vLLM's CPUOffloadingSpec (``cpu``) or our spec with its
     CPU tier only (``ours``), offloading chunks of ``chunk_tokens`` (None or the GPU block
     size: vLLM's default of one GPU block per chunk)."""
@@ -786,6 +791,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
     extra: dict = {"cpu_bytes_to_use": cpu_bytes}
     if chunk_tokens and chunk_tokens != gpu_block_tokens:
         extra["block_size"] = chunk_tokens
+    if sync_load_bytes:
+        extra["sync_load_budget_bytes"] = sync_load_bytes
     if config == "cpu":
         extra["spec_name"] = "CPUOffloadingSpec"
     elif config == "ours":
@@ -939,7 +946,8 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     key = config if chunk is None else f"{config}@{chunk}"
     batch_bytes = n * tokens * kvb
     cpu_bytes = int(batch_bytes * a.sweep_cpu_factor)
-    kvt = sweep_transfer_config(config, cpu_bytes, chunk, block_tokens, a.gpu_copy)
+    kvt = sweep_transfer_config(config, cpu_bytes, chunk, block_tokens, a.gpu_copy,
+                                int(a.sweep_sync_load_mib * 2**20))
     plan = sweep_batches(n, a.sweep_hit_rates)
     if config == "none":  # no cache of any kind: a fresh batch, then the same prompts again
         plan = [("hit", 0.0, list(range(n))), ("hit", 100.0, list(range(n)))]

@@ -58,8 +58,11 @@ class TieredManager(OffloadingManager):
         return get(key) if get is not None else None
 
     def lookup(self, key, req_context: ReqContext) -> LookupResult:
-        advisor, end = self.chain.advisor, self._end_token(key, req_context)
-        first = end - advisor.chunk_tokens if advisor is not None and end is not None else None
+        advisor = self.chain.advisor
+        first = None
+        if advisor is not None:  # only the advisor times runs by position (a call per chunk)
+            end = self._end_token(key, req_context)
+            first = end - advisor.chunk_tokens if end is not None else None
         result = self.chain.lookup(bytes(key), request=self._request(req_context),
                                    first_token=first)
         return _LOOKUP[result]
