@@ -45,16 +45,25 @@ class LruPolicy(EvictionPolicy):
     def _discard(self, key: Key) -> bool:
         return self._order.pop(key, 0) is None
 
-    def _pick_victims(self, n: int, protected: Collection[Key]) -> list[Key]:
+    def _try_pick_victims(self, n: int, protected: Collection[Key]) -> list[Key] | None:
+        """Oldest first, stepping over pinned and protected keys; stops at the ``n``-th, so an
+        eviction costs the blocked keys at the old end, not every pin and protected key."""
         victims = []
+        pins = self._pins
         for key in self._order:
-            if not self._blocked(key, protected):
-                victims.append(key)
-                if len(victims) == n:
-                    break
+            if key in pins or key in protected:
+                continue
+            victims.append(key)
+            if len(victims) == n:
+                break
+        else:
+            return None  # fewer than n evictable: nothing removed
         for key in victims:
             del self._order[key]
         return victims
+
+    def _pick_victims(self, n: int, protected: Collection[Key]) -> list[Key]:
+        return self._try_pick_victims(n, protected) or []
 
     def bulk_load(self, keys: list[Key], reused: list[bool]) -> None:
         if self._order:

@@ -12,6 +12,17 @@
 #               0-100%, unique 512-token prompts, prefix caching off                ~7 min
 #               (SWEEP_ARGS adds options to it alone: --profile cprofile,py-spy,
 #               --sweep-chunk-tokens 16,64,256, --sweep-shapes 8b ...)
+#   disk-hit    docs/bench_disk_hit.py: a 32k prompt's disk hit (2048 chunks of 2 MiB, the 8B
+#               shape's rows) through our spec's manager and through vLLM's
+#               TieringOffloadingSpec over our FileTier, first and after a restart, on this
+#               machine's disk and then on the RAM disk, fio reading the same slab file  ~2 min
+#   phases-ramdisk  gpu-bench, 8B, 2k/8k/32k, none,ours,vtier-fs, cold,recompute,disk,restart,
+#               the file tiers on the RAM disk; then fio on it (OUT/fio_ramdisk.json)   ~4.5 min
+#   throughput-wb   gpu-bench's throughput step for none,ours,ours-wb, CPU tier 0.5x  ~2.5 min
+# The RAM disk: ext4 on a loop device over a file in /dev/shm (O_DIRECT works, as on NVMe),
+# RAMDISK_GIB (default 26) or what /dev/shm has free less RAMDISK_SPARE_GIB (default 12, for the
+# CPU tiers' shared memory); made by the first step that needs it, removed at exit. Needs root.
+# fio: $FIO, else fio on PATH, else .device/fio/fio (scripts/build_fio.sh).
 # Every step writes into OUT as it goes (a log per step, JUnit XML, gpu-bench's JSON after each
 # config), so a run cut short still returns what it measured. A step starts only if the budget
 # left covers its minimum (printed otherwise); gpu-bench gets the rest of the budget and skips
@@ -25,14 +36,15 @@ OUT=${1:?usage: BUDGET_S=540 bash scripts/gpu_session.sh OUT [tests|phases|throu
 shift
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(tests phases throughput 32b)
+STEP_NAMES="tests, phases, throughput, 32b, sweep, disk-hit, phases-ramdisk, throughput-wb"
 BUDGET_S=${BUDGET_S:-540}
 TAG=${TAG:-h200}
 MARGIN_S=15  # for gpu-bench to write its table and exit after its last step
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 for step in "${STEPS[@]}"; do
-  case $step in tests|phases|throughput|32b|sweep) ;;
-    *) echo "gpu_session: unknown step '$step' (tests, phases, throughput, 32b, sweep)" >&2; exit 2 ;;
+  case $step in tests|phases|throughput|32b|sweep|disk-hit|phases-ramdisk|throughput-wb) ;;
+    *) echo "gpu_session: unknown step '$step' ($STEP_NAMES)" >&2; exit 2 ;;
   esac
 done
 source scripts/gpu_env.sh
@@ -67,6 +79,83 @@ run() {
     | tee -a "$summary"
 }
 
+# -- the RAM disk -------------------------------------------------------------------------------
+ram_img="" ram_loop="" ram_mnt=""
+ramdisk_down() {
+  [ -n "$ram_mnt" ] && mountpoint -q "$ram_mnt" && umount "$ram_mnt"
+  [ -n "$ram_loop" ] && losetup -d "$ram_loop"
+  [ -n "$ram_img" ] && rm -f "$ram_img"
+  [ -n "$ram_mnt" ] && rmdir "$ram_mnt" 2>/dev/null
+  ram_img="" ram_loop="" ram_mnt=""
+  return 0
+}
+trap ramdisk_down EXIT
+trap 'exit 130' INT TERM
+# ramdisk_up: mount it (once) at $ram_mnt; 1 with a line in the summary if it cannot be made
+ramdisk_up() {
+  [ -n "$ram_mnt" ] && return 0
+  if [ "$(id -u)" != 0 ]; then
+    echo "[session] RAM disk: needs root (losetup, mount)" | tee -a "$summary"
+    return 1
+  fi
+  local free_gib want
+  free_gib=$(( $(df --output=avail -k /dev/shm | tail -1) / 1048576 ))
+  want=${RAMDISK_GIB:-26}
+  [ $((free_gib - ${RAMDISK_SPARE_GIB:-12})) -lt "$want" ] && want=$((free_gib - ${RAMDISK_SPARE_GIB:-12}))
+  if [ "$want" -lt "${RAMDISK_MIN_GIB:-16}" ]; then
+    echo "[session] RAM disk: /dev/shm has ${free_gib} GiB free, too little for a" \
+      "${RAMDISK_MIN_GIB:-16} GiB disk beside the CPU tiers" | tee -a "$summary"
+    return 1
+  fi
+  ram_img=/dev/shm/tiering-ramdisk-$$.img
+  # discard: blocks freed by a config's removed folder go back to /dev/shm
+  if truncate -s "${want}G" "$ram_img" && mkfs.ext4 -q -F "$ram_img" \
+      && ram_loop=$(losetup -f --show "$ram_img") \
+      && ram_mnt=$(mktemp -d -t tiering-ramdisk.XXXXXX) && mount -o discard "$ram_loop" "$ram_mnt"; then
+    echo "[session] RAM disk: ext4 on $ram_loop over $ram_img (${want} GiB) at $ram_mnt" \
+      | tee -a "$summary"
+    return 0
+  fi
+  echo "[session] RAM disk: could not be made (see above)" | tee -a "$summary"
+  ramdisk_down
+  return 1
+}
+
+fio_bin=${FIO:-$(command -v fio || true)}
+[ -z "$fio_bin" ] && [ -x .device/fio/fio ] && fio_bin=$PWD/.device/fio/fio
+export TIERING_FIO=${fio_bin}
+# fio_disk NAME DIR: write, then read 4 GiB (a 32k prompt of the 8B shape; less if DIR's file
+# system has not twice that free) in DIR: 8 jobs (the file tier's io_threads), 2 MiB blocks
+# (its rows), O_DIRECT, psync; both reports in OUT/fio_NAME.json
+fio_disk() {
+  local name=$1 dir=$2 rw per_job
+  if [ -z "$fio_bin" ] || ! "$fio_bin" --version >/dev/null 2>&1; then
+    echo "[session] fio $name: no fio (\$FIO, PATH, .device/fio/fio)" | tee -a "$summary"
+    return 0
+  fi
+  per_job=$(( $(df --output=avail -m "$dir" | tail -1) / 16 / 2 * 2 ))
+  [ "$per_job" -gt 512 ] && per_job=512
+  for rw in write read; do
+    "$fio_bin" --name="$name-$rw" --filename="$dir/fio.dat" --rw=$rw --bs=2M --size=${per_job}M \
+      --offset_increment=${per_job}M --numjobs=8 --thread --group_reporting --direct=1 \
+      --ioengine=psync --end_fsync=1 --output-format=json > "$OUT/.fio_$rw.json" \
+      2> "$OUT/.fio_err" || { echo "[session] fio $name $rw failed: $(head -c 300 "$OUT/.fio_err")" \
+        | tee -a "$summary"; rm -f "$dir/fio.dat" "$OUT/.fio_err"; return 0; }
+  done
+  rm -f "$OUT/.fio_err"
+  rm -f "$dir/fio.dat"
+  python3 - "$OUT" "$name" <<'PY' | tee -a "$summary"
+import json, sys
+out, name = sys.argv[1], sys.argv[2]
+runs = {rw: json.load(open(f"{out}/.fio_{rw}.json")) for rw in ("write", "read")}
+json.dump(runs, open(f"{out}/fio_{name}.json", "w"), indent=1)
+gbps = {rw: r["jobs"][0][rw]["bw_bytes"] / 1e9 for rw, r in runs.items()}
+print(f"[session] fio {name}: write {gbps['write']:.2f} GB/s, read {gbps['read']:.2f} GB/s "
+      "(8 jobs, 2 MiB blocks, O_DIRECT)")
+PY
+  rm -f "$OUT/.fio_write.json" "$OUT/.fio_read.json"
+}
+
 for step in "${STEPS[@]}"; do
   # gpu-bench, given the budget left at the step's start minus the margin
   # (the 8B phases' filler prompts write ~9 GB just before the disk phase: ~9 s at 1 GB/s)
@@ -90,6 +179,28 @@ for step in "${STEPS[@]}"; do
     sweep)
       run sweep 90 "$BUDGET_S" "${bench[@]}" --tag "$TAG" --phases prefill-sweep \
         --sweep-shapes 1b,8b,32b --sweep-configs none,cpu,ours "${sweep_extra[@]}" "${extra[@]}" ;;
+    disk-hit)
+      hit=(python3 -P docs/bench_disk_hit.py --chunks "${DISKHIT_CHUNKS:-2048}" --row-mib 2
+           --threads 8 --rounds "${DISKHIT_ROUNDS:-2}")
+      run disk-hit-vdisk 60 "${DISKHIT_MAX_S:-150}" "${hit[@]}" \
+        "${TIERING_BENCH_DIR:-/tmp}/tiering-disk-hit" --json "$OUT/disk_hit_vdisk.json"
+      rm -rf "${TIERING_BENCH_DIR:-/tmp}/tiering-disk-hit"
+      if ramdisk_up; then
+        run disk-hit-ramdisk 45 "${DISKHIT_MAX_S:-150}" "${hit[@]}" "$ram_mnt/disk-hit" \
+          --json "$OUT/disk_hit_ramdisk.json"
+        rm -rf "$ram_mnt/disk-hit"
+      fi ;;
+    phases-ramdisk)
+      if ramdisk_up; then
+        run phases-ramdisk 120 "$BUDGET_S" "${bench[@]}" --scratch "$ram_mnt/scratch" \
+          --tag "${TAG}ramdisk" --shape 8b --lengths 2048,8192,32768 --configs none,ours,vtier-fs \
+          --phases cold,recompute,disk,restart "${extra[@]}"
+        rm -rf "$ram_mnt/scratch"
+        fio_disk ramdisk "$ram_mnt"
+      fi ;;
+    throughput-wb)
+      run throughput-wb 90 "$BUDGET_S" "${bench[@]}" --tag "${TAG}tpwb" --shape 8b --phases throughput \
+        --configs none,ours,ours-wb --tp-cpu-fraction 0.5 "${extra[@]}" ;;
   esac
 done
 echo "[session] done in ${SECONDS}s; results in $OUT" | tee -a "$summary"

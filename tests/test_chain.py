@@ -179,6 +179,28 @@ def test_stale_region_of_dead_engine_is_removed(tmp_path):
     live.close(unlink=True)
 
 
+def mapped_kib(path) -> int:
+    """Resident KiB of this process's mapping of ``path`` (/proc/self/smaps)."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith(str(path)):
+            for field in lines[i + 1:]:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1])
+    raise AssertionError(f"{path} is not mapped")
+
+
+def test_populated_region_maps_every_page_at_open():
+    """The scheduler's rows are mapped at open: a file tier's O_DIRECT reads into a fresh
+    engine's rows then fault nothing in, page by page, on the I/O threads."""
+    lazy = StagingRegion("lazy", 16, ROW)
+    eager = StagingRegion("eager", 16, ROW, populate=True)
+    assert mapped_kib(lazy.path) == 0
+    assert mapped_kib(eager.path) == 16 * ROW // 1024
+    lazy.close(unlink=True)
+    eager.close(unlink=True)
+
+
 def test_region_smaller_than_a_row_is_a_clear_error():
     with pytest.raises(ValueError, match="holds no row"):
         StagingRegion("e", 0, ROW)

@@ -342,11 +342,44 @@ def test_writeback_writes_only_what_the_cpu_tier_evicts(tmp_path):
     c.close()
 
 
+def test_writeback_keeps_a_step_of_stores_clean(tmp_path):
+    """A step's end writes back as many of the next victims as the step stored (here more than
+    the fixed reserve of 2 rows), so the next step's stores evict only rows already on disk;
+    a store never starts writes of its own victims (they would only be pinned while it evicts
+    newer rows that no tier holds)."""
+    c = writeback_chain(tmp_path, rows=16)
+    disk = c.file_tiers[0]
+    ks = [key(i) for i in range(24)]
+    for i in range(0, 24, 4):
+        fill(c, ks[i:i + 4])
+        c.wait_idle()
+        c.check()
+    assert disk.stats["writeback_misses"] == 0
+    assert all(disk.contains(k) for k in ks[:8])  # evicted from the CPU tier: on disk
+    assert all(c.cpu.contains(k) for k in ks[8:])
+    c.close()
+
+
+def test_a_store_evicts_the_oldest_row_while_the_next_ones_are_written(tmp_path):
+    c = writeback_chain(tmp_path, rows=16)  # a reserve of 2 rows, 4 rows' demotion budget
+    ks = [key(i) for i in range(17)]
+    for k in ks[:16]:  # a step each; the last step's end starts writing the two oldest
+        fill(c, [k])
+        c.on_schedule_end()
+    assert c.file_tiers[0].has_pending_work()
+    _, _, evicted = c.prepare_store([ks[16]])  # k0 and k1 are still pinned by their writes
+    assert evicted == [ks[2]]  # the oldest row that can go, unwritten: a counted miss
+    assert c.file_tiers[0].stats["writeback_misses"] == 1
+    assert len(c._in_flight) == 2  # no write started for the store's own victims
+    c.close()
+
+
 def test_writeback_shutdown_persists_owed_rows(tmp_path):
     c = writeback_chain(tmp_path)
     ks = [key(i) for i in range(5)]
-    fill(c, ks)
-    c.wait_idle()
+    for k in ks:  # a step each: the reserve (the larger of 2 rows and a step's stores) stays free
+        fill(c, [k])
+        c.wait_idle()
     assert c.file_tiers[0].stats["stores"] == 0
     c.close()
     with FileTier({"path": str(tmp_path / "disk"), "capacity": 64 * ROW, "io": "posix",
@@ -489,7 +522,9 @@ def test_a_restart_after_close_finds_every_chunk_the_cpu_tier_held(tmp_path, mod
     ks = [key(i) for i in range(16)]
     for i in range(0, 16, 2):
         fill(c, ks[i:i + 2])
-    assert all(c.cpu.contains(k) for k in ks) and c.has_pending_work()
+    assert all(c.cpu.contains(k) for k in ks)
+    c.poll()
+    assert any(not t.contains(k) for t in c.file_tiers for k in ks)  # close() has work to do
     c.close()
     for t in tiers():
         assert [k for k in ks if not t.contains(k)] == [], t.cfg.demote

@@ -15,8 +15,8 @@ row is owed (``OwedRows.behind``) and written oldest first as writes complete.
 Write-back (a file tier with ``demote: on_evict``): a READY row is only *owed* to that tier
 (``_owed``). Rows are written down when they come near the head of the CPU tier's eviction order:
 at each step's end enough of the next victims are written that free rows plus clean victims make
-a reserve (``tiering.settings.WRITEBACK_RESERVE_FRACTION`` of the rows), and before a store needs evictions its
-victims-to-be are. A row being written is pinned, so the CPU tier evicts around it
+a reserve (``tiering.settings.WRITEBACK_RESERVE_FRACTION`` of the rows, or the last step's stores
+if more). A row being written is pinned, so the CPU tier evicts around it
 and never waits for a write. A row evicted while still owed never reaches that tier (counted as
 ``writeback_misses``); a reset and the shutdown write every owed row first.
 
@@ -96,6 +96,7 @@ class TierChain:
         self._next_batch = 0
         self._reserve = max(WRITEBACK_RESERVE_MIN,
                             int(self.num_rows * WRITEBACK_RESERVE_FRACTION))
+        self._stored_in_step = self._stored_last_step = 0  # rows given to stores, per step
 
     def _event(self, keys: list[bytes], medium: str, removed: bool) -> None:
         if self.events_enabled and keys:
@@ -243,12 +244,16 @@ class TierChain:
     # -- stores ------------------------------------------------------------------------------
     def prepare_store(self, keys: Sequence[bytes]
                       ) -> tuple[list[bytes], list[int], list[bytes]] | None:
-        """(keys to store, their rows, evicted keys), or None if no room can be made now."""
-        if self._owed:  # write down the rows this store is about to evict (they get pinned)
-            self._keep_clean(len(keys))
+        """(keys to store, their rows, evicted keys), or None if no room can be made now.
+
+        Rows owed to a file tier are not written here: a write started now ends after this
+        call's evictions, so it would only pin the victims-to-be and push the evictions onto
+        newer rows that no tier has either, at a pass over the reserve per call (vLLM 0.33
+        prepares one chunk per call: 80-330 us a chunk). The step's end keeps them clean."""
         out = self.cpu.reserve_store(keys)
         if not out.admitted and any(r != "threshold" for r in out.rejected.values()):
             return None
+        self._stored_in_step += len(out.admitted)
         self._evicted_from_cpu(out.evicted)
         return out.admitted, [self.cpu.row_of(k) for k in out.admitted], out.evicted
 
@@ -275,10 +280,11 @@ class TierChain:
                 for i in self._writeback:
                     self._owed.add(k, i, eager=False)
 
-    def _keep_clean(self, extra: int = 0) -> None:
+    def _keep_clean(self) -> None:
         """Write back owed rows at the head of the eviction order until free rows plus clean
-        victims reach the reserve (plus ``extra`` rows a store is about to take)."""
-        short = self._reserve + extra - self.cpu.free_count()
+        victims reach the reserve: the configured share of the rows, or what the last step
+        stored if that was more (the next step's stores evict about as many)."""
+        short = max(self._reserve, self._stored_last_step) - self.cpu.free_count()
         if short > 0:
             self._write_back(self.cpu.next_victims(short))
 
@@ -323,6 +329,7 @@ class TierChain:
         """Issue the step's promotions (one batch per tier), apply what finished, write back
         rows near eviction, then rows that wait for a write-through tier."""
         self._steps += 1
+        self._stored_last_step, self._stored_in_step = self._stored_in_step, 0
         for i, tier in enumerate(self.file_tiers, start=1):
             batch, self._promote[i - 1] = self._promote[i - 1], []
             if not batch:

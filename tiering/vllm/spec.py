@@ -63,7 +63,10 @@ class TieredOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> TieredManager:
         if self._manager is not None:
             return self._manager
-        region = StagingRegion(self.config.engine_id, self.num_rows, self.row_bytes)
+        # populated: the file tiers' O_DIRECT reads land in these rows (restart hits as fast as
+        # the first ones)
+        region = StagingRegion(self.config.engine_id, self.num_rows, self.row_bytes,
+                               populate=bool(self.cfg.files))
         remove_stale(keep=region.path)
         facts, info = facts_from_config(self.config, self.row_bytes)
         tiers: list[FileTier] = []
