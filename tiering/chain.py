@@ -107,8 +107,10 @@ class TierChain:
         self._demoting = 0
         self._demote_budget = max(DEMOTION_PIN_MIN, int(self.num_rows * DEMOTION_PIN_FRACTION))
         self.advisor = advisor  # None: every disk hit is loaded
-        # read batches in flight: id -> [tier, reads left, bytes, longest read's seconds]
+        # read batches in flight: id -> [tier, reads left, bytes, longest read's seconds,
+        # submitted at]; and when each tier's last finished batch ended
         self._batches: dict[int, list] = {}
+        self._reads_ended = [0.0] * len(self.file_tiers)
         self._next_batch = 0
         self._reserve = max(WRITEBACK_RESERVE_MIN,
                             int(self.num_rows * WRITEBACK_RESERVE_FRACTION))
@@ -184,12 +186,13 @@ class TierChain:
         b = self._next_batch
         self._next_batch += 1
         bufs = {k: aligned_buffer(self.row_bytes) for k in pick}
+        submitted = time.perf_counter()
         started = tier.get([(k, bufs[k], ("calibration", k, b)) for k in pick])
         bufs = {k: buf for (k, buf), ok in zip(bufs.items(), started, strict=True) if ok}
         n = len(bufs)
         if not n:
             return False
-        self._batches[b] = [i, n, 0, 0.0]
+        self._batches[b] = [i, n, 0, 0.0, submitted]
         self._calibrating[i] = bufs  # the I/O threads write into them until the batch ends
         tier.stats.add("calibration_reads", n)
         self._reads_queued[i - 1] += n
@@ -318,9 +321,10 @@ class TierChain:
                 continue
             b = self._next_batch  # registered once we know how many reads started
             self._next_batch += 1
+            submitted = time.perf_counter()
             started = tier.get([(k, self.region.row(r), (k, r, b)) for k, r in batch])
             if any(started):
-                self._batches[b] = [i, sum(started), 0, 0.0]
+                self._batches[b] = [i, sum(started), 0, 0.0, submitted]
             for (k, r), ok in zip(batch, started, strict=True):
                 if not ok:  # gone from the tier since the lookup: a miss after all
                     self._finish_promotion(i, Completion("read", k, False, "gone",
@@ -343,8 +347,10 @@ class TierChain:
     def _read_done(self, batch: int | None, done: Completion) -> None:
         """One read of a batch ended: the batch's last one measures the tier's read rate for
         the advisor, from the tier's own completion times (each read run reports the seconds
-        since its batch was submitted: the batch took its longest one, which is what a request
-        waits for, not when this thread got round to polling, which is a step's length)."""
+        since its batch was submitted; the batch ended with its longest one, not when this
+        thread got round to polling, which is a step's length). A batch submitted while an
+        earlier one was still being read waited for it: its rate counts from that one's end,
+        so a disk with a queue is not taken for a slower one."""
         if batch is None:
             return
         entry = self._batches[batch]
@@ -353,8 +359,12 @@ class TierChain:
         entry[3] = max(entry[3], done.seconds)
         if entry[1] == 0:
             del self._batches[batch]
-            if self.advisor is not None:
-                self.advisor.observe_read_batch(entry[0] - 1, entry[2], entry[3])
+            tier, nbytes, longest, submitted = entry[0] - 1, entry[2], entry[3], entry[4]
+            ended = submitted + longest
+            busy = ended - max(submitted, self._reads_ended[tier])
+            self._reads_ended[tier] = max(self._reads_ended[tier], ended)
+            if self.advisor is not None and busy > 0:
+                self.advisor.observe_read_batch(tier, nbytes, busy)
 
     def _finish_demotion(self, i: int, done: Completion) -> None:
         row = self._in_flight.pop((i, "store", done.key), None)
