@@ -36,7 +36,7 @@ def main() -> None:
     p.add_argument("workdir")
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--fillers", type=int, default=4)
+    p.add_argument("--fillers", type=int, default=8)
     p.add_argument("--promote", default="auto")
     p.add_argument("--cpu-bytes", type=int, default=96 << 20)
     p.add_argument("--gpu-blocks", type=int, default=40)

@@ -198,6 +198,10 @@ class StepClock:
         self._tokens = self._attention = 0.0
         self._last_end = now
 
+    def last_step(self) -> tuple[float, float]:
+        """(tokens, attention) of the last step closed (the one the engine runs now)."""
+        return self._recent[-1] if self._recent else (0.0, 0.0)
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -222,7 +226,7 @@ class PromotionAdvisor:
         self._read = [_Ewma() for _ in range(n_file_tiers)]  # bytes/s per file tier
         self._declined = [0] * n_file_tiers
         self._remeasure = [False] * n_file_tiers
-        self.engine_queue_s = 0.0  # compute given to the engine in the step being scheduled
+        self._queued_s = 0.0  # compute given to the engine in the step being scheduled
 
     # -- measurements ------------------------------------------------------------------------
     def observe_read_batch(self, tier: int, nbytes: int, seconds: float) -> None:
@@ -244,11 +248,21 @@ class PromotionAdvisor:
         """A request was given tokens ``[first_token, end_token)`` to compute in this step (a
         recomputed run): later runs of the step wait behind them if they are recomputed too."""
         if self.prefill.known():
-            self.engine_queue_s += self.prefill.seconds(first_token, end_token)
+            self._queued_s += self.prefill.seconds(first_token, end_token)
+
+    @property
+    def engine_queue_s(self) -> float:
+        """The engine's compute ahead of a run recomputed now: what it was given in this step
+        so far, or — if more — what its last step computed (a busy engine fills every step to
+        its token budget, with cold prompts too, which are only seen once offered: a run
+        recomputed now finishes with the step it joins)."""
+        tokens, attention = self.clock.last_step()
+        last = self.prefill.a * tokens + self.prefill.b * attention
+        return max(self._queued_s, last)
 
     def step_end(self, now: float) -> None:
         self.clock.step_end(now)
-        self.engine_queue_s = 0.0
+        self._queued_s = 0.0
 
     # -- the decision --------------------------------------------------------------------------
     def read_rate(self, tier: int) -> float | None:
@@ -288,7 +302,7 @@ class PromotionAdvisor:
         m = ADVISOR_PAYOFF_MARGIN
         return (self.row_bytes / slowest <= m * compute
                 and (queued + self.row_bytes) / rate + self.load_overhead()
-                <= m * (self.engine_queue_s + compute))
+                <= m * max(self._queued_s + compute, self.engine_queue_s))
 
     def decide(self, tiers: Sequence[int], first_token: int, end_token: int | None = None,
                backlog_bytes: Sequence[int] = ()) -> Decision:
@@ -314,7 +328,7 @@ class PromotionAdvisor:
         end = end_token if end_token is not None else first_token + len(tiers) * self.chunk_tokens
         compute = self.prefill.seconds(first_token, end)
         m, steps = ADVISOR_PAYOFF_MARGIN, self.load_overhead()
-        load_s, recompute_s = read + steps, compute + self.engine_queue_s
+        load_s, recompute_s = read + steps, max(compute + self._queued_s, self.engine_queue_s)
         alone_pays = alone_read + steps <= m * compute
         if load_s <= m * recompute_s:
             return Decision(True, "faster" if alone_pays else "engine_busy", load_s, recompute_s)
