@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 from pathlib import Path
 
 from tiering.demo import server_args, source_of, tiered_config
@@ -44,7 +45,9 @@ def main() -> None:
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     model = str(build(work / "model"))
-    kv = tiered_config(str(work / f"kv-{a.promote}"), a.cpu_bytes)
+    cache = work / f"kv-{a.promote}"
+    shutil.rmtree(cache, ignore_errors=True)  # a restart-persistent cache would serve the cold runs
+    kv = tiered_config(str(cache), a.cpu_bytes)
     kv["kv_connector_extra_config"]["tiers"][0]["promote"] = a.promote
     rng = random.Random(7)
     rows = []

@@ -154,7 +154,9 @@ class RequestScan:
             run.note(key, i, first_token)
             if first and advisor.first_chunk_pays(i - 1, first_token,
                                                   chain.read_backlog_bytes()):
-                self._decided(Decision(True, "faster"), 0)  # pays at its start: any length
+                # pays at its start, so for any length (or the engine is not measured yet)
+                self._decided(Decision(True, "faster" if advisor.prefill.known()
+                                       else "unmeasured"), 0)
                 return run.state
             self.counted.add(key)
             return None
