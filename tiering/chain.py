@@ -180,7 +180,8 @@ class TierChain:
         tier = self.file_tiers[i - 1]
         rows = max(ADVISOR_CALIBRATION_MIN_ROWS,
                    min(ADVISOR_CALIBRATION_MAX_ROWS, ADVISOR_CALIBRATION_BYTES // self.row_bytes))
-        pick = [k for k in keys if tier.contains(k)][:rows] or list(self._written[i - 1])[-rows:]
+        pick = ([k for k in keys if tier.contains(k)][:rows]
+                or [k for k in self._written[i - 1] if tier.contains(k)][-rows:])
         if not pick:
             return False
         b = self._next_batch
