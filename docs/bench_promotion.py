@@ -26,7 +26,7 @@ from tiering.backends.file_tier import FileTier  # noqa: E402
 from tiering.backends.staging import StagingRegion  # noqa: E402
 from tiering.chain import Lookup, TierChain  # noqa: E402
 from tiering.cpu_tier import CpuTier  # noqa: E402
-from tiering.request_lookups import RequestLookups  # noqa: E402
+from tiering.request_scan import RequestScan  # noqa: E402
 
 
 def main() -> None:
@@ -52,12 +52,12 @@ def main() -> None:
         for mode in ("spin", "sleep"):
             chain.wait_idle()
             chain.reset()  # CPU rows dropped: the next request reads everything from the disk
-            req = RequestLookups(mode)
+            req = RequestScan(chain, mode)
             t, scans, pending = time.perf_counter(), 0, True
             while pending:
                 pending = False
                 for i, k in enumerate(keys):
-                    r = chain.lookup(k, request=req, first_token=16 * i)
+                    r = req.lookup(k, first_token=16 * i)
                     assert r is not Lookup.MISS
                     pending |= r is Lookup.PENDING
                 chain.on_schedule_end()

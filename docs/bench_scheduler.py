@@ -7,7 +7,7 @@ the brim; then lookups (hits in CPU, misses that also ask the file tier) and pre
 complete_store of new chunks (each evicting one) are timed per chunk, in batches of 16 chunks
 (one request's worth), as vLLM's scheduler calls them. No I/O is timed: the file tier's
 admission (store_threshold) is set so that it writes nothing. The "per request" column times
-lookups the way the vLLM adapter makes them: with a request's record (``RequestLookups``, one
+lookups the way the vLLM adapter makes them: with a request's record (``RequestScan``, one
 per 16 chunks) and each chunk's position.
 """
 
@@ -35,7 +35,7 @@ def main() -> None:
     from tiering.cpu_tier import CpuTier
 
     facts = NamespaceFacts("bench-sched", "bfloat16", "bench", 4096, 16)
-    from tiering.request_lookups import RequestLookups
+    from tiering.request_scan import RequestScan
 
     print(f"{'policy':<7} {'lookup hit':>11} {'per request':>12} {'lookup miss':>12} "
           f"{'store (evicting)':>17}  µs/chunk")
@@ -55,9 +55,9 @@ def main() -> None:
         hit = (time.perf_counter() - t0) / n * 1e6
         t0 = time.perf_counter()
         for s in range(0, n, 16):
-            req = RequestLookups(str(s))
+            req = RequestScan(chain, str(s))
             for j, k in enumerate(keys[s:s + 16]):
-                chain.lookup(k, request=req, first_token=16 * j)
+                req.lookup(k, first_token=16 * j)
         per_request = (time.perf_counter() - t0) / n * 1e6
         missing = [_key(n + i) for i in range(n)]
         t0 = time.perf_counter()

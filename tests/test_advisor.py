@@ -14,7 +14,7 @@ from tiering.backends.file_tier import FileTier
 from tiering.backends.staging import StagingRegion
 from tiering.chain import Lookup, TierChain
 from tiering.cpu_tier import CpuTier
-from tiering.request_lookups import DiskRun, IllegalRunTransition, RequestLookups, RunState
+from tiering.request_scan import DiskRun, IllegalRunTransition, RequestScan, RunState
 from tiering.settings import ADVISOR_REPROBE_AFTER
 
 ROW = 8192
@@ -122,16 +122,30 @@ def test_long_prompts_load_from_disk_short_ones_recompute():
     assert adv.loading_pays([0] * (8192 // 16), first_token=24576)
 
 
-def test_unmeasured_tiers_are_loaded_and_declines_are_probed_again():
+def test_unmeasured_costs_and_declines_that_call_for_measuring_the_tier_again():
+    """Nothing measured: load (and so measure both costs). The engine measured but not the
+    tier: recompute (a calibration read measures it; the first disk hit of an engine was
+    loaded to measure the disk, which on the H200 made a 2k-token prompt 4x slower than
+    recomputing). A tier declined for long is measured again, never by making a request wait."""
     adv = PromotionAdvisor(1, row_bytes=MiB, chunk_tokens=16)
-    assert adv.loading_pays([0] * 10, first_token=0)  # nothing measured: load, and so measure
-    adv.observe_read_batch(0, 1 << 30, 1.0)
-    assert adv.loading_pays([0] * 10, first_token=0)  # prefill still unmeasured
+    d = adv.decide([0] * 10, first_token=0)
+    assert (d.load, d.reason) == (True, "unmeasured") and adv.first_chunk_pays(0, 0)
     adv.observe_prefill(0, 4096, 0.001)  # an absurdly fast engine
-    decisions = [adv.loading_pays([0] * 16, first_token=0)
-                 for _ in range(3 * ADVISOR_REPROBE_AFTER)]
-    # one run in every ADVISOR_REPROBE_AFTER declined runs is loaded, to measure again
-    assert decisions.count(True) == 3 and not decisions[0]
+    d = adv.decide([0] * 10, first_token=0)
+    assert (d.load, d.reason) == (False, "unmeasured") and not adv.first_chunk_pays(0, 0)
+    assert adv.needs_measuring(0)
+    adv.measuring(0)
+    adv.observe_read_batch(0, 1 << 30, 1.0)
+    assert not adv.needs_measuring(0)
+    due = []
+    for _ in range(3 * ADVISOR_REPROBE_AFTER):
+        d = adv.decide([0] * 16, first_token=0)
+        assert (d.load, d.reason) == (False, "faster")  # every run declined, none probed
+        due.append(adv.needs_measuring(0))
+        if due[-1]:
+            adv.measuring(0)
+    # the tier is due to be measured again once every ADVISOR_REPROBE_AFTER declined runs
+    assert due.count(True) == 3 and not due[0]
 
 
 def test_disk_run_transitions_are_asserted():
@@ -161,12 +175,12 @@ def fill(chain: TierChain, keys) -> None:
     chain.complete_store(stored)
 
 
-def scan(c: TierChain, req: RequestLookups, keys: list[bytes]) -> int | None:
+def scan(c: TierChain, req: RequestScan, keys: list[bytes]) -> int | None:
     """One scheduler step of vLLM: ask in order until a miss; None (ask again next step) if
     any answer was pending, else the number of chunks it will load."""
     hits, pending = 0, False
     for i, k in enumerate(keys):
-        r = c.lookup(k, request=req, first_token=i * 16)
+        r = req.lookup(k, first_token=i * 16)
         if r is Lookup.MISS:
             break
         hits += 1
@@ -193,7 +207,7 @@ def test_a_declined_run_is_surveyed_then_recomputed_as_a_whole(tmp_path):
     adv.observe_read_batch(0, 1 << 30, 1.0)
     c, ks = on_disk(tmp_path, adv, n_cpu=2, n_disk=6)
     disk = c.file_tiers[0]
-    req = RequestLookups("r")
+    req = RequestScan(c, "r")
     assert scan(c, req, ks + [key("absent")]) is None  # surveyed: pending, nothing read
     assert not c.has_pending_work() and disk.stats["promotions"] == 0
     assert req.disk_run.keys == ks[2:]
@@ -212,7 +226,7 @@ def test_a_run_that_pays_is_loaded_whole_and_bytes_round_trip(tmp_path):
     adv.observe_read_batch(0, 1 << 30, 1.0)
     c, ks = on_disk(tmp_path, adv, n_cpu=1, n_disk=5)
     disk = c.file_tiers[0]
-    req = RequestLookups("r")
+    req = RequestScan(c, "r")
     # the first disk chunk alone pays: loaded at once, no survey step
     assert scan(c, req, ks) is None and req.disk_run.state is RunState.LOAD
     c.wait_idle()
@@ -237,7 +251,7 @@ def test_a_run_whose_first_chunk_does_not_pay_can_still_pay_as_a_whole(tmp_path)
     adv.observe_read_batch(0, ROW, 0.5e-3)
     assert not adv.first_chunk_pays(0, 0)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
-    req = RequestLookups("r")
+    req = RequestScan(c, "r")
     assert scan(c, req, ks) is None and req.disk_run.state is RunState.SURVEY
     assert scan(c, req, ks) is None and req.disk_run.state is RunState.LOAD
     c.wait_idle()
@@ -254,56 +268,92 @@ def test_the_decision_depends_on_where_the_run_starts(tmp_path):
     assert not adv.loading_pays([0] * 4, first_token=0)
     assert adv.loading_pays([0] * 4, first_token=16 * 1000)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=4)
-    req = RequestLookups("deep")
+    req = RequestScan(c, "deep")
     for _ in range(2):  # survey, then decide: positions say the run starts at token 16000
         for i, k in enumerate(ks):
-            c.lookup(k, request=req, first_token=16 * (1000 + i))
+            req.lookup(k, first_token=16 * (1000 + i))
         c.on_schedule_end()
     assert req.disk_run.state is RunState.LOAD
     c.close()
 
 
-def test_prefill_samples_come_from_requests_without_tier_hits(tmp_path):
+def test_prefill_is_timed_per_step_from_the_chunks_each_step_offers(tmp_path, monkeypatch):
+    """The step clock: the chunks requests offer for storing in a step are what it computes;
+    its time is the interval to the next step end (synchronous scheduling). Two requests in one
+    step are one sample of their summed costs; a step of fewer than 64 tokens is none."""
+    import time
+
+    c0, a, b = 0.01, 20e-6, 8e-9
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
     c = make_chain(tmp_path, rows=4, advisor=adv)
-    cold = RequestLookups("cold")
-    assert c.lookup(key("c0"), request=cold, first_token=0) is Lookup.MISS  # the clock starts
-    c.stored(cold, chunks=2, end_token=32)  # 32 tokens: too few to time, the segment goes on
-    assert adv.prefill.samples == 0
+    clock = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     c.on_schedule_end()
-    c.stored(cold, chunks=38, end_token=640)
-    assert adv.prefill.samples == 1 and cold.segment_token == 640
-    untimed = RequestLookups("no-lookup")  # stores without a lookup: the clock starts there
-    c.stored(untimed, chunks=64, end_token=1024)
-    assert adv.prefill.samples == 1 and untimed.segment_token == 1024
-    warm = RequestLookups("warm")
-    warm.had_tier_hit = True  # its time includes loading: no sample
-    c.stored(warm, chunks=64, end_token=1024)
+    steps = [[(0, 2048)], [(0, 8192)], [(8192, 16384), (0, 4096)], [(0, 1024)], [(0, 32)],
+             [(16384, 32768)], [(0, 4096)]]
+    reqs = [RequestScan(c, f"r{i}") for i in range(len(steps))]
+    for i, stretches in enumerate(steps):
+        for j, (k, n) in enumerate(stretches):
+            req = reqs[i] if j == 0 else RequestScan(c, f"extra{i}")
+            if k:  # an earlier step computed up to k
+                req.computed_to, req.last_offer_step = k, c.steps - 1
+            req.offered(list(range(k + 16, n + 1, 16)))
+        c.on_schedule_end()  # the step was scheduled; it runs, then the next one is scheduled
+        clock[0] += c0 + sum(a * (n - k) + b * (n * n - k * k) / 2 for k, n in stretches)
+    c.on_schedule_end()
+    assert adv.prefill.samples == len(steps) - 1  # the 32-token step is too short to time
+    assert (adv.prefill.c, adv.prefill.a, adv.prefill.b) == (
+        pytest.approx(c0, rel=1e-3), pytest.approx(a, rel=1e-3), pytest.approx(b, rel=1e-3))
+    c.close()
+
+
+def test_asynchronous_scheduling_times_a_step_one_step_end_later():
+    """vLLM's asynchronous scheduling schedules step s+1 while step s runs, and step s+2 when
+    s is done: step s took t[s+2] - t[s+1]. Timed as with synchronous scheduling, every sample
+    would be the previous step's time."""
+    tokens = [2048, 8192, 4096, 16384, 1024, 0, 0]
+    took = [0.005 + n * 10e-6 for n in tokens]  # 5 ms a step, 10 µs a token
+    ends = [0.0, 0.001]  # step 0 scheduled, step 1 right after it (step 0 still runs)
+    for i in range(len(tokens) - 2):
+        ends.append(ends[-1] + took[i])  # step i done: step i + 2 scheduled
+    for lag, right in ((1, True), (0, False)):
+        adv = PromotionAdvisor(1, ROW, chunk_tokens=16, step_lag=lag)
+        for n, t in zip(tokens, ends, strict=True):
+            adv.computes(0, n)
+            adv.step_end(t)
+        assert adv.prefill.samples >= 4
+        fitted = (adv.prefill.c, adv.prefill.a)
+        assert (fitted == (pytest.approx(0.005, rel=1e-3), pytest.approx(10e-6, rel=1e-3))) \
+            is right
+
+
+def test_decoding_is_no_prefill_sample(tmp_path):
+    """With generated tokens stored too, a chunk of 16 decoded tokens is offered after 16
+    steps: timing it as 16 tokens of prefill would call the engine far slower than it is."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    c = make_chain(tmp_path, rows=4, advisor=adv)
+    req = RequestScan(c, "r")
+    c.on_schedule_end()
+    req.offered(list(range(16, 129, 16)) + [128] * 4)  # the prompt in one step (2 KV groups)
+    c.on_schedule_end()
+    c.on_schedule_end()
+    assert adv.prefill.samples == 1 and req.computed_to == 128
+    for end in range(144, 144 + 16 * 8, 16):  # then one chunk per 16 decode steps
+        for _ in range(16):
+            c.on_schedule_end()
+        req.offered([end])
+    for _ in range(3):
+        c.on_schedule_end()
     assert adv.prefill.samples == 1
     c.close()
 
 
-def test_decoding_is_no_prefill_sample(tmp_path):
-    """With generated tokens stored too, a chunk of 16 decoded tokens completes after 16 steps:
-    timing it as prefill would call the engine a hundred times slower than it is."""
-    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
-    c = make_chain(tmp_path, rows=4, advisor=adv)
-    req = RequestLookups("r")
-    assert c.lookup(key("d0"), request=req, first_token=0) is Lookup.MISS
-    c.on_schedule_end()
-    c.stored(req, chunks=8, end_token=128)  # the prompt, in one step: a sample
-    assert adv.prefill.samples == 1
-    for end in range(144, 144 + 16 * 8, 16):  # then one chunk per 16 decode steps
-        for _ in range(16):
-            c.on_schedule_end()
-        c.stored(req, chunks=1, end_token=end)
-    assert adv.prefill.samples == 1
-
-def test_a_store_of_several_kv_groups_is_one_prefill_sample_per_chunk(tmp_path, monkeypatch):
-    """A model with two KV cache groups (full and sliding-window attention): vLLM stores one
-    key per group for each chunk, in one job. The manager counted keys as chunks, so
-    the first store of a prompt [0, 1024) became a sample [-1024, 1024): the fit divided by
-    zero (ZeroDivisionError into vLLM's scheduler), and later samples were wrong."""
+def test_the_manager_times_a_store_of_several_kv_groups_by_its_tokens_once(tmp_path,
+                                                                        monkeypatch):
+    """A model with two KV cache groups (full and sliding-window attention): vLLM offers one
+    key per group for each chunk, in one job. Counting keys as chunks made the first store of a
+    prompt [0, 1024) the sample [-1024, 1024) (a ZeroDivisionError into vLLM's scheduler once);
+    the step computes the 1024 tokens once."""
     pytest.importorskip("vllm")
     import time
 
@@ -322,12 +372,16 @@ def test_a_store_of_several_kv_groups_is_one_prefill_sample_per_chunk(tmp_path, 
             ctx.set_offload_key_position(keys[g * chunks + i], (i + 1) * 16)
     clock = [100.0]
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
-    assert m.lookup(keys[0], ctx).name == "MISS"  # its first lookup starts the clock
+    assert m.lookup(keys[0], ctx).name == "MISS"
+    m.prepare_store(keys, ctx)  # the step computes tokens [0, 1024)
+    m.on_schedule_end(None)
     clock[0] += 1.024
-    m.prepare_store(keys, ctx)
-    m.complete_store(keys, ctx)  # tokens [0, 1024) computed and stored in 1.024 s
+    m.complete_store(keys, ctx)
+    m.on_schedule_end(None)  # the next step: the first took 1.024 s
     assert adv.prefill.samples == 1
     assert (adv.prefill.a, adv.prefill.b) == (pytest.approx(1e-3), 0.0)
+    m.on_request_finished(ctx)
+    assert m.live_requests() == 0
     m.shutdown()
 
 
@@ -340,12 +394,12 @@ def test_surveyed_chunks_that_leave_the_disk_before_the_decision_are_misses(tmp_
     adv.observe_read_batch(0, ROW, 0.5e-3)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
     disk = c.file_tiers[0]
-    req = RequestLookups("r")
+    req = RequestScan(c, "r")
     assert scan(c, req, ks) is None and req.disk_run.state is RunState.SURVEY
     assert disk.drop([ks[0], ks[7]]) == 2
     assert scan(c, req, ks) == 0  # the first chunk is gone: a miss, decided nothing
     assert not c.has_pending_work() and req.disk_run.state is RunState.SURVEY
-    other = RequestLookups("later")  # the same prompt without its first chunk
+    other = RequestScan(c, "later")  # the same prompt without its first chunk
     for _ in range(4):
         got = scan(c, other, ks[1:])
         c.wait_idle()
@@ -368,14 +422,14 @@ def test_two_requests_surveying_the_same_prefix_load_it_once_or_both_recompute(t
     adv.observe_read_batch(0, ROW, read_s)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
     disk = c.file_tiers[0]
-    reqs = {"a": RequestLookups("a"), "b": RequestLookups("b")}
+    reqs = {"a": RequestScan(c, "a"), "b": RequestScan(c, "b")}
     done: dict[str, int] = {}
     for _ in range(20):
         for name, req in reqs.items():
             if name not in done:
                 hits, pending = 0, False
                 for i, k in enumerate(ks):
-                    r = c.lookup(k, request=req, first_token=16 * i)
+                    r = req.lookup(k, first_token=16 * i)
                     if r is Lookup.MISS:
                         break
                     hits += 1
@@ -419,10 +473,10 @@ def test_a_first_chunk_on_a_fast_tier_does_not_load_a_run_that_goes_on_a_slow_on
     tiers[0].drop(ks[4:])  # chunks 4..7 only on the slow tier
     assert not adv.first_chunk_pays(0, 1600)  # from the fast tier alone it would pay
     assert not adv.loading_pays([0] * 4 + [1] * 4, 1600)
-    req = RequestLookups("deep")
+    req = RequestScan(c, "deep")
     for _ in range(2):  # survey, then decide: the run starts at token 1600
         for i, k in enumerate(ks):
-            c.lookup(k, request=req, first_token=1600 + 16 * i)
+            req.lookup(k, first_token=1600 + 16 * i)
         c.on_schedule_end()
     assert req.disk_run.state is RunState.RECOMPUTE
     c.wait_idle()

@@ -131,7 +131,7 @@ def test_random_operations_on_a_full_disk_with_the_advisor(tmp_path, mount_tmpfs
     loaded or recomputed) and the demotion budget in play: after every step the chain's write
     count matches the rows it pinned, and at the end nothing is owed, pinned or pending."""
     from tiering.advisor import PromotionAdvisor
-    from tiering.request_lookups import RequestLookups
+    from tiering.request_scan import RequestScan
 
     rng = random.Random(1000 + seed)
     fs = mount_tmpfs("2m", f"fs{seed}")
@@ -147,18 +147,18 @@ def test_random_operations_on_a_full_disk_with_the_advisor(tmp_path, mount_tmpfs
     universe = [key(f"full-{seed}-{i}") for i in range(30)]
     writing: list[list[bytes]] = []
     loading: list[list[bytes]] = []
-    requests: dict[int, tuple[RequestLookups, list[bytes]]] = {}
+    requests: dict[int, tuple[RequestScan, list[bytes]]] = {}
     for _ in range(300):
         op = rng.random()
         if op < 0.3:  # a live request's scan: in order until a miss
             rid = rng.randrange(4)
             if rid not in requests or rng.random() < 0.2:  # a new request under that id
                 start = rng.randrange(len(universe) - 8)
-                requests[rid] = (RequestLookups(str(rid)), universe[start:start + rng.randint(1, 8)])
+                requests[rid] = (RequestScan(c, str(rid)), universe[start:start + rng.randint(1, 8)])
             req, ks = requests[rid]
             hits, pending = [], False
             for i, k in enumerate(ks):
-                r = c.lookup(k, request=req, first_token=rng.choice([16 * i, None]))
+                r = req.lookup(k, first_token=rng.choice([16 * i, None]))
                 if r is Lookup.MISS:
                     break
                 pending |= r is Lookup.PENDING

@@ -136,9 +136,10 @@ def test_promotion_from_disk_after_connector_reset(model, tmp_path):
 
 def test_promote_auto_recomputes_when_the_engine_outruns_the_disk(model, tmp_path):
     """With promote auto, a disk hit is a miss once recomputing is faster: the advisor learns
-    the prefill cost from vLLM's own store completions and the read rate from the first
-    (unmeasured, so loaded) disk hit; then, with an engine far faster than the disk, the run is
-    surveyed and recomputed."""
+    the prefill cost from the steps vLLM schedules and the read rate from a calibration read
+    (the first disk hit, its tier unmeasured, is recomputed meanwhile: no request waits to
+    measure the disk); then, with an engine far faster than the disk, the run is surveyed and
+    recomputed."""
     h = Harness(model, extra(tmp_path, promote="auto"), delay=1)
     a = prompt(2)
     h.add("a1", a)
@@ -146,10 +147,11 @@ def test_promote_auto_recomputes_when_the_engine_outruns_the_disk(model, tmp_pat
     advisor = h.manager.chain.advisor
     assert advisor.prefill.known() and advisor.read_rate(0) is None
     h.reset_gpu_prefix_cache(connector=True)
-    h.add("a2", a)  # the read rate is not known yet: loaded, and so measured
+    h.add("a2", a)  # the read rate is not known yet: recomputed while a calibration measures it
     h.run()
     disk = h.manager.chain.tiers[1].stats
-    assert disk["promotions"] >= 3 and advisor.read_rate(0)
+    assert h.cached.get("a2", 0) == 0 and disk["disk_runs_recomputed:unmeasured"] == 1
+    assert disk["calibration_reads"] >= 3 and advisor.read_rate(0)
     h.reset_gpu_prefix_cache(connector=True)
     advisor.prefill.a, advisor.prefill.b = 1e-12, 0.0  # this harness computes in no time
     h.add("a3", a)
@@ -205,9 +207,10 @@ def test_promote_auto_loads_the_cpu_prefix_and_recomputes_a_declined_disk_run(mo
     h.add("a1", a)  # stored to CPU and disk; a prefill sample
     h.run()
     h.reset_gpu_prefix_cache(connector=True)
-    h.add("a2", a)  # read rate unknown: loaded from disk, and so measured
+    h.add("a2", a)  # read rate unknown: recomputed while a calibration read measures it
     h.run()
     assert chain.advisor.read_rate(0) and chain.advisor.prefill.known()
+    assert chain.tiers[1].stats["calibration_reads"] >= 1
     # what the advisor measured depends on this machine's speed: make the engine instant
     prefill = chain.advisor.prefill
     prefill.c, prefill.a, prefill.b = 0.0, 1e-12, 0.0

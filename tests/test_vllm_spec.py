@@ -191,43 +191,44 @@ def test_replicated_layout_every_rank_reads_the_one_stored_copy():
 
 
 def test_manager_feeds_the_promotion_advisor(tmp_path):
-    """A request computed from scratch is a prefill sample, placed where vLLM says its chunks
-    end in the prompt; a request with a hit is not."""
+    """Each step's offered chunks, placed where vLLM says they end in the prompt, are what the
+    step computes: timed from one step end to the next, they are the advisor's prefill samples.
+    A request's scan goes when vLLM reports it finished, its store completions need none."""
     m = TieredOffloadingSpec(config(good(tmp_path), engine="advisor")).get_manager()
     advisor = m.chain.advisor
     assert advisor is not None and not advisor.prefill.known()
+    assert advisor.clock.lag == 0  # no engine config here: synchronous scheduling
     keys = [bytes(32) + i.to_bytes(4, "big") for i in range(40)]  # 40 x 16 tokens = 640
     ctx = ReqContext(req_id="fresh")
     for i, k in enumerate(keys):
         ctx.set_offload_key_position(k, 16 * (i + 1))
     for k in keys:
         assert m.lookup(k, ctx) == LookupResult.MISS
-    for i in range(0, 40, 8):  # the CPU tier holds 8 rows: stored 8 chunks at a time
+    m.on_schedule_end(None)
+    for i in range(0, 40, 8):  # the CPU tier holds 8 rows: 8 chunks (128 tokens) a step
         out = m.prepare_store(keys[i:i + 8], ctx)
         assert out is not None and len(out.keys_to_store) == 8
-        m.complete_store(keys[i:i + 8], ctx)  # completions, not offers, time the prefill
+        m.on_schedule_end(None)
+        m.complete_store(keys[i:i + 8], ctx)
         m.chain.wait_idle()  # written down: the next 8 may evict them
+    m.on_schedule_end(None)
     m.on_request_finished(ctx)
     assert m.live_requests() == 0
-    fresh_samples = advisor.prefill.samples
-    assert fresh_samples >= 1 and advisor.prefill.seconds(0, 640) > 0
-    late = ReqContext(req_id="late")  # finished before its stores completed: still a sample
+    # five steps of 128 tokens each, the first placed at [0, 128) and the last at [512, 640)
+    assert advisor.prefill.samples == 5 and advisor.prefill.seconds(0, 640) > 0
+    late = ReqContext(req_id="late")  # finished before its stores completed
     more = [bytes([7] * 32) + i.to_bytes(4, "big") for i in range(40)]
     for i, k in enumerate(more):
         late.set_offload_key_position(k, 16 * (i + 1))
     assert m.lookup(more[0], late) == LookupResult.MISS
-    m.chain.wait_idle()
     assert m.prepare_store(more[32:], late) is not None
     m.on_request_finished(late)
-    assert m.live_requests() == 1  # kept for its store
+    assert m.live_requests() == 0
     m.complete_store(more[32:], late)
-    assert m.live_requests() == 0 and advisor.prefill.samples == fresh_samples + 1
-    hit = ReqContext(req_id="hit")  # a chunk the CPU tier holds: no sample
-    assert m.lookup(more[32], hit) == LookupResult.HIT
-    m.chain.wait_idle()
-    m.prepare_store(keys[8:16], hit)
-    m.complete_store(keys[8:16], hit)
-    assert advisor.prefill.samples == fresh_samples + 1
+    assert m.live_requests() == 0
+    m.on_schedule_end(None)  # the late request's step: [512, 640) of its prompt
+    m.on_schedule_end(None)
+    assert advisor.prefill.samples == 6
     m.shutdown()
     off = TieredOffloadingSpec(config(good(tmp_path, tiers=[
         {"medium": "cpu", "promote": "always"},

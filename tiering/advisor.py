@@ -3,36 +3,45 @@
 A disk hit only helps if loading its KV takes less time than the engine takes to recompute the
 same tokens. Both costs are measured while serving:
 
-* **read rate** of each file tier: bytes per second of each promotion batch, submit to last
-  completion (a batch's reads run in parallel on the tier's I/O threads, so this is the rate a
-  request's promotion actually gets), smoothed. (The write rate is no stand-in: measured on the
-  build machine's virtual disk it was tens of times below the read rate.)
-* **prefill cost** of the engine, as a function of *where* in the prompt the tokens are: a token
-  at position ``p`` costs ``a + b * p`` seconds (``a``: the per-token layers; ``b``: attention
-  over the ``p`` tokens before it), and a step costs ``c`` whatever it computes. Computing tokens
-  ``[k, n)`` with ``k`` of them cached takes ``c + a (n - k) + b (n^2 - k^2) / 2``. The three are
-  fitted by least squares, non-negative, with exponential forgetting (``PrefillModel``), to the
-  requests computed without any tier hit: the tokens between two of a request's store
-  completions (vLLM completes a store after the forward pass that computed its chunks, and says
-  where in the prompt each chunk ends) and the time between them (the first from the request's
-  first lookup). Queueing behind other requests makes that an overestimate of cost, which errs
-  towards loading. A fixed ``prefill_tokens_per_s`` in the config replaces the measurement.
+* **read rate** of each file tier: bytes per second of each promotion (or calibration) batch,
+  from the tier's own completion times (each read run reports the seconds since its batch was
+  submitted; the batch's longest one is what a request waits for), smoothed. Until a tier has
+  been read, the chain measures it with a calibration read no request waits for.
+* **prefill cost** of the engine per *step*: a step costs ``c`` whatever it computes, and a
+  prompt token at position ``p`` costs ``a + b * p`` (``a``: the per-token layers; ``b``:
+  attention over the ``p`` tokens before it). A step that computes tokens ``[k, n)`` of one
+  request takes ``c + a (n - k) + b (n^2 - k^2) / 2``; of several, the sums. The three are fitted
+  by least squares, non-negative, with exponential forgetting (``PrefillModel``), to the steps
+  the engine ran: the requests' stores vLLM offers in a step are the chunks that step computes
+  (``StepClock``), and the step's time is the interval between two of the scheduler's step
+  ends (one later under vLLM's asynchronous scheduling, which schedules the next step while
+  the current one runs). A fixed ``prefill_tokens_per_s`` in the config replaces the fit.
 
-One rate for all prompt lengths was wrong on the H200: fitted on 2k-token prompts, it declined
-the disk hits of a 32k-token prompt that read in 3.6-3.9 s and took 4.55 s to recompute, since
-the tail of a long prompt costs several times more per token than a short prompt does.
+Why per step: timed by store *completions* (as before), every sample was one step late, since
+vLLM submits a step's stores at the start of the next step and reports them after it. On the
+H200 a 32k-token prompt's second half then took one decode step (25 ms) and its first half both
+halves' time; the fit became one per-token cost of 116 µs (true: 24 µs plus attention), which
+put a 2k prompt at 0.24 s (true 0.07 s) and loaded the 2k and 8k disk hits that recomputing
+beat by 4x and 2x (``tests/test_advisor_replay.py``).
 
 The decision is per request, for the whole run of chunks it would read from disk (after its
-CPU hits): loading costs the reads plus ``ADVISOR_LOAD_STEPS`` extra steps (``c`` each), and
-saves the run's ``a`` and ``b`` terms. Reading costs the same per chunk wherever it is,
-computing costs more per chunk the further into the prompt, so the request's total time is
-concave in the number of disk chunks it loads, and its minimum is at one end: load the whole
-run or none of it. The chain surveys the
-run first (``tiering.request_lookups``) and asks ``loading_pays`` once — unless its first chunk
-alone pays (``first_chunk_pays``): then every longer run pays too, and loading starts at once. Until both costs have
-been seen, disk hits are loaded (that is also how the read rate gets measured), and a tier that
-keeps being declined is probed again now and then. A declined run is a miss (counted per chunk as
-``promotions_declined`` on its tier): vLLM recomputes it.
+CPU hits). Loading costs the reads — the run's own bytes **plus the reads queued ahead of it on
+the same tier** (under many requests the disk is a shared queue) — plus ``ADVISOR_LOAD_STEPS``
+extra steps (``c`` each); recomputing costs the run's ``a`` and ``b`` terms **plus the compute
+already given to the engine in this step** (requests decided, or missed, before this one). So
+the disk takes runs while its queue is shorter than the engine's, and the two work side by side:
+throughput approaches the engine's rate plus the disk's, and never falls below the engine's
+alone. Alone (nothing queued) this is the plain comparison of the two costs.
+
+Reading costs the same per chunk wherever it is, computing costs more per chunk the further
+into the prompt, so the request's total time is concave in the number of disk chunks it loads,
+and its minimum is at one end: load the whole run or none of it. The request's scan
+(``tiering.request_scan``) surveys the run first and asks ``decide`` once — unless its first
+chunk alone pays (``first_chunk_pays``): then every longer run pays too, and loading starts at
+once. Before the engine's prefill has been measured at all, a disk hit is loaded (there is
+nothing to weigh it against); before a tier's read rate is known, its runs are recomputed while
+a calibration read measures it. Every decision has an outcome and a reason (``Decision``), which
+the scan counts on the run's first tier and logs at DEBUG.
 
 All calls come from the scheduler thread; nothing here blocks.
 """
@@ -40,17 +49,21 @@ All calls come from the scheduler thread; nothing here blocks.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from tiering.settings import (
     ADVISOR_EWMA_WEIGHT,
     ADVISOR_LOAD_STEPS,
+    ADVISOR_MIN_SAMPLE_TOKENS,
     ADVISOR_MODEL_WEIGHT,
     ADVISOR_PAYOFF_MARGIN,
     ADVISOR_REPROBE_AFTER,
 )
+from tiering.stats import LOAD_REASONS, RECOMPUTE_REASONS  # noqa: F401 (Decision.reason)
 
 
 class _Ewma:
@@ -64,9 +77,15 @@ class _Ewma:
         self.value = x if self.value is None else (1 - w) * self.value + w * x
 
 
+def stretch_features(k: int, n: int) -> tuple[float, float]:
+    """The per-token and attention features of computing prompt tokens ``[k, n)``."""
+    return float(n - k), (float(n) * n - float(k) * k) / 2.0
+
+
 class PrefillModel:
-    """Seconds a step takes to compute prompt tokens ``[k, n)``:
-    ``c + a (n - k) + b (n^2 - k^2) / 2``.
+    """Seconds a step takes: ``c + a * x1 + b * x2``, where ``x1`` is the prompt tokens it
+    computes and ``x2`` their attention term (``(n^2 - k^2) / 2`` for tokens ``[k, n)`` of a
+    request, summed over the step's requests).
 
     ``c`` is what a step costs whatever it computes (scheduling, launches, the store copy):
     loading does not save it (the request still needs a step for its last tokens) and pays it
@@ -82,21 +101,24 @@ class PrefillModel:
 
     def __init__(self, tokens_per_s: float | None = None) -> None:
         self.fixed = tokens_per_s
-        self._s = np.zeros((3, 3))  # decayed sum of f f^T, f = (1, n - k, (n^2 - k^2) / 2)
+        self._s = np.zeros((3, 3))  # decayed sum of f f^T, f = (1, x1, x2)
         self._r = np.zeros(3)  # decayed sum of f t
         self._tt = 0.0  # decayed sum of t^2
         self.samples = 0
         self.c, self.a, self.b = 0.0, (1.0 / tokens_per_s if tokens_per_s else 0.0), 0.0
 
-    @staticmethod
-    def _features(k: int, n: int) -> np.ndarray:
-        return np.array([1.0, float(n - k), (float(n) * n - float(k) * k) / 2.0])
-
     def add(self, k: int, n: int, seconds: float) -> None:
-        """A step computed tokens ``[k, n)`` in ``seconds``."""
-        if self.fixed or not 0 <= k < n or not 0 < seconds < math.inf:
+        """A step computed tokens ``[k, n)`` of one request in ``seconds``."""
+        if not 0 <= k < n:
             return  # no usable sample (a negative k could zero the attention term: x2 = 0)
-        f = self._features(k, n)
+        self.add_step(*stretch_features(k, n), seconds)
+
+    def add_step(self, tokens: float, attention: float, seconds: float) -> None:
+        """A step computed ``tokens`` prompt tokens with attention term ``attention`` (sums
+        over its requests) in ``seconds``."""
+        if self.fixed or not tokens > 0 or not attention > 0 or not 0 < seconds < math.inf:
+            return
+        f = np.array([1.0, tokens, attention])
         keep = 1.0 - ADVISOR_MODEL_WEIGHT if self.samples else 0.0
         self._s = keep * self._s + np.outer(f, f)
         self._r = keep * self._r + f * seconds
@@ -135,77 +157,200 @@ class PrefillModel:
     def seconds(self, k: int, n: int) -> float:
         """Predicted seconds of the tokens ``[k, n)`` alone (the per-token and attention terms:
         what computing them adds to a step, and so what loading them saves)."""
-        _, x1, x2 = self._features(k, n)
+        x1, x2 = stretch_features(k, n)
         return self.a * x1 + self.b * x2
+
+
+class StepClock:
+    """Times the engine's steps for the prefill model.
+
+    During a step's scheduling the requests report the prompt tokens the step computes
+    (``computes``: vLLM offers a step's chunks for storing when it schedules their compute);
+    ``step_end`` closes the step with the scheduler's clock. The step's time is the interval
+    between the next two step ends: with synchronous scheduling the next step is scheduled
+    after this one's forward pass, so it is ``t[s+1] - t[s]``; with vLLM's asynchronous
+    scheduling the next step is scheduled while this one runs, and the one after that once it
+    is done, so it is ``t[s+2] - t[s+1]`` (``lag`` 1)."""
+
+    def __init__(self, model: PrefillModel, lag: int = 0) -> None:
+        assert lag in (0, 1), lag
+        self.model, self.lag = model, lag
+        self._tokens = 0.0
+        self._attention = 0.0
+        # (tokens, attention) of the last steps, newest last, and the last step end's time
+        self._recent: deque[tuple[float, float]] = deque(maxlen=lag + 1)
+        self._last_end: float | None = None
+
+    def computes(self, k: int, n: int) -> None:
+        """The step being scheduled computes prompt tokens ``[k, n)`` of one request."""
+        if 0 <= k < n:
+            x1, x2 = stretch_features(k, n)
+            self._tokens += x1
+            self._attention += x2
+
+    def step_end(self, now: float) -> None:
+        """The scheduler finished scheduling a step at ``now``."""
+        if self._last_end is not None and len(self._recent) == self._recent.maxlen:
+            tokens, attention = self._recent[0]  # the step that ran in this interval
+            if tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
+                self.model.add_step(tokens, attention, now - self._last_end)
+        self._recent.append((self._tokens, self._attention))
+        self._tokens = self._attention = 0.0
+        self._last_end = now
+
+    def last_step(self) -> tuple[float, float]:
+        """(tokens, attention) of the last step closed (the one the engine runs now)."""
+        return self._recent[-1] if self._recent else (0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the advisor decided for one disk run, and why (seconds as it priced them)."""
+
+    load: bool
+    reason: str  # LOAD_REASONS if load, else RECOMPUTE_REASONS
+    load_s: float = math.nan  # reads (queue ahead included) + the load's extra steps
+    recompute_s: float = math.nan  # the run's compute + what the engine was given before it
+
+    @property
+    def outcome(self) -> str:
+        return "load" if self.load else "recompute"
 
 
 class PromotionAdvisor:
     def __init__(self, n_file_tiers: int, row_bytes: int, chunk_tokens: int,
-                 prefill_tokens_per_s: float | None = None) -> None:
+                 prefill_tokens_per_s: float | None = None, step_lag: int = 0) -> None:
         self.row_bytes, self.chunk_tokens = row_bytes, max(1, chunk_tokens)
         self.prefill = PrefillModel(prefill_tokens_per_s)
+        self.clock = StepClock(self.prefill, step_lag)
         self._read = [_Ewma() for _ in range(n_file_tiers)]  # bytes/s per file tier
         self._declined = [0] * n_file_tiers
+        self._remeasure = [False] * n_file_tiers
+        self._queued_s = 0.0  # compute given to the engine in the step being scheduled
 
     # -- measurements ------------------------------------------------------------------------
     def observe_read_batch(self, tier: int, nbytes: int, seconds: float) -> None:
-        """A promotion batch of file tier ``tier`` (0-based) finished."""
+        """A promotion or calibration batch of file tier ``tier`` (0-based) finished: its bytes
+        and its longest read's seconds since the batch was submitted."""
         if nbytes > 0 and seconds > 0:
             self._read[tier].add(nbytes / seconds)
 
     def observe_prefill(self, first_token: int, end_token: int, seconds: float) -> None:
-        """A request without tier hits computed tokens ``[first_token, end_token)`` in
-        ``seconds`` (the chain times stretches of at least ``ADVISOR_MIN_SAMPLE_TOKENS``)."""
+        """A step computed only tokens ``[first_token, end_token)`` of one request."""
         self.prefill.add(first_token, end_token, seconds)
+
+    def computes(self, first_token: int, end_token: int) -> None:
+        """The step being scheduled computes tokens ``[first_token, end_token)`` of a request
+        (vLLM offered them for storing)."""
+        self.clock.computes(first_token, end_token)
+
+    def queue_compute(self, first_token: int, end_token: int) -> None:
+        """A request was given tokens ``[first_token, end_token)`` to compute in this step (a
+        recomputed run): later runs of the step wait behind them if they are recomputed too."""
+        if self.prefill.known():
+            self._queued_s += self.prefill.seconds(first_token, end_token)
+
+    @property
+    def engine_queue_s(self) -> float:
+        """The engine's compute ahead of a run recomputed now: what it was given in this step
+        so far, or — if more — what its last step computed (a busy engine fills every step to
+        its token budget, with cold prompts too, which are only seen once offered: a run
+        recomputed now finishes with the step it joins)."""
+        tokens, attention = self.clock.last_step()
+        last = self.prefill.a * tokens + self.prefill.b * attention
+        return max(self._queued_s, last)
+
+    def step_end(self, now: float) -> None:
+        self.clock.step_end(now)
+        self._queued_s = 0.0
 
     # -- the decision --------------------------------------------------------------------------
     def read_rate(self, tier: int) -> float | None:
         return self._read[tier].value
 
-    def _load_overhead(self) -> float:
+    def needs_measuring(self, tier: int) -> bool:
+        """Should the chain issue a calibration read of ``tier`` (0-based)? Its rate is unknown,
+        or its runs were declined ``ADVISOR_REPROBE_AFTER`` times since it was last read."""
+        return self._read[tier].value is None or self._remeasure[tier]
+
+    def measuring(self, tier: int) -> None:
+        """A calibration read of ``tier`` was issued."""
+        self._remeasure[tier] = False
+        self._declined[tier] = 0
+
+    def load_overhead(self) -> float:
         """What a load adds in steps (``ADVISOR_LOAD_STEPS`` times a step's fixed cost)."""
         return ADVISOR_LOAD_STEPS * self.prefill.c
 
-    def first_chunk_pays(self, tier: int, first_token: int) -> bool:
-        """Would reading the chunk at ``first_token``, with a load's extra steps, beat computing
-        it there, even from the slowest measured file tier? If so, loading pays for any run that
+    def first_chunk_pays(self, tier: int, first_token: int,
+                         backlog_bytes: Sequence[int] = ()) -> bool:
+        """Would reading the chunk at ``first_token``, with a load's extra steps and the reads
+        queued ahead on ``tier``, beat computing it there — and does each chunk read from the
+        slowest measured file tier beat computing it alone? If so, loading pays for any run that
         starts with it, however long and wherever its later chunks are (each costs more to
-        compute and no more to read, and the extra steps are paid once), so the run needs no
-        survey. (From ``tier``'s own rate alone that holds for one tier only: a run going on on
-        a slower tier was loaded at once.) True while ``tier`` is unmeasured (load, and so
-        measure)."""
-        if not self.read_rate(tier) or not self.prefill.known():
+        compute and no more to read, and the extra steps and the queue are paid once), so the
+        run needs no survey. True while the engine is unmeasured (load, and so measure); False
+        while ``tier`` is (survey: the decision will recompute while the tier is measured)."""
+        if not self.prefill.known():
             return True
+        rate = self.read_rate(tier)
+        if not rate:
+            return False
         slowest = min(r.value for r in self._read if r.value)
         compute = self.prefill.seconds(first_token, first_token + self.chunk_tokens)
-        return (self.row_bytes / slowest + self._load_overhead()
-                <= ADVISOR_PAYOFF_MARGIN * compute)
+        queued = backlog_bytes[tier] if tier < len(backlog_bytes) else 0
+        m = ADVISOR_PAYOFF_MARGIN
+        return (self.row_bytes / slowest <= m * compute
+                and (queued + self.row_bytes) / rate + self.load_overhead()
+                <= m * max(self._queued_s + compute, self.engine_queue_s))
+
+    def decide(self, tiers: Sequence[int], first_token: int, end_token: int | None = None,
+               backlog_bytes: Sequence[int] = ()) -> Decision:
+        """Load one row from each of ``tiers`` (0-based file tier per row, in prompt order)
+        covering tokens ``[first_token, end_token)`` (default: one chunk's tokens per row), or
+        recompute them? ``backlog_bytes[t]``: the bytes of reads queued or in flight on tier
+        ``t`` ahead of this run."""
+        if not tiers:
+            return Decision(True, "faster", 0.0, 0.0)
+        if not self.prefill.known():
+            return Decision(True, "unmeasured")  # nothing to weigh it against: load, measure
+        rates = {t: self.read_rate(t) for t in set(tiers)}
+        if not all(rates.values()):
+            self._count_decline(tiers)
+            return Decision(False, "unmeasured")  # recomputed while the tier is measured
+        own: dict[int, int] = {}
+        for t in tiers:
+            own[t] = own.get(t, 0) + self.row_bytes
+        queued = {t: backlog_bytes[t] if t < len(backlog_bytes) else 0 for t in own}
+        # tiers read in parallel: the run is in when the last of its tiers has read its part
+        alone_read = max(own[t] / rates[t] for t in own)  # type: ignore[operator]
+        read = max((queued[t] + own[t]) / rates[t] for t in own)  # type: ignore[operator]
+        end = end_token if end_token is not None else first_token + len(tiers) * self.chunk_tokens
+        compute = self.prefill.seconds(first_token, end)
+        m, steps = ADVISOR_PAYOFF_MARGIN, self.load_overhead()
+        load_s, recompute_s = read + steps, max(compute + self._queued_s, self.engine_queue_s)
+        alone_pays = alone_read + steps <= m * compute
+        if load_s <= m * recompute_s:
+            return Decision(True, "faster" if alone_pays else "engine_busy", load_s, recompute_s)
+        self._count_decline(tiers)
+        return Decision(False, "disk_busy" if alone_pays else "faster", load_s, recompute_s)
 
     def loading_pays(self, tiers: Sequence[int], first_token: int,
-                     end_token: int | None = None) -> bool:
-        """Is reading one row from each of ``tiers`` (0-based file tier per row, in prompt
-        order), plus a load's extra steps, faster than computing the tokens from
-        ``first_token`` to ``end_token`` (default: one chunk's tokens per row)?"""
-        if not tiers:
-            return True
-        rates = [self.read_rate(t) for t in tiers]
-        if not all(rates) or not self.prefill.known():
-            return True  # not measured yet: load (and measure)
-        read_s = sum(self.row_bytes / r for r in rates) + self._load_overhead()
-        end = end_token if end_token is not None else first_token + len(tiers) * self.chunk_tokens
-        if read_s <= ADVISOR_PAYOFF_MARGIN * self.prefill.seconds(first_token, end):
-            return True
-        probe = False
+                     end_token: int | None = None, backlog_bytes: Sequence[int] = ()) -> bool:
+        """``decide(...).load``."""
+        return self.decide(tiers, first_token, end_token, backlog_bytes).load
+
+    def _count_decline(self, tiers: Sequence[int]) -> None:
         for t in set(tiers):
             self._declined[t] += 1
             if self._declined[t] >= ADVISOR_REPROBE_AFTER:
                 self._declined[t] = 0
-                probe = True  # declined for long: load this run to measure the tier again
-        return probe
+                self._remeasure[t] = True  # declined for long: measure the tier again
 
     def describe(self) -> dict[str, float | None]:
         known = self.prefill.known()
         return {"step_s": self.prefill.c if known else None,
                 "prefill_s_per_token": self.prefill.a if known else None,
                 "prefill_s_per_token_per_context_token": self.prefill.b if known else None,
+                "engine_queue_s": self.engine_queue_s,
                 **{f"read_bytes_per_s[{i}]": r.value for i, r in enumerate(self._read)}}

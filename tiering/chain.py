@@ -20,25 +20,32 @@ if more). A row being written is pinned, so the CPU tier evicts around it
 and never waits for a write. A row evicted while still owed never reaches that tier (counted as
 ``writeback_misses``); a reset and the shutdown write every owed row first.
 
-Disk-hit path: ``lookup`` misses the CPU tier and hits a file tier: a CPU row is reserved at once
-(PROMOTING), the answer is PENDING, and at the step's end (``on_schedule_end``) the reads of all
-promotions of the step are issued in one batch per tier. ``poll`` marks the rows READY; vLLM's next
-lookup hits them and loads them to the GPU like any CPU hit.
+Disk-hit path: a request's scan (``tiering.request_scan``) misses the CPU tier and finds a file
+tier holding the chunk (``find_cpu``, ``find_file``); if it loads the chunk, ``promote`` reserves a
+CPU row at once (PROMOTING), the answer is PENDING, and at the step's end (``on_schedule_end``)
+the reads of all promotions of the step are issued in one batch per tier. ``poll`` marks the rows
+READY; vLLM's next lookup hits them and loads them to the GPU like any CPU hit. The chain keeps
+what the scan's decision needs from it: each tier's read backlog (``read_backlog_bytes``), its
+read rate (each batch's bytes over its longest read, as the tier timed it) and, while a tier's
+rate is unknown, a calibration read into scratch memory (``calibrate``) that no request waits for.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from tiering.advisor import PromotionAdvisor
+from tiering.backends.io_engines import aligned_buffer
 from tiering.cpu_tier import CpuTier
 from tiering.owed_rows import OwedRows
-from tiering.request_lookups import DiskRun, RequestLookups, RunState
 from tiering.settings import (
-    ADVISOR_MIN_SAMPLE_TOKENS,
+    ADVISOR_CALIBRATION_BYTES,
+    ADVISOR_CALIBRATION_MAX_ROWS,
+    ADVISOR_CALIBRATION_MIN_ROWS,
     DEMOTION_PIN_FRACTION,
     DEMOTION_PIN_MIN,
     WRITEBACK_RESERVE_FRACTION,
@@ -76,9 +83,17 @@ class TierChain:
         for tier in self.file_tiers:  # every key leaving a file tier, whatever the cause
             tier.on_removed(lambda keys: self._event(list(keys), "disk", True))
         self._promote: list[list[tuple[bytes, int]]] = [[] for _ in self.file_tiers]
-        # (tier, "store" | "promotion", key) -> (row, started, batch id or None)
-        self._in_flight: dict[tuple[int, str, bytes], tuple[int, float, int | None]] = {}
-        # (tier index, "store" | "promotion", seconds): read and cleared by the metrics layer
+        # (tier, "store" | "promotion", key) -> its CPU row
+        self._in_flight: dict[tuple[int, str, bytes], int] = {}
+        # reads queued or in flight per file tier (promotions and calibrations): its backlog
+        self._reads_queued = [0] * len(self.file_tiers)
+        # calibration reads in flight: tier -> their scratch buffers by key
+        self._calibrating: dict[int, dict[bytes, memoryview]] = {}
+        # keys last written to each file tier (what a calibration can read)
+        self._written: list[deque[bytes]] = [deque(maxlen=ADVISOR_CALIBRATION_MAX_ROWS)
+                                             for _ in self.file_tiers]
+        # (tier index, "store" | "promotion", seconds as the tier timed it, submit to
+        # completion): read and cleared by the metrics layer
         self.transfer_samples: list[tuple[int, str, float]] = []
         self._writeback = [i for i, t in enumerate(self.file_tiers, start=1)
                            if t.demote == "on_evict"]
@@ -87,12 +102,14 @@ class TierChain:
         self._write_through_set = frozenset(self._write_through)
         self._owed = OwedRows()
         # rows pinned by writes down (a row written to two tiers counts twice), and the cap
-        self._steps = 0  # scheduler steps seen (on_schedule_end calls)
+        self.steps = 0  # scheduler steps seen (on_schedule_end calls)
         self._demoting = 0
         self._demote_budget = max(DEMOTION_PIN_MIN, int(self.num_rows * DEMOTION_PIN_FRACTION))
         self.advisor = advisor  # None: every disk hit is loaded
-        # promotion batches in flight: id -> [tier, reads left, bytes, started, longest read]
+        # read batches in flight: id -> [tier, reads left, bytes, longest read's seconds,
+        # submitted at]; and when each tier's last finished batch ended
         self._batches: dict[int, list] = {}
+        self._reads_ended = [0.0] * len(self.file_tiers)
         self._next_batch = 0
         self._reserve = max(WRITEBACK_RESERVE_MIN,
                             int(self.num_rows * WRITEBACK_RESERVE_FRACTION))
@@ -103,130 +120,87 @@ class TierChain:
             self._events.append(Event(keys, medium, removed))
 
     # -- lookups and loads -------------------------------------------------------------------
-    def lookup(self, key: bytes, count: bool = True, protect: Collection[bytes] = (),
-               request: RequestLookups | None = None, first_token: int | None = None) -> Lookup:
-        """``count=False`` for a repeated lookup of the same chunk by the same request (vLLM
-        asks again every step while any chunk is pending): hit ratios stay per chunk.
+    # A request's lookups go through its RequestScan (tiering.request_scan), which counts each
+    # chunk once, protects its own prefix and decides its run of disk hits; it calls the chain's
+    # find_cpu, find_file and promote. ``lookup`` is the same path without a request record.
 
-        ``protect``: the chunks the same request looked up before this one. A promotion never
-        evicts them: vLLM loads a request's hits in one job, so a prefix larger than the CPU
-        tier would otherwise evict its own head to promote its tail, forever. Such a request
-        gets the longest prefix the CPU tier holds and recomputes the rest.
-
-        ``request``: the request's record (the vLLM adapter keeps one per live request); it
-        then supplies ``count`` and ``protect``, and with an advisor a run of disk hits is
-        surveyed on one scan and decided as a whole on the next (``tiering.request_lookups``).
-        ``first_token``: where this chunk starts in the prompt, when the caller knows."""
-        if request is not None:
-            count, protect = key not in request.counted, request.counted
-            if request.segment_start is None:  # the first lookup: computing starts here
-                request.start_clock()
-                request.segment_token, request.segment_step = first_token, self._steps
+    def find_cpu(self, key: bytes, count: bool = True, per_request: bool = False) -> Lookup:
+        """Apply finished I/O, then ask the CPU tier (HIT, PENDING while a promotion of the key
+        is in flight, or MISS)."""
         self.poll()
-        found = self.cpu.lookup(key, count, per_request=request is not None)
-        if found is not Lookup.MISS:
-            if request is not None:
-                request.had_tier_hit = True
-                if found is Lookup.HIT:
-                    request.counted.add(key)
-            return found
+        return self.cpu.lookup(key, count, per_request=per_request)
+
+    def find_file(self, key: bytes, count: bool = True) -> int | None:
+        """The first file tier (1-based chain index) that holds ``key``, or None; every tier
+        asked counts the lookup when ``count``."""
         for i, tier in enumerate(self.file_tiers, start=1):
-            if tier.lookup(key, count) is not Lookup.HIT:
-                continue
-            if self.advisor is not None:
-                decision = self._disk_decision(key, i, request, first_token)
-                if decision is None:  # surveyed: decided when vLLM asks again next step
-                    return Lookup.PENDING
-                if decision is RunState.RECOMPUTE:
-                    if request is not None:
-                        request.counted.add(key)
-                    return Lookup.MISS  # recomputing is faster than reading it
-            if request is not None:
-                request.had_tier_hit = True
-                # counted once, whatever comes of it: vLLM asks again while the request waits
-                # (no CPU row now, or the read fails and the chunk is a miss after all)
-                request.counted.add(key)
-            tier.touch([key])  # a promotion is a use: recency and the persisted hit count
-            got = self.cpu.reserve_promotion(key, tier_label(i), protect)
-            if got is None:  # no CPU row free now: a miss (counted on the CPU tier)
-                return Lookup.MISS
-            row, evicted = got
-            self._evicted_from_cpu(evicted)
-            self._promote[i - 1].append((key, row))
-            self._in_flight[(i, "promotion", key)] = (row, time.perf_counter(), None)
-            return Lookup.PENDING
-        if request is not None:
-            request.counted.add(key)
-        return Lookup.MISS
+            if tier.lookup(key, count) is Lookup.HIT:
+                return i
+        return None
 
-    def _disk_decision(self, key: bytes, i: int, request: RequestLookups | None,
-                       first_token: int | None) -> RunState | None:
-        """Load the request's run of disk hits, or recompute it? None: still surveying."""
-        advisor = self.advisor
-        assert advisor is not None
-        if request is None:  # no request to survey: a run of this one chunk
-            run = DiskRun()
-            run.note(key, i, first_token)
-            j = 0
-        else:
-            run = request.disk_run
-            if run.state is not RunState.SURVEY:
-                return run.state
-            j = run.position(key)
-            if j is None:  # first scan: note it, answer pending, read nothing yet
-                first = not run.keys
-                if first and first_token is None:  # position unknown: count chunks
-                    first_token = len(request.counted) * advisor.chunk_tokens
-                run.note(key, i, first_token)
-                if first and advisor.first_chunk_pays(i - 1, first_token):
-                    run.move(RunState.LOAD)  # pays at its start: pays for any run length
-                    return run.state
-                request.counted.add(key)
-                return None
-        start, end = run.token_span(j, advisor.chunk_tokens)
-        tiers = [t - 1 for t in run.tiers[j:]]
-        if advisor.loading_pays(tiers, start, end):
-            run.move(RunState.LOAD)
-        else:
-            run.move(RunState.RECOMPUTE)
-            for t in run.tiers[j:]:
-                self.tiers[t].stats.add("promotions_declined")
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s: %s %d disk chunks from token %d (%s)",
-                      request.req_id if request else "-", run.state.value, len(tiers), start,
-                      advisor.describe())
-        return run.state
+    def promote(self, key: bytes, i: int, protect: Collection[bytes] = ()) -> Lookup:
+        """Start reading ``key`` from file tier ``i`` into a CPU row (issued with the step's
+        batch at ``on_schedule_end``): PENDING, or MISS if no CPU row can be had now (counted
+        on the CPU tier). A promotion never evicts a key in ``protect``."""
+        tier = self.tiers[i]
+        tier.touch([key])  # a promotion is a use: recency and the persisted hit count
+        got = self.cpu.reserve_promotion(key, tier_label(i), protect)
+        if got is None:
+            return Lookup.MISS
+        row, evicted = got
+        self._evicted_from_cpu(evicted)
+        self._promote[i - 1].append((key, row))
+        self._in_flight[(i, "promotion", key)] = row
+        self._reads_queued[i - 1] += 1
+        return Lookup.PENDING
 
-    def stored(self, request: RequestLookups, chunks: int,
-               end_token: int | None = None) -> None:
-        """``chunks`` chunks of ``request`` were computed and stored (vLLM completed their
-        store, which it orders after the forward pass), the last ending at ``end_token`` when
-        it says: a prefill sample for the advisor (requests without tier hits; tokens since
-        the previous sample, timed from it or from the first lookup).
+    def lookup(self, key: bytes, count: bool = True, protect: Collection[bytes] = ()) -> Lookup:
+        """One chunk's lookup without a request record (tools, tests): every disk hit is
+        promoted. ``count=False`` for a repeated lookup of the same chunk by the same request.
+        ``protect``: the chunks the same request looked up before this one; a promotion never
+        evicts them (vLLM loads a request's hits in one job, so a prefix larger than the CPU
+        tier would otherwise evict its own head to promote its tail, forever)."""
+        found = self.find_cpu(key, count)
+        if found is not Lookup.MISS:
+            return found
+        i = self.find_file(key, count)
+        return Lookup.MISS if i is None else self.promote(key, i, protect)
 
-        A stretch that took more steps than it has chunks is decoding (one token a step, when
-        vLLM stores generated tokens too), not prefill: it is no sample, and the next stretch
-        starts here."""
-        advisor = self.advisor
-        if advisor is None or request.had_tier_hit or chunks <= 0:
-            return
-        now = time.perf_counter()
-        tokens = chunks * advisor.chunk_tokens
-        if request.segment_start is None:  # no lookup seen: untimed, the clock starts here
-            request.start_clock(now)
-            request.segment_token = end_token if end_token is not None else tokens
-            request.segment_step = self._steps
-            return
-        if request.segment_token is None:
-            request.segment_token = (end_token - tokens) if end_token is not None else 0
-        end = end_token if end_token is not None else request.segment_token + tokens
-        if end - request.segment_token < ADVISOR_MIN_SAMPLE_TOKENS:
-            return  # too few tokens yet to time: the segment goes on
-        steps = self._steps - request.segment_step
-        if end - request.segment_token >= steps * advisor.chunk_tokens:
-            advisor.observe_prefill(request.segment_token, end, now - request.segment_start)
-        request.segment_token, request.segment_start = end, now
-        request.segment_step = self._steps
+    def read_backlog_bytes(self) -> list[int]:
+        """Per file tier (0-based), the bytes of reads queued or in flight: what a new
+        promotion waits behind."""
+        return [n * self.row_bytes for n in self._reads_queued]
+
+    def calibrate(self, i: int, keys: Sequence[bytes] = ()) -> bool:
+        """Measure file tier ``i``'s read rate with one batch of reads into scratch memory (no
+        CPU row, no request waits): ``keys`` it holds, else the keys last written to it. False
+        if a calibration of the tier is in flight or it has nothing to read."""
+        if i in self._calibrating:
+            return False
+        tier = self.file_tiers[i - 1]
+        rows = max(ADVISOR_CALIBRATION_MIN_ROWS,
+                   min(ADVISOR_CALIBRATION_MAX_ROWS, ADVISOR_CALIBRATION_BYTES // self.row_bytes))
+        pick = ([k for k in keys if tier.contains(k)][:rows]
+                or [k for k in self._written[i - 1] if tier.contains(k)][-rows:])
+        if not pick:
+            return False
+        b = self._next_batch
+        self._next_batch += 1
+        bufs = {k: aligned_buffer(self.row_bytes) for k in pick}
+        submitted = time.perf_counter()
+        started = tier.get([(k, bufs[k], ("calibration", k, b)) for k in pick])
+        bufs = {k: buf for (k, buf), ok in zip(bufs.items(), started, strict=True) if ok}
+        n = len(bufs)
+        if not n:
+            return False
+        self._batches[b] = [i, n, 0, 0.0, submitted]
+        self._calibrating[i] = bufs  # the I/O threads write into them until the batch ends
+        tier.stats.add("calibration_reads", n)
+        self._reads_queued[i - 1] += n
+        if self.advisor is not None:
+            self.advisor.measuring(i - 1)
+        log.debug("tier %s: calibration read of %d rows", tier_label(i), n)
+        return True
 
     def hit_source(self, key: bytes) -> str:
         return "disk" if self.cpu.source_of(key) != "cpu" else "cpu"
@@ -317,28 +291,47 @@ class TierChain:
         keys, later = keys[:room], keys[room:]
         if keys:
             out = self.tiers[i].put(keys, [self.cpu.view(k) for k in keys])
-            now = time.perf_counter()
             for k in out.admitted:
                 self.cpu.pin(k, io=True)
-                self._in_flight[(i, "store", k)] = (self.cpu.row_of(k), now, None)
+                self._in_flight[(i, "store", k)] = self.cpu.row_of(k)
                 self._demoting += 1
         return later
 
     # -- background completions: the one place they are applied ------------------------------
     def on_schedule_end(self) -> None:
-        """Issue the step's promotions (one batch per tier), apply what finished, write back
-        rows near eviction, then rows that wait for a write-through tier."""
-        self._steps += 1
+        """The end of a scheduler step: issue the step's promotions (one batch per tier), apply
+        what finished, write back rows near eviction, then rows that wait for a write-through
+        tier; the advisor's step clock ticks, and a tier whose read rate is due to be measured
+        gets a calibration read."""
+        self.steps += 1
         self._stored_last_step, self._stored_in_step = self._stored_in_step, 0
+        self._issue_and_apply()
+        if self.advisor is not None:
+            self.advisor.step_end(time.perf_counter())
+            for i, tier in enumerate(self.file_tiers, start=1):
+                # measured while the tier writes nothing: a read rate, not a share of the disk
+                if (self.advisor.needs_measuring(i - 1) and self._written[i - 1]
+                        and not tier.has_pending_work()):
+                    self.calibrate(i)
+        if self._batches:
+            # Promotions in flight: vLLM re-asks every pending chunk each step, back to back,
+            # so this thread would hold the GIL for whole switch intervals (5 ms) while the I/O
+            # threads that finish those reads wait for it. Yield it once per step (no I/O wait:
+            # sleep(0) only lets waiting threads run). docs/bench_promotion.py: 384 x 2 MiB
+            # promotions read at 0.70x the speed of an idle scheduler without it, 1.0x with it.
+            time.sleep(0)
+
+    def _issue_and_apply(self) -> None:
         for i, tier in enumerate(self.file_tiers, start=1):
             batch, self._promote[i - 1] = self._promote[i - 1], []
             if not batch:
                 continue
             b = self._next_batch  # registered once we know how many reads started
             self._next_batch += 1
+            submitted = time.perf_counter()
             started = tier.get([(k, self.region.row(r), (k, r, b)) for k, r in batch])
             if any(started):
-                self._batches[b] = [i, sum(started), 0, time.perf_counter(), 0.0]
+                self._batches[b] = [i, sum(started), 0, 0.0, submitted]
             for (k, r), ok in zip(batch, started, strict=True):
                 if not ok:  # gone from the tier since the lookup: a miss after all
                     self._finish_promotion(i, Completion("read", k, False, "gone",
@@ -347,13 +340,6 @@ class TierChain:
         if self._owed:
             self._keep_clean()
             self._catch_up()
-        if self._batches:
-            # Promotions in flight: vLLM re-asks every pending chunk each step, back to back,
-            # so this thread would hold the GIL for whole switch intervals (5 ms) while the I/O
-            # threads that finish those reads wait for it. Yield it once per step (no I/O wait:
-            # sleep(0) only lets waiting threads run). docs/bench_promotion.py: 384 x 2 MiB
-            # promotions read at 0.70x the speed of an idle scheduler without it, 1.0x with it.
-            time.sleep(0)
 
     def poll(self, wait: float = 0.0) -> None:
         """Apply finished file-tier I/O (``wait`` > 0 blocks up to that long per busy tier)."""
@@ -366,45 +352,66 @@ class TierChain:
                     self._finish_promotion(i, done)
 
     def _read_done(self, batch: int | None, done: Completion) -> None:
-        """One read of a promotion batch ended: the batch's last one measures the tier's read
-        rate for the advisor, submit to the last read's end on the I/O threads (what a request
-        waits for; not when this thread got round to polling, which is a step's length)."""
+        """One read of a batch ended: the batch's last one measures the tier's read rate for
+        the advisor, from the tier's own completion times (each read run reports the seconds
+        since its batch was submitted; the batch ended with its longest one, not when this
+        thread got round to polling, which is a step's length). A batch submitted while an
+        earlier one was still being read waited for it: its rate counts from that one's end,
+        so a disk with a queue is not taken for a slower one."""
         if batch is None:
             return
         entry = self._batches[batch]
         entry[1] -= 1
         entry[2] += done.nbytes if done.ok else 0
-        entry[4] = max(entry[4], done.seconds)
+        entry[3] = max(entry[3], done.seconds)
         if entry[1] == 0:
             del self._batches[batch]
-            if self.advisor is not None:
-                seconds = entry[4] or time.perf_counter() - entry[3]
-                self.advisor.observe_read_batch(entry[0] - 1, entry[2], seconds)
+            tier, nbytes, longest, submitted = entry[0] - 1, entry[2], entry[3], entry[4]
+            ended = submitted + longest
+            busy = ended - max(submitted, self._reads_ended[tier])
+            self._reads_ended[tier] = max(self._reads_ended[tier], ended)
+            if self.advisor is not None and busy > 0:
+                self.advisor.observe_read_batch(tier, nbytes, busy)
 
     def _finish_demotion(self, i: int, done: Completion) -> None:
-        row, started, _ = self._in_flight.pop((i, "store", done.key), (None, 0.0, None))
+        row = self._in_flight.pop((i, "store", done.key), None)
         if done.ok:
-            self.transfer_samples.append((i, "store", time.perf_counter() - started))
+            self.transfer_samples.append((i, "store", done.seconds))
             self._event([done.key], "disk", False)
+            self._written[i - 1].append(done.key)
         if row is not None:
             self.cpu.unpin_row(row, io=True)
             self._demoting -= 1
 
+    def _finish_calibration(self, i: int, done: Completion) -> None:
+        _, key, batch = done.token
+        self._reads_queued[i - 1] -= 1
+        self._read_done(batch, done)
+        bufs = self._calibrating.get(i, {})
+        bufs.pop(key, None)
+        if not bufs:
+            self._calibrating.pop(i, None)
+
     def _finish_promotion(self, i: int, done: Completion) -> None:
+        if done.token and done.token[0] == "calibration":
+            self._finish_calibration(i, done)
+            return
         key, row, batch = done.token
         self._read_done(batch, done)
-        _, started, _ = self._in_flight.pop((i, "promotion", key), (None, 0.0, None))
+        self._in_flight.pop((i, "promotion", key), None)
+        self._reads_queued[i - 1] -= 1  # every promotion ends here once (read, gone or failed)
         if self.cpu.finish_promotion(key, row, done.ok):
-            self.transfer_samples.append((i, "promotion", time.perf_counter() - started))
+            self.transfer_samples.append((i, "promotion", done.seconds))
             self._event([key], "cpu", False)
             for j in self._writeback:  # another write-back tier below does not have it yet
                 if j != i and not self.tiers[j].contains(key):
                     self._owed.add(key, j, eager=False)
 
     def wait_idle(self, timeout: float = 60.0) -> None:
-        """Block until all file-tier I/O has been applied (tests, tools, shutdown)."""
+        """Block until all file-tier I/O has been applied (tests, tools, shutdown). Queued
+        promotions are issued; no scheduler step is counted."""
         deadline = time.monotonic() + timeout
-        self.on_schedule_end()
+        self._issue_and_apply()
         while self.has_pending_work():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"tier chain: I/O still in flight after {timeout}s")
@@ -432,6 +439,7 @@ class TierChain:
         for i, queued in enumerate(self._promote, start=1):  # not issued yet: nothing to wait for
             for key, row in queued:
                 self._in_flight.pop((i, "promotion", key), None)
+                self._reads_queued[i - 1] -= 1
                 self.cpu.unpin_row(row, io=True)
         self._promote = [[] for _ in self.file_tiers]
         self._event(self.cpu.reset(), "cpu", True)
@@ -445,10 +453,17 @@ class TierChain:
         self.cpu.check()
         for tier in self.file_tiers:
             tier.check()
-        for (i, kind, key), (row, _, _) in self._in_flight.items():
+        for (i, kind, key), row in self._in_flight.items():
             assert self.cpu.rows[row].io_pins > 0, (i, kind, key, self.cpu.rows[row])
         writes = sum(kind == "store" for _, kind, _ in self._in_flight)
         assert self._demoting == writes, (self._demoting, writes)
+        for i in range(1, len(self.tiers)):
+            reads = sum(kind == "promotion" and t == i for t, kind, _ in self._in_flight)
+            calibrating = len(self._calibrating.get(i, {}))
+            # a key promoted again after a reset while its first read is in flight has one
+            # in-flight entry and two reads
+            assert self._reads_queued[i - 1] >= reads + calibrating >= 0, \
+                (i, self._reads_queued[i - 1], reads, calibrating)
         assert set(self._owed.behind) <= set(self._owed.tiers), "owed behind, to no tier"
 
     def close(self) -> None:

@@ -109,9 +109,9 @@ def parse() -> argparse.Namespace:
                          "run per value and config (below 1 the disk matters)")
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--gpu-copy", default="auto", help="ours: gpu_copy (auto, dma, staged, direct)")
-    ap.add_argument("--promote", default=None,
-                    help="ours: the CPU tier's promote setting (auto, always; default: the "
-                         "spec's own default)")
+    ap.add_argument("--promote", default="auto",
+                    help="ours: the CPU tier's promote setting (default auto: the promotion "
+                         "advisor decides each disk run; always: every disk hit is loaded)")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="skip the steps (a config's phases or throughput run) that would end "
                          "after this many seconds, judged by the longest such step so far "

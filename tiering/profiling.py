@@ -31,7 +31,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "tiering/vllm/worker.py", "tiering/backends/cuda_copy.py",
       "tiering/backends/block_copy.py")),
     ("ours: scheduler (manager, chain, CPU tier, records, metrics, policies)",
-     ("tiering/vllm/", "tiering/chain.py", "tiering/cpu_tier.py", "tiering/request_lookups.py",
+     ("tiering/vllm/", "tiering/chain.py", "tiering/cpu_tier.py", "tiering/request_scan.py",
       "tiering/owed_rows.py", "tiering/stats.py", "tiering/advisor.py", "policies/",
       "tiering/policies/", "tiering/backends/")),
     ("vLLM offloading: worker side",

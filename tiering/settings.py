@@ -28,8 +28,8 @@ DEMOTION_PIN_MIN = 2
 # Weight of a new sample in the exponential moving average of each file tier's read rate: recent
 # enough to follow a busy disk, smooth enough to ignore one slow batch.
 ADVISOR_EWMA_WEIGHT = 0.3
-# Weight of a new sample in the least-squares fit of the prefill cost model (a + b * position
-# per token): about the last ten prefills, enough lengths to tell the two terms apart.
+# Weight of a new sample in the least-squares fit of the prefill cost model (c per step,
+# a + b * position per token): about the last ten steps, enough lengths to tell the terms apart.
 ADVISOR_MODEL_WEIGHT = 0.1
 # Steps a load adds to a request's time to first token, each costing the fitted per-step cost:
 # the reads land in CPU rows and are seen at the next step, then vLLM copies them to the GPU
@@ -39,14 +39,21 @@ ADVISOR_LOAD_STEPS = 2
 # Load only if load time <= margin x recompute time: the copy to the GPU and measurement noise
 # are not in the model, and losing the bet costs TTFT.
 ADVISOR_PAYOFF_MARGIN = 0.9
-# A prefill sample (tokens a request computed between two of its store completions, without
-# tier hits) needs at least this many tokens. The model's per-step term absorbs scheduling
-# overhead, so short prompts are useful samples (they are what tells that term apart).
+# A step is a prefill sample only if the requests' stores it offers cover at least this many
+# tokens: a step that completes one chunk of a decoding request computed one token, not 16.
 ADVISOR_MIN_SAMPLE_TOKENS = 64
-# After this many declined runs (a request's chunks on that tier) the next run is loaded anyway,
-# so a tier that was slow for a while (a busy disk) gets measured again instead of being written
-# off for good. Counted in runs, not chunks: one 32k-token prompt is 2048 chunks of 16 tokens.
+# After this many declined runs (a request's chunks on that tier) the tier is measured again with
+# a calibration read, so a tier that was slow for a while (a busy disk) is not written off for
+# good. Counted in runs, not chunks: one 32k-token prompt is 2048 chunks of 16 tokens.
 ADVISOR_REPROBE_AFTER = 32
+# A calibration read (a tier's read rate is unknown, or due to be measured again): about this
+# many bytes of rows the tier holds, read into scratch memory in one batch, within [min, max]
+# rows. Enough to keep every I/O thread busy for a while; small next to a long prompt's run.
+# No request waits for it (the first disk hit of an engine used to be loaded to measure the
+# disk: on the H200 that made a 2k-token prompt 4x slower than recomputing it).
+ADVISOR_CALIBRATION_BYTES = 64 << 20
+ADVISOR_CALIBRATION_MIN_ROWS = 4
+ADVISOR_CALIBRATION_MAX_ROWS = 64
 
 # -- file tier ---------------------------------------------------------------------------------
 # LMDB map size: a fixed headroom plus a generous per-slot share (a record is 44 bytes plus the

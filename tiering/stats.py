@@ -23,7 +23,13 @@ class Metric:
     help: str
     labels: tuple[str, ...] = ()  # extra labels besides ``tier``
     values: tuple[str, ...] = ()  # a labelled counter's fixed values of its one extra label
+    per_tier: bool = True  # False: one series per engine, no ``tier`` label
 
+
+# Why the promotion advisor loaded or recomputed a request's run of disk hits (``disk_runs_loaded``
+# and ``disk_runs_recomputed`` label ``reason``; ``tiering.advisor.Decision``).
+LOAD_REASONS = ("faster", "engine_busy", "unmeasured")
+RECOMPUTE_REASONS = ("faster", "disk_busy", "unmeasured")
 
 # Why a chunk offered to a tier was not stored there (``rejections`` label ``reason``).
 REJECT_REASONS = ("threshold", "full", "error", "pinned")
@@ -36,12 +42,24 @@ METRICS: tuple[Metric, ...] = (
     Metric("stores", "counter", "Chunks written into this tier."),
     Metric("store_bytes", "counter", "Bytes written into this tier."),
     Metric("promotions", "counter", "Chunks read out of this tier for use above it (file "
-           "tier: into the CPU tier; CPU tier: to the GPU)."),
+           "tier: into the CPU tier, calibration reads included; CPU tier: to the GPU)."),
     Metric("promotion_bytes", "counter", "Bytes read out of this tier for use above it."),
     Metric("promotion_failures", "counter", "Reads that ended as a miss (I/O error, checksum "
            "mismatch, chunk gone, no CPU row free)."),
     Metric("promotions_declined", "counter", "Hits of this file tier not loaded because "
            "recomputing the chunk is faster than reading it (measured rates)."),
+    Metric("disk_runs_loaded", "counter", "Requests' runs of disk hits on this file tier (the "
+           "run's first tier) that the promotion advisor loaded, by reason (faster: reading "
+           "beats recomputing; engine_busy: only because the engine had more compute queued in "
+           "the step than the disk has reads queued; unmeasured: the engine's prefill cost was "
+           "not measured yet).", ("reason",), LOAD_REASONS),
+    Metric("disk_runs_recomputed", "counter", "Requests' runs of disk hits on this file tier "
+           "that the promotion advisor recomputed instead, by reason (faster: recomputing beats "
+           "reading; disk_busy: reading alone would pay, but not behind the reads queued on the "
+           "tier; unmeasured: the tier's read rate was not measured yet, a calibration read "
+           "measures it).", ("reason",), RECOMPUTE_REASONS),
+    Metric("calibration_reads", "counter", "Chunks read into scratch memory to measure this "
+           "file tier's read rate (no request waits for them; also counted in promotions)."),
     Metric("evictions", "counter", "Chunks evicted from this tier by its policy."),
     Metric("rejections", "counter", "Chunks offered to this tier and not stored, by reason "
            "(threshold: store_threshold not reached; full: no room, disk full included; "
@@ -63,6 +81,16 @@ METRICS: tuple[Metric, ...] = (
     Metric("capacity_bytes", "gauge", "Capacity of this tier in bytes."),
     Metric("entries", "gauge", "Chunks held by this tier."),
     Metric("info", "gauge", "Always 1; labels describe the tier.", ("policy", "io_engine")),
+    Metric("advisor_prefill_seconds", "gauge", "The promotion advisor's fitted prefill costs "
+           "of the engine (no tier label): term=step (c, seconds a step costs whatever it "
+           "computes), term=token (a, seconds per prompt token), term=attention (b, seconds per "
+           "token per earlier token in its prompt).", ("term",), per_tier=False),
+    Metric("advisor_queued_read_seconds", "gauge", "The reads queued or in flight on a file "
+           "tier, in seconds at its measured read rate (what a new promotion waits behind)."),
+    Metric("read_bytes_per_second", "gauge", "A file tier's read rate as the promotion "
+           "advisor measured it (0 until measured)."),
+    Metric("read_backlog_bytes", "gauge", "Bytes of reads queued or in flight on a file tier "
+           "(what a new promotion waits behind)."),
     Metric("transfer_seconds", "histogram", "Latency of stores into and promotions out of a "
            "file tier, submit to completion.", ("kind",)),
 )

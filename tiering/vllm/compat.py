@@ -51,6 +51,22 @@ def hit_source(name: str) -> Any:
     return CacheHitSource.DISK if name == "disk" else CacheHitSource.HOST
 
 
+def _engine_config() -> Any:
+    """The engine's ``VllmConfig`` (see ``prefix_hash_algo``), or None if none is reachable."""
+    try:
+        from vllm.config import VllmConfig, get_current_vllm_config_or_none
+    except ImportError:  # pragma: no cover - both supported releases have them
+        return None
+    return get_current_vllm_config_or_none() or _vllm_config_in_callers(VllmConfig)
+
+
+def async_scheduling() -> bool:
+    """Does the engine schedule a step while the previous one runs
+    (``SchedulerConfig.async_scheduling``, on by default on CUDA in 0.33)? False if unknown."""
+    cfg = _engine_config()
+    return bool(getattr(getattr(cfg, "scheduler_config", None), "async_scheduling", False))
+
+
 def prefix_hash_algo() -> str | None:
     """The engine's prefix-caching hash algorithm (``CacheConfig.prefix_caching_hash_algo``,
     the same field in 0.32 and 0.33), or None if no engine config is reachable.
@@ -60,11 +76,7 @@ def prefix_hash_algo() -> str | None:
     builds the scheduler, its KV connector and so our manager outside that context, so the
     engine's ``VllmConfig`` is taken from the call stack that is constructing us (the
     connector's and the scheduler's own ``vllm_config``)."""
-    try:
-        from vllm.config import VllmConfig, get_current_vllm_config_or_none
-    except ImportError:  # pragma: no cover - both supported releases have them
-        return None
-    cfg = get_current_vllm_config_or_none() or _vllm_config_in_callers(VllmConfig)
+    cfg = _engine_config()
     if cfg is None:
         return None
     algo = getattr(getattr(cfg, "cache_config", None), "prefix_caching_hash_algo", None)

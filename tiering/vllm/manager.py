@@ -13,7 +13,7 @@ import logging
 from collections.abc import Collection, Iterable
 
 from tiering.chain import Lookup, TierChain
-from tiering.request_lookups import RequestLookups
+from tiering.request_scan import RequestScan
 from tiering.vllm.compat import (
     LookupResult,
     Medium,
@@ -39,18 +39,18 @@ class TieredManager(OffloadingManager):
         self.chain = chain
         self.metrics = metrics
         self._on_shutdown = on_shutdown
-        self._requests: dict[str, RequestLookups] = {}  # live requests' lookup records
+        self._scans: dict[str, RequestScan] = {}  # live requests' scans (tiering.request_scan)
 
     def live_requests(self) -> int:
-        """Requests with a lookup record (dropped when vLLM reports them finished)."""
-        return len(self._requests)
+        """Requests with a scan (dropped when vLLM reports them finished)."""
+        return len(self._scans)
 
-    def _request(self, req_context: ReqContext) -> RequestLookups:
+    def _scan(self, req_context: ReqContext) -> RequestScan:
         req_id = getattr(req_context, "req_id", "")
-        rec = self._requests.get(req_id)
-        if rec is None:
-            rec = self._requests[req_id] = RequestLookups(req_id)
-        return rec
+        scan = self._scans.get(req_id)
+        if scan is None:
+            scan = self._scans[req_id] = RequestScan(self.chain, req_id)
+        return scan
 
     def _end_token(self, key, req_context: ReqContext) -> int | None:
         """Where chunk ``key`` ends in the request's prompt (vLLM records it), or None."""
@@ -63,20 +63,12 @@ class TieredManager(OffloadingManager):
         if advisor is not None:  # only the advisor times runs by position (a call per chunk)
             end = self._end_token(key, req_context)
             first = end - advisor.chunk_tokens if end is not None else None
-        result = self.chain.lookup(bytes(key), request=self._request(req_context),
-                                   first_token=first)
-        return _LOOKUP[result]
+        return _LOOKUP[self._scan(req_context).lookup(bytes(key), first)]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        """Drop the request's record, or keep it until its last stores complete (they time
-        its prefill; vLLM may finish a request before its stores are done)."""
-        req_id = getattr(req_context, "req_id", "")
-        rec = self._requests.get(req_id)
-        if rec is None:
-            return
-        rec.finished = True
-        if rec.stores_in_flight <= 0:
-            del self._requests[req_id]
+        """Drop the request's scan (vLLM has issued every prepare_store of the request by now;
+        its store completions need no scan)."""
+        self._scans.pop(getattr(req_context, "req_id", ""), None)
 
     def get_load_source(self, key, req_context: ReqContext):
         return hit_source(self.chain.hit_source(bytes(key)))
@@ -92,35 +84,22 @@ class TieredManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection, req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
+        if keys and self.chain.advisor is not None:
+            # vLLM offers a step's chunks for storing when it schedules their compute: this
+            # step computes them (the advisor's step clock times it)
+            ends = [self._end_token(k, req_context) for k in keys]
+            if all(e is not None for e in ends):
+                self._scan(req_context).offered(ends)
         out = self.chain.prepare_store([bytes(k) for k in keys])
         if out is None:
             return None
         to_store, rows, evicted = out
-        if to_store and self.chain.advisor is not None:  # timed when the stores complete
-            self._request(req_context).stores_in_flight += len(to_store)
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=RowsSpec(rows),
                                   evicted_keys=evicted)
 
     def complete_store(self, keys: Collection, req_context: ReqContext,
                        success: bool = True) -> None:
         self.chain.complete_store([bytes(k) for k in keys], success)
-        rec = self._requests.get(getattr(req_context, "req_id", ""))
-        if rec is None or not keys:
-            return
-        if success:
-            # vLLM offers a step's chunks for storing when it schedules their compute and
-            # completes the store after the forward pass and the copy: the completion times the
-            # prefill (the offer does not).
-            ends = [self._end_token(k, req_context) for k in keys]
-            if all(e is not None for e in ends):
-                # a model with several KV groups stores one key per group for each chunk: the
-                # chunks are the distinct positions (keys counted as chunks multiply the tokens)
-                self.chain.stored(rec, len(set(ends)), max(ends))
-            else:
-                self.chain.stored(rec, len(keys), None)
-        rec.stores_in_flight -= len(keys)
-        if rec.finished and rec.stores_in_flight <= 0:
-            del self._requests[rec.req_id]
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -139,9 +118,6 @@ class TieredManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self.chain.reset()
-        # vLLM drops its in-flight jobs on a reset: their completions never come
-        for req_id in [r for r, rec in self._requests.items() if rec.finished]:
-            del self._requests[req_id]
 
     def get_stats(self):
         return self.metrics.collect(self.chain) if self.metrics is not None else None

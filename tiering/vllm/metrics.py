@@ -28,7 +28,7 @@ def definitions() -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for m in METRICS:
-        labelnames = ("tier", *m.labels)
+        labelnames = ("tier", *m.labels) if m.per_tier else m.labels
         if m.kind == "counter":
             out[PREFIX + m.name] = OffloadingCounterMetadata(documentation=m.help,
                                                              labelnames=labelnames)
@@ -74,6 +74,17 @@ class TierMetrics:
             stats.set_gauge(PREFIX + "entries", entries, (label,))
             stats.set_gauge(PREFIX + "info", 1, (label, tier.policy_name,
                                                 tier.engine_name or "shm"))
+        adv = chain.advisor
+        if adv is not None:  # the fitted costs and each file tier's rate and queue
+            for term, value in (("step", adv.prefill.c), ("token", adv.prefill.a),
+                                ("attention", adv.prefill.b)):
+                stats.set_gauge(PREFIX + "advisor_prefill_seconds", value, (term,))
+            for i, backlog in enumerate(chain.read_backlog_bytes()):
+                label, rate = tier_label(i + 1), adv.read_rate(i) or 0.0
+                stats.set_gauge(PREFIX + "read_bytes_per_second", rate, (label,))
+                stats.set_gauge(PREFIX + "read_backlog_bytes", backlog, (label,))
+                stats.set_gauge(PREFIX + "advisor_queued_read_seconds",
+                                backlog / rate if rate else 0.0, (label,))
         for i, kind, secs in chain.transfer_samples:
             stats.observe_histogram(PREFIX + "transfer_seconds", secs, (tier_label(i), kind))
         chain.transfer_samples.clear()

@@ -25,7 +25,12 @@ from tiering.backends.staging import StagingRegion, remove_stale
 from tiering.chain import TierChain
 from tiering.config import check_sizes, parse
 from tiering.cpu_tier import CpuTier
-from tiering.vllm.compat import CanonicalKVCaches, OffloadingSpec, share_vllm_logging
+from tiering.vllm.compat import (
+    CanonicalKVCaches,
+    OffloadingSpec,
+    async_scheduling,
+    share_vllm_logging,
+)
 from tiering.vllm.engine_facts import facts_from_config
 from tiering.vllm.manager import TieredManager
 from tiering.vllm.metrics import TierMetrics, definitions
@@ -93,8 +98,12 @@ class TieredOffloadingSpec(OffloadingSpec):
                       self.cfg.cpu.tracker_size)
         advisor = None
         if tiers and self.cfg.cpu.promote == "auto":
+            # asynchronous scheduling: a step's time is the interval one step end later
+            lag = 1 if async_scheduling() else 0
             advisor = PromotionAdvisor(len(tiers), self.row_bytes, facts.chunk_tokens,
-                                       self.cfg.cpu.prefill_tokens_per_s)
+                                       self.cfg.cpu.prefill_tokens_per_s, step_lag=lag)
+            log.info("vllm-tiering: promotion advisor on (%s scheduling)",
+                     "asynchronous" if lag else "synchronous")
         chain = TierChain(cpu, tiers, events=self.kv_events_config.enable_kv_cache_events,
                           advisor=advisor)
         self._manager = TieredManager(chain, TierMetrics(),

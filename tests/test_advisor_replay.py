@@ -1,0 +1,281 @@
+"""The promotion advisor replayed on the costs the H200 measured (tests/data/h200_2026-12-01.json:
+recompute TTFTs per prompt length for the 8B and 32B shapes, the virtual disk's read rates).
+
+The engine is rebuilt from those TTFTs: vLLM's offline engine computes a prompt in steps of at
+most 16384 tokens, a step costs ``c`` (assumed: 10 ms, a decode step of these shapes; the
+asserts hold for 5-20 ms) plus ``a`` per token and ``b`` per token and earlier token, fitted to
+the measured recompute times. The advisor is then fed what vLLM 0.33 shows the scheduler — the
+chunks each step offers for storing and the step ends under asynchronous scheduling — for the
+phases gpu-bench ran (warm-up, cold and recompute prompts, 32k-token fillers), plus a
+calibration read at the disk's rate, and asked about each disk phase.
+
+On main at c47710e the same engine was timed by store completions, which vLLM reports one step
+late (it submits a step's stores at the start of the next step): the fit became one per-token
+cost, a 2k prompt looked 3.7x dearer than it is, and the 2k and 8k disk hits were loaded —
+298 ms against 73 ms to recompute at 2k, 891 ms against 439 ms at 8k on the H200.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tiering.advisor import PrefillModel, PromotionAdvisor
+from tiering.settings import ADVISOR_CALIBRATION_BYTES, ADVISOR_LOAD_STEPS, ADVISOR_PAYOFF_MARGIN
+
+DATA = json.loads((Path(__file__).parent / "data" / "h200_2026-12-01.json").read_text())
+BUDGET = DATA["max_num_batched_tokens"]
+CHUNK = DATA["chunk_tokens"]
+STEP_S = 0.010
+VIRTUAL_DISK = (DATA["disk"]["our_chain_32k_disk_hit_bytes_per_s"],
+                *DATA["disk"]["read_bytes_per_s_range"],
+                DATA["disk"]["file_tier_posix_read_bytes_per_s"])
+FAST_DISKS = (3.7e9, 7e9, 14e9)  # RAM-backed ext4 as our tier read it; NVMe drives
+
+
+def steps_of(n: int) -> list[tuple[int, int]]:
+    return [(k, min(n, k + BUDGET)) for k in range(0, n, BUDGET)]
+
+
+class Engine:
+    """The H200 engine of one shape, rebuilt from its measured recompute TTFTs."""
+
+    def __init__(self, shape: str, c: float = STEP_S) -> None:
+        s = DATA["shapes"][shape]
+        self.kv_bytes_per_token = s["kv_bytes_per_token"]
+        self.row_bytes = CHUNK * self.kv_bytes_per_token
+        self.c = c
+        lengths = sorted(int(n) for n in s["ttft_s"])
+        self.measured = {n: s["ttft_s"][str(n)]["ours.recompute"] for n in lengths}
+        x = [[sum(e - k for k, e in steps_of(n)), sum((e * e - k * k) / 2 for k, e in steps_of(n))]
+             for n in lengths]
+        y = [self.measured[n] - c * len(steps_of(n)) for n in lengths]
+        (self.a, self.b), *_ = np.linalg.lstsq(np.array(x, float), np.array(y), rcond=None)
+        assert self.a > 0 and self.b > 0
+
+    def step(self, k: int, n: int) -> float:
+        return self.c + self.a * (n - k) + self.b * (n * n - k * k) / 2
+
+    def prefill(self, n: int) -> float:
+        return sum(self.step(k, e) for k, e in steps_of(n))
+
+    def loading_wins(self, n: int, rate: float) -> bool:
+        """What the measured costs say: reading the prompt's KV plus a load's extra steps, with
+        the advisor's margin, against computing its tokens (without the step costs a load
+        pays too)."""
+        read = n * self.kv_bytes_per_token / rate + ADVISOR_LOAD_STEPS * self.c
+        return read <= ADVISOR_PAYOFF_MARGIN * (self.prefill(n) - self.c * len(steps_of(n)))
+
+
+def phases(lengths: list[int]) -> list[int]:
+    """The prompts an engine of gpu-bench's phases computed, in order: a warm-up at each length,
+    then each length cold and recomputed, then two fillers of the longest length."""
+    return [*lengths, *[n for n in lengths for _ in range(2)], max(lengths), max(lengths)]
+
+
+def replay_steps(adv: PromotionAdvisor, eng: Engine, prompts: list[int], decode_steps: int = 7,
+                 asynchronous: bool = True) -> None:
+    """Drive the advisor's step clock as vLLM 0.33 does: each prefill step offers the chunks it
+    computes; under asynchronous scheduling step s+1 is scheduled while step s runs, step s+2
+    when it is done; each prompt then decodes ``decode_steps`` tokens (no chunk offered)."""
+    work: list[tuple[int, int] | None] = []
+    for n in prompts:
+        work += steps_of(n) + [None] * decode_steps
+    took = [eng.step(*w) if w else eng.c for w in work] + [eng.c, eng.c]
+    ends = [0.0, 0.001] if asynchronous else [0.0]
+    for t in took:
+        ends.append(ends[-1] + t)
+    for i, w in enumerate(work + [None, None]):
+        if w is not None:
+            adv.computes(*w)
+        adv.step_end(ends[i])
+
+
+def advisor_for(shape: str, rate: float, c: float = STEP_S) -> tuple[PromotionAdvisor, Engine]:
+    eng = Engine(shape, c)
+    adv = PromotionAdvisor(1, eng.row_bytes, CHUNK, step_lag=1)
+    lengths = sorted(int(n) for n in DATA["shapes"][shape]["ttft_s"])
+    replay_steps(adv, eng, phases(lengths))
+    adv.observe_read_batch(0, ADVISOR_CALIBRATION_BYTES, ADVISOR_CALIBRATION_BYTES / rate)
+    return adv, eng
+
+
+def disk_phase(adv: PromotionAdvisor, n: int) -> bool:
+    """The disk phase of an ``n``-token prompt: its whole prefix only on the file tier."""
+    return adv.decide([0] * (n // CHUNK), 0, n).load
+
+
+@pytest.mark.parametrize("rate", VIRTUAL_DISK)
+def test_8b_on_the_virtual_disk_recomputes_2k_and_8k_and_loads_32k(rate):
+    adv, eng = advisor_for("8b", rate)
+    # the fit is the engine: c per step, a per token, b per token and earlier token
+    assert (adv.prefill.c, adv.prefill.a, adv.prefill.b) == (
+        pytest.approx(eng.c, rel=0.02), pytest.approx(eng.a, rel=0.02),
+        pytest.approx(eng.b, rel=0.02))
+    for n in (2048, 8192, 32768):
+        assert adv.prefill.seconds(0, n) == pytest.approx(
+            eng.measured[n] - eng.c * len(steps_of(n)), rel=0.1)
+    # 2k: 256 MiB, ~0.17 s of reads against ~0.07 s of prefill; 8k: 1 GiB against 0.43 s
+    assert not disk_phase(adv, 2048) and not disk_phase(adv, 8192)
+    # 32k: 4 GiB, 2.3-3.7 s of reads against 4.5 s of prefill
+    d = adv.decide([0] * (32768 // CHUNK), 0, 32768)
+    assert d.load and d.reason == "faster"
+    # what a load costs: its reads and the steps it adds
+    assert d.load_s == pytest.approx(32768 * eng.kv_bytes_per_token / rate
+                                     + ADVISOR_LOAD_STEPS * eng.c, rel=0.02)
+    for n in (2048, 8192, 32768):
+        assert disk_phase(adv, n) == eng.loading_wins(n, rate)
+
+
+@pytest.mark.parametrize("rate", VIRTUAL_DISK)
+def test_32b_on_the_virtual_disk_recomputes_2k_and_8k_unless_the_disk_reads_faster(rate):
+    """32B: 256 KiB of KV per token. 2k (512 MiB against 0.3 s) always recomputes. 8k (2 GiB
+    against 1.52 s of compute) recomputes at the rate our chain reads today (1.15 GB/s) and at
+    1.4 GB/s; read at the disk's full 1.7-1.9 GB/s it would load, and loading would then win by
+    what the measured costs say."""
+    adv, eng = advisor_for("32b", rate)
+    assert not disk_phase(adv, 2048)
+    assert disk_phase(adv, 8192) == eng.loading_wins(8192, rate)
+    if rate <= 1.4e9:
+        assert not disk_phase(adv, 8192)
+
+
+@pytest.mark.parametrize("c", [0.005, 0.020])
+def test_the_decisions_hold_for_other_step_costs(c):
+    for rate in VIRTUAL_DISK:
+        adv, _ = advisor_for("8b", rate, c)
+        assert [disk_phase(adv, n) for n in (2048, 8192, 32768)] == [False, False, True]
+        adv32, _ = advisor_for("32b", rate, c)
+        assert not disk_phase(adv32, 2048)
+
+
+def test_a_fast_disk_moves_the_crossover_to_shorter_prompts():
+    lengths = (1024, 2048, 4096, 8192, 16384, 32768)
+
+    def shortest_loaded(shape: str, rate: float) -> int:
+        adv, eng = advisor_for(shape, rate)
+        loads = [n for n in lengths if disk_phase(adv, n)]
+        assert loads == [n for n in lengths if eng.loading_wins(n, rate)]
+        return min(loads, default=1 << 30)
+
+    for shape in ("8b", "32b"):
+        crossover = [shortest_loaded(shape, r) for r in (1.4e9, *FAST_DISKS)]
+        assert crossover == sorted(crossover, reverse=True)  # never longer on a faster disk
+        assert crossover[-1] < crossover[0]
+    assert shortest_loaded("8b", 1.4e9) == 32768  # the virtual disk: between 16k and 32k
+    assert shortest_loaded("8b", 7e9) <= 4096  # NVMe: 8k (1 GiB in 0.15 s vs 0.43 s) loads
+    assert shortest_loaded("8b", 14e9) <= 2048
+
+
+def test_the_first_disk_hit_of_an_engine_is_recomputed_while_the_disk_is_measured():
+    """The 2k disk phase was the first disk hit of its engine (and of the restarted one): it
+    was loaded to measure the disk. Now it is recomputed and a calibration read measures it."""
+    eng = Engine("8b")
+    adv = PromotionAdvisor(1, eng.row_bytes, CHUNK, step_lag=1)
+    replay_steps(adv, eng, phases([2048, 8192, 32768]))
+    d = adv.decide([0] * (2048 // CHUNK), 0, 2048)
+    assert (d.load, d.reason) == (False, "unmeasured") and adv.needs_measuring(0)
+
+
+def test_timed_by_store_completions_the_same_engine_looked_slower_and_the_advisor_loaded():
+    """The defect on main at c47710e, replayed: each store completion came one step after the
+    step that computed its chunks, so a single-step prompt was timed with the next (decode)
+    step added and a 32k prompt's halves swapped their times (the second took a decode step).
+    The fit became one per-token cost; 2k and 8k disk hits were loaded at 1.5 GB/s."""
+    eng = Engine("8b")
+    old = PrefillModel()
+    for n in phases([2048, 8192, 32768]):
+        spans = steps_of(n)
+        took = [eng.step(*s) for s in spans] + [eng.c]  # the step after the last is a decode
+        for i, (k, e) in enumerate(spans):
+            old.add(k, e, took[i] + took[i + 1] if i == 0 else took[i + 1])
+    true_2k = eng.prefill(2048) - eng.c
+    assert old.b == 0.0 and old.seconds(0, 2048) > 3 * true_2k
+    adv = PromotionAdvisor(1, eng.row_bytes, CHUNK)
+    adv.prefill = old
+    adv.observe_read_batch(0, 1 << 30, (1 << 30) / 1.5e9)
+    assert disk_phase(adv, 2048) and disk_phase(adv, 8192)  # what the H200 run did
+    assert not eng.loading_wins(2048, 1.5e9) and not eng.loading_wins(8192, 1.5e9)
+
+
+# -- under concurrency the disk is a shared queue ---------------------------------------------
+
+def serve(policy: str, hit_rate: float, n: int = 400, tokens: int = 512, rate: float = 1.5e9,
+          ) -> tuple[float, dict[str, int]]:
+    """A discrete-event replay of the throughput workload: ``n`` prefill-only prompts of
+    ``tokens`` tokens submitted at once, a ``hit_rate`` share of them held by the file tier (the
+    rest cold), on the 8B H200 engine and a disk reading ``rate`` bytes/s in FIFO order.
+
+    Each step, as vLLM's scheduler: prompts whose load finished (and whose extra steps passed)
+    compute their last chunk; then waiting prompts in order until the step's token budget is
+    spent — a disk prompt is decided when it is reached (``policy``: none = no offloading, all =
+    load every hit, advisor = ``decide`` with the disk's queued bytes and the compute already
+    given to the step); a loaded prompt waits for its read without taking budget. Returns
+    prompt tokens per second and the advisor's decisions by outcome and reason."""
+    eng = Engine("8b")
+    adv, _ = advisor_for("8b", rate)
+    row_bytes, run = eng.row_bytes, tokens // CHUNK
+    on_disk = [int((i + 1) * hit_rate) > int(i * hit_rate) for i in range(n)]
+    waiting = list(range(n))
+    reads: list[tuple[float, int]] = []  # (read done at, request)
+    ready: list[tuple[int, int]] = []  # (first step it may run, request)
+    t, step, disk_free, done = 0.0, 0, 0.0, 0
+    reasons: dict[str, int] = {}
+    while done < n:
+        for end, r in [x for x in reads if x[0] <= t]:
+            reads.remove((end, r))
+            ready.append((step + ADVISOR_LOAD_STEPS, r))  # seen next step, loaded the one after
+        budget, work = BUDGET, []
+        for first, r in [x for x in ready if x[0] <= step]:
+            ready.remove((first, r))
+            work.append((tokens - CHUNK, tokens))  # the last chunk is always computed
+            budget -= CHUNK
+        while waiting and budget >= tokens:
+            r = waiting.pop(0)
+            if on_disk[r] and policy != "none":
+                if policy == "all":
+                    load = True
+                else:
+                    backlog = max(0.0, disk_free - t) * rate
+                    d = adv.decide([0] * run, 0, tokens, [int(backlog)])
+                    reasons[f"{d.outcome}:{d.reason}"] = reasons.get(f"{d.outcome}:{d.reason}",
+                                                                     0) + 1
+                    load = d.load
+                    if not load:
+                        adv.queue_compute(0, tokens)
+                if load:
+                    disk_free = max(t, disk_free) + run * row_bytes / rate
+                    reads.append((disk_free, r))
+                    continue
+            work.append((0, tokens))
+            budget -= tokens
+        if work:
+            for k, e in work:  # what vLLM offers for storing: the step computes it
+                adv.computes(k, e)
+            t += eng.c + sum(eng.step(k, e) - eng.c for k, e in work)
+            done += len(work)  # every scheduled prompt finishes in its step (prefill only)
+        else:  # nothing to compute: the engine idles until the next read lands
+            t = max(t + eng.c, min((e for e, _ in reads), default=t))
+        adv.step_end(t)
+        step += 1
+    return n * tokens / t, reasons
+
+
+@pytest.mark.parametrize("hit_rate", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_with_the_disk_holding_the_hits_throughput_is_never_below_no_offloading(hit_rate):
+    none, _ = serve("none", hit_rate)
+    everything, _ = serve("all", hit_rate)
+    advised, reasons = serve("advisor", hit_rate)
+    assert advised >= 0.99 * none and advised >= 0.99 * everything
+    if hit_rate == 1.0:
+        # the disk adds its bandwidth to the engine's: ~11.4k tokens/s on top of ~38k
+        disk = 1.5e9 / DATA["shapes"]["8b"]["kv_bytes_per_token"]
+        assert none == pytest.approx(37.5e3, rel=0.05) and everything < 0.5 * none
+        assert advised >= 0.9 * (none + disk)
+        # alone a 512-token prompt recomputes faster than it reads (14 ms vs 45 ms): the runs
+        # loaded were loaded because the step's compute queue was longer than the disk's
+        assert reasons.get("load:engine_busy", 0) > 0 and reasons.get("load:faster", 0) == 0
+        assert reasons.get("recompute:faster", 0) > 0

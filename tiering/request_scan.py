@@ -1,0 +1,214 @@
+"""RequestScan: one request's lookups across vLLM's repeated scans, and what is decided about them.
+
+vLLM's scheduler asks for a request's chunks in prompt order, every step, until a miss, and asks
+again next step while any answer was pending. Everything the tiers do for one request is owned
+here, in one object per live request (the vLLM adapter keeps them by request id):
+
+* **count once** — ``counted`` holds the chunks whose lookup was counted, so that hit ratios
+  stay per chunk however often vLLM asks.
+* **protect the request's own prefix** — the same set: a promotion for this request never
+  evicts them (vLLM loads a request's hits in one job; a prefix larger than the CPU tier would
+  otherwise evict its own head to promote its tail, forever).
+* **survey a run of disk chunks** — ``disk_run``: the chunks after the CPU hits that only a file
+  tier holds. A state machine with asserted transitions:
+
+      SURVEY --(scan came back to the run)--> LOAD       promotions start, vLLM loads them
+            \\                             \\-> RECOMPUTE  the run's first chunk is a miss
+
+  On the first scan each disk chunk is only noted (answer: pending, nothing read). On the next
+  scan the whole run is known and the promotion advisor decides once for all of it (``decide``:
+  its reads behind the tier's queued reads against its compute behind what the engine was given
+  in this step). If reading the run's first chunk already pays, the run is loaded at once:
+  every later chunk costs more to compute and no more to read.
+* **decide** — the decision (``tiering.advisor.Decision``) is counted by outcome and reason on
+  the run's first tier (``disk_runs_loaded``/``disk_runs_recomputed``; ``promotions_declined``
+  per chunk) and logged at DEBUG, one line per decision. A run recomputed because its tier's
+  read rate is unknown has the chain calibrate the tier with the run's chunks.
+* **time the prefill** — ``offered``: vLLM offers a step's chunks for storing when it schedules
+  their compute, so the chunks a request offers in a step are the prompt tokens that step
+  computes for it; the advisor's step clock times the step (``tiering.advisor.StepClock``).
+
+The chain (``tiering.chain``) does the routing: ``find_cpu``, ``find_file``, ``promote``,
+``read_backlog_bytes``, ``calibrate``. Scheduler thread only.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tiering.advisor import Decision
+from tiering.tier import Lookup
+
+if TYPE_CHECKING:
+    from tiering.chain import TierChain
+
+log = logging.getLogger(__name__)
+
+
+class RunState(enum.Enum):
+    SURVEY = "survey"
+    LOAD = "load"
+    RECOMPUTE = "recompute"
+
+
+class IllegalRunTransition(AssertionError):
+    pass
+
+
+_ALLOWED = {(RunState.SURVEY, RunState.LOAD), (RunState.SURVEY, RunState.RECOMPUTE)}
+
+
+@dataclass
+class DiskRun:
+    """The request's chunks that only a file tier holds, in prompt order."""
+
+    state: RunState = RunState.SURVEY
+    keys: list[bytes] = field(default_factory=list)
+    tiers: list[int] = field(default_factory=list)  # file tier (1-based chain index) per key
+    first_token: int | None = None  # where the run starts in the prompt, when known
+    starts: list[int | None] = field(default_factory=list)  # each key's first token, if known
+    _index: dict[bytes, int] = field(default_factory=dict, repr=False)
+
+    def note(self, key: bytes, tier: int, first_token: int | None) -> None:
+        assert self.state is RunState.SURVEY, self.state
+        assert key not in self._index, "a chunk noted twice"
+        if not self.keys:
+            self.first_token = first_token
+        self._index[key] = len(self.keys)
+        self.keys.append(key)
+        self.tiers.append(tier)
+        self.starts.append(first_token)
+
+    def token_span(self, j: int, chunk_tokens: int) -> tuple[int, int]:
+        """The prompt tokens the keys from index ``j`` on cover. A model with several KV groups
+        has one key per group for each chunk: positions, where known, count each chunk once."""
+        starts = self.starts[j:]
+        if starts and all(t is not None for t in starts):
+            return min(starts), max(starts) + chunk_tokens
+        first = (self.first_token or 0) + j * chunk_tokens
+        return first, first + (len(self.keys) - j) * chunk_tokens
+
+    def position(self, key: bytes) -> int | None:
+        """Index of ``key`` in the run, or None if it was not noted."""
+        return self._index.get(key)
+
+    def move(self, to: RunState) -> None:
+        if (self.state, to) not in _ALLOWED:
+            raise IllegalRunTransition(f"disk run: {self.state.value} -> {to.value}")
+        self.state = to
+
+
+class RequestScan:
+    """One live request: its lookups, its disk run and its decision, its computed tokens."""
+
+    def __init__(self, chain: TierChain, req_id: str = "") -> None:
+        self.chain = chain
+        self.req_id = req_id
+        self.counted: set[bytes] = set()
+        self.disk_run = DiskRun()
+        self.decision: Decision | None = None
+        self.computed_to: int | None = None  # prompt tokens computed so far (offered chunks)
+        self.last_offer_step: int | None = None  # the chain's step of its last offer
+
+    # -- lookups -----------------------------------------------------------------------------
+    def lookup(self, key: bytes, first_token: int | None = None) -> Lookup:
+        """vLLM's lookup of ``key``, which starts at ``first_token`` in the prompt when the
+        caller knows. HIT, PENDING (ask again next step) or MISS (vLLM computes from here)."""
+        chain = self.chain
+        count = key not in self.counted
+        found = chain.find_cpu(key, count, per_request=True)
+        if found is not Lookup.MISS:
+            if found is Lookup.HIT:
+                self.counted.add(key)
+            return found
+        i = chain.find_file(key, count)
+        if i is not None and chain.advisor is not None:
+            state = self._disk_decision(key, i, first_token)
+            if state is None:  # surveyed: decided when vLLM asks again next step
+                return Lookup.PENDING
+            if state is RunState.RECOMPUTE:
+                i = None  # recomputing is faster than reading it
+        # counted once, whatever comes of it: vLLM asks again while the request waits (no CPU
+        # row now, or the read fails and the chunk is a miss after all)
+        self.counted.add(key)
+        if i is None:
+            return Lookup.MISS
+        return chain.promote(key, i, self.counted)
+
+    def _disk_decision(self, key: bytes, i: int, first_token: int | None) -> RunState | None:
+        """Load the request's run of disk hits, or recompute it? None: still surveying."""
+        chain, run = self.chain, self.disk_run
+        advisor = chain.advisor
+        assert advisor is not None
+        if run.state is not RunState.SURVEY:
+            return run.state
+        j = run.position(key)
+        if j is None:  # first scan: note it, answer pending, read nothing yet
+            first = not run.keys
+            if first and first_token is None:  # position unknown: count chunks
+                first_token = len(self.counted) * advisor.chunk_tokens
+            run.note(key, i, first_token)
+            if first and advisor.first_chunk_pays(i - 1, first_token,
+                                                  chain.read_backlog_bytes()):
+                # pays at its start, so for any length (or the engine is not measured yet)
+                self._decided(Decision(True, "faster" if advisor.prefill.known()
+                                       else "unmeasured"), 0)
+                return run.state
+            self.counted.add(key)
+            return None
+        start, end = run.token_span(j, advisor.chunk_tokens)
+        tiers = [t - 1 for t in run.tiers[j:]]
+        self._decided(advisor.decide(tiers, start, end, chain.read_backlog_bytes()), j)
+        return run.state
+
+    def _decided(self, d: Decision, j: int) -> None:
+        """Apply and account decision ``d`` for the run from its ``j``-th chunk on."""
+        chain, run = self.chain, self.disk_run
+        advisor = chain.advisor
+        assert advisor is not None
+        self.decision = d
+        run.move(RunState.LOAD if d.load else RunState.RECOMPUTE)
+        first_tier = chain.tiers[run.tiers[j]]
+        start, end = run.token_span(j, advisor.chunk_tokens)
+        if d.load:
+            first_tier.stats.add(f"disk_runs_loaded:{d.reason}")
+        else:
+            first_tier.stats.add(f"disk_runs_recomputed:{d.reason}")
+            for t in run.tiers[j:]:
+                chain.tiers[t].stats.add("promotions_declined")
+            advisor.queue_compute(start, end)  # the engine computes it in this step
+            if d.reason == "unmeasured":
+                for t in sorted(set(run.tiers[j:])):
+                    chain.calibrate(t, [k for k, tt in zip(run.keys[j:], run.tiers[j:],
+                                                           strict=True) if tt == t])
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: %s %d disk chunks, tokens %d-%d (%s): load %.4f s vs "
+                      "recompute %.4f s; read backlog %s B; %s", self.req_id, d.outcome,
+                      len(run.keys) - j, start, end, d.reason, d.load_s, d.recompute_s,
+                      chain.read_backlog_bytes(), advisor.describe())
+
+    # -- computed tokens ---------------------------------------------------------------------
+    def offered(self, ends: Sequence[int]) -> None:
+        """vLLM offered, in the step being scheduled, the chunks of this request that end at
+        prompt positions ``ends`` (one per chunk; several KV groups give the same end): the step
+        computes them. A request's first offer, or one right after its offer of the previous
+        step, is prefill; an offer after steps without any is a chunk completed by decoding
+        (one token a step): no prefill sample."""
+        advisor = self.chain.advisor
+        if advisor is None or not ends:
+            return
+        step, n = self.chain.steps, max(ends)
+        k = min(ends) - advisor.chunk_tokens
+        if self.computed_to is not None:
+            if self.last_offer_step is not None and self.last_offer_step < step - 1:
+                k = n  # decoding
+            else:
+                # from where it got to (a chunk vLLM did not offer was computed all the same)
+                k = self.computed_to if k >= self.computed_to else k
+        advisor.computes(k, n)
+        self.computed_to = max(n, self.computed_to or 0)
+        self.last_offer_step = step
