@@ -123,7 +123,9 @@ class TierChain:
                 request.start_clock()
                 request.segment_token, request.segment_step = first_token, self._steps
         self.poll()
-        found = self.cpu.lookup(key, count, per_request=request is not None)
+        # a re-ask after a remote tier's RETRY: the tiers above it counted this lookup already
+        retry_at = request.retried.get(key, 0) if request is not None else 0
+        found = self.cpu.lookup(key, count and not retry_at, per_request=request is not None)
         if found is not Lookup.MISS:
             if request is not None:
                 request.had_tier_hit = True
@@ -131,7 +133,12 @@ class TierChain:
                     request.counted.add(key)
             return found
         for i, tier in enumerate(self.file_tiers, start=1):
-            if tier.lookup(key, count) is not Lookup.HIT:
+            found = tier.lookup(key, count and i >= retry_at)
+            if found is Lookup.RETRY:  # a remote tier is still asking: not counted yet
+                if request is not None:
+                    request.retried[key] = i
+                return Lookup.RETRY
+            if found is not Lookup.HIT:
                 continue
             if self.advisor is not None:
                 decision = self._disk_decision(key, i, request, first_token)

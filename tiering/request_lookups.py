@@ -93,6 +93,9 @@ class RequestLookups:
     req_id: str = ""
     counted: set[bytes] = field(default_factory=set)
     disk_run: DiskRun = field(default_factory=DiskRun)
+    # chunk -> the tier that answered RETRY for it (a remote tier still asking): the tiers above
+    # it already counted this lookup, so the re-asks count there no more
+    retried: dict[bytes, int] = field(default_factory=dict)
     had_tier_hit: bool = False  # a CPU or disk hit: its timing is no prefill sample
     stores_in_flight: int = 0  # chunks offered for storing, not completed yet
     finished: bool = False  # vLLM reported it finished (kept until its stores complete)

@@ -33,6 +33,10 @@ class Lookup(enum.Enum):
     MISS = 0
     HIT = 1
     PENDING = 2  # known, not readable yet: ask again after the next poll
+    # not known yet: the tier is asking a remote index in the background (a Mooncake master);
+    # ask again after the next poll. The chain answers RETRY itself (vLLM keeps scanning the
+    # request's chunks, so one step asks about all of them at once).
+    RETRY = 3
 
 
 @dataclass
