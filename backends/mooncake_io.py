@@ -129,6 +129,9 @@ def set_timeouts(timeout_s: float) -> None:
     os.environ.setdefault("MC_RPC_TIMEOUT_MS", ms)
     os.environ.setdefault("MC_RPC_CONNECT_TIMEOUT_MS", ms)
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", SETUP_RETRIES)
+    # Mooncake logs through glog at INFO by default (several lines per client and call); keep
+    # its warnings and errors unless the operator chose a level
+    os.environ.setdefault("GLOG_minloglevel", "1")
 
 
 class MooncakeClient:
@@ -146,6 +149,8 @@ class MooncakeClient:
         self._stop = threading.Event()
         self._registered: list[tuple[int, int]] = []
         self._register_lock = threading.Lock()
+        # each I/O thread's slice of one header arena, registered right after setup
+        self._headers = np.zeros(cfg.io_threads * cfg.batch_rows * HEADER_BYTES, dtype=np.uint8)
         self._data: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._exists: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self.hostname = ""
@@ -153,8 +158,9 @@ class MooncakeClient:
                                           daemon=True),
                          threading.Thread(target=self._exists_loop, name="mooncake-exists",
                                           daemon=True)]
-        self._threads += [threading.Thread(target=self._data_loop, name=f"mooncake-io-{i}",
-                                           daemon=True) for i in range(cfg.io_threads)]
+        self._threads += [threading.Thread(target=self._data_loop, args=(i,),
+                                           name=f"mooncake-io-{i}", daemon=True)
+                          for i in range(cfg.io_threads)]
         for t in self._threads:
             t.start()
 
@@ -203,6 +209,8 @@ class MooncakeClient:
                 error = "" if rc == 0 else f"setup returned {rc}"
             except Exception as exc:  # a bad address and the like: keep trying, say why
                 error = f"setup raised {type(exc).__name__}: {exc}"
+            if not error and not self._register(memoryview(self._headers)):
+                error = "cannot register the header arena"
             if not error:
                 self.hostname = str(self._store.get_hostname())
                 self._set_up.set()
@@ -246,21 +254,18 @@ class MooncakeClient:
                 self.results.put(BatchDone(b, reasons[at:at + n], secs, fault, detail))
                 at += n
 
-    def _data_loop(self) -> None:
-        headers = np.zeros(self.cfg.batch_rows * HEADER_BYTES, dtype=np.uint8)
-        headers_registered = False
+    def _data_loop(self, i: int) -> None:
+        n = self.cfg.batch_rows * HEADER_BYTES
+        headers = self._headers[i * n:(i + 1) * n]
         while True:
             batch = self._data.get()
             if batch is None:
                 return
-            if self.set_up and not headers_registered:
-                headers_registered = self._register(memoryview(headers))
             if batch.kind is Kind.REMOVE:
                 self.results.put(self._remove(batch))
-            elif not headers_registered:
+            elif not self.set_up:
                 self.results.put(BatchDone(batch, ["unavailable"] * len(batch.items),
-                                           fault="not_set_up" if not self.set_up else
-                                           "register", detail="client not set up"))
+                                           fault="not_set_up", detail="client not set up"))
             else:
                 self.results.put(self._transfer(batch, headers))
 

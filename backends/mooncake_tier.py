@@ -328,7 +328,8 @@ class MooncakeTier(Tier):
             self.link.probing = True
             self.link.next_probe = time.monotonic() + MOONCAKE_PROBE_S
             probe = namespace_prefix(self.namespace_id) + META_NAME
-            self._submit(Batch(Kind.EXISTS, [Item(b"", probe)]))
+            # not in flight as work: a probe is no reason for vLLM to keep stepping
+            self.client.submit(Batch(Kind.EXISTS, [Item(b"", probe)], id=-1))
 
     def _log_fault(self, reason: str, detail: str) -> None:
         now = time.monotonic()

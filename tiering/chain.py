@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from tiering.advisor import PromotionAdvisor
 from tiering.backends.file_tier import FileTier
+from tiering.backends.mooncake_tier import MooncakeTier
 from tiering.cpu_tier import CpuTier
 from tiering.owed_rows import OwedRows
 from tiering.request_lookups import DiskRun, RequestLookups, RunState
@@ -59,13 +60,16 @@ class Event:
     removed: bool
 
 
-def tier_label(i: int) -> str:
-    """The ``tier`` label of tier ``i`` in metrics and hit sources."""
+def tier_label(i: int, medium: str = "file") -> str:
+    """The ``tier`` label of tier ``i`` in metrics and hit sources (the shared store below the
+    file tiers is ``mooncake``)."""
+    if medium == "mooncake":
+        return "mooncake"
     return "cpu" if i == 0 else ("disk" if i == 1 else f"disk{i}")
 
 
 class TierChain:
-    def __init__(self, cpu: CpuTier, file_tiers: Sequence[FileTier] = (),
+    def __init__(self, cpu: CpuTier, file_tiers: Sequence[FileTier | MooncakeTier] = (),
                  events: bool = False, advisor: PromotionAdvisor | None = None) -> None:
         self.cpu = cpu
         self.file_tiers = list(file_tiers)
@@ -154,7 +158,7 @@ class TierChain:
                 # (no CPU row now, or the read fails and the chunk is a miss after all)
                 request.counted.add(key)
             tier.touch([key])  # a promotion is a use: recency and the persisted hit count
-            got = self.cpu.reserve_promotion(key, tier_label(i), protect)
+            got = self.cpu.reserve_promotion(key, tier_label(i, tier.medium), protect)
             if got is None:  # no CPU row free now: a miss (counted on the CPU tier)
                 return Lookup.MISS
             row, evicted = got

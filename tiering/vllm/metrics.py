@@ -62,7 +62,7 @@ class TierMetrics:
 
         stats = OffloadingConnectorStats()
         for i, tier in enumerate(chain.tiers):
-            label = tier_label(i)
+            label = tier_label(i, tier.medium)
             for flat in COUNTER_KEYS:
                 name, value = split_key(flat)
                 labels = (label, value) if value else (label,)
@@ -75,6 +75,7 @@ class TierMetrics:
             stats.set_gauge(PREFIX + "info", 1, (label, tier.policy_name,
                                                 tier.engine_name or "shm"))
         for i, kind, secs in chain.transfer_samples:
-            stats.observe_histogram(PREFIX + "transfer_seconds", secs, (tier_label(i), kind))
+            stats.observe_histogram(PREFIX + "transfer_seconds", secs,
+                                    (tier_label(i, chain.tiers[i].medium), kind))
         chain.transfer_samples.clear()
         return stats

@@ -1,0 +1,327 @@
+"""MooncakeTier against a real ``mooncake_master`` on localhost (started per module on free
+ports, killed at teardown): bytes round-trip exactly between two clients, the wrong namespace
+never hits, a corrupt or foreign value is a miss, a master killed with -9 (or frozen) turns
+into misses and rejections without blocking the caller, and a restarted master serves new
+stores again. Also the tier inside a ``TierChain`` (RETRY, then a promotion into a CPU row)."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mooncake.store")
+
+from mooncake_util import MooncakeMaster  # noqa: E402
+
+from tiering.backends.mooncake_config import MooncakeTierConfig  # noqa: E402
+from tiering.backends.mooncake_tier import LinkState, MooncakeTier  # noqa: E402
+from tiering.backends.mooncake_value import HEADER_BYTES, object_name  # noqa: E402
+from tiering.backends.namespace import NamespaceFacts  # noqa: E402
+from tiering.tier import Lookup  # noqa: E402
+
+RB = 64 << 10  # row bytes
+ROWS = 32
+FACTS = NamespaceFacts("model-a", "bfloat16", "NHD", RB, 16)
+OTHER = NamespaceFacts("model-b", "bfloat16", "NHD", RB, 16)
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    m = MooncakeMaster(tmp_path_factory.mktemp("mooncake")).start()
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def staging():
+    """A page-aligned region of ROWS random rows, as the CPU tier's staging region is."""
+    buf = mmap.mmap(-1, ROWS * RB)
+    rows = np.frombuffer(buf, dtype=np.uint8).reshape(ROWS, RB)
+    rows[:] = np.random.default_rng(3).integers(0, 256, rows.shape, dtype=np.uint8)
+    yield buf, rows
+    del rows
+
+
+def view(buf: mmap.mmap, i: int) -> memoryview:
+    return memoryview(buf)[i * RB:(i + 1) * RB]
+
+
+@pytest.fixture
+def open_tier(master):
+    tiers: list[MooncakeTier] = []
+
+    def make(facts: NamespaceFacts = FACTS, **cfg: object) -> MooncakeTier:
+        conf = master.tier_config(**{"local_hostname": "127.0.0.1", "timeout_s": 1.0, **cfg})
+        t = MooncakeTier(conf, facts)
+        tiers.append(t)
+        assert t.wait_connected(30), "the tier did not connect to the master"
+        return t
+
+    yield make
+    for t in tiers:
+        t.close()
+
+
+def resolve(tier: MooncakeTier, keys: list[bytes], timeout: float = 10.0) -> list[Lookup]:
+    """Ask like vLLM does (every step until nothing answers RETRY)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answers = [tier.lookup(k) for k in keys]
+        if Lookup.RETRY not in answers or time.monotonic() > deadline:
+            return answers
+        tier.poll(wait=0.05)
+
+
+def unique_keys(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}-{time.monotonic_ns()}-{i}".encode() for i in range(n)]
+
+
+def store(tier: MooncakeTier, keys: list[bytes], buf: mmap.mmap, first_row: int = 0) -> list:
+    out = tier.put(keys, [view(buf, first_row + i) for i in range(len(keys))])
+    assert out.admitted == keys, out
+    return tier.wait_idle(timeout=30)
+
+
+def test_bytes_round_trip_between_two_clients(open_tier, staging):
+    buf, rows = staging
+    writer, reader = open_tier(), open_tier()
+    keys = unique_keys("rt", 8)
+    done = store(writer, keys, buf)
+    assert [c.ok for c in done] == [True] * 8
+    assert writer.stats["stores"] == 8 and writer.stats["store_bytes"] == 8 * RB
+    assert resolve(reader, keys) == [Lookup.HIT] * 8
+    started = reader.get([(k, view(buf, 16 + i), i) for i, k in enumerate(keys)])
+    assert started == [True] * 8
+    reads = reader.wait_idle(timeout=30)
+    assert sorted((c.token, c.ok, c.nbytes) for c in reads) == [(i, True, RB) for i in range(8)]
+    for i in range(8):
+        assert np.array_equal(rows[16 + i], rows[i]), f"row {i} differs after the round trip"
+    assert reader.stats["hits"] == 8 and reader.stats["promotion_bytes"] == 8 * RB
+
+
+def test_unknown_key_is_retry_then_miss_counted_once(open_tier):
+    tier = open_tier()
+    key = unique_keys("miss", 1)
+    assert tier.lookup(key[0]) is Lookup.RETRY
+    assert tier.stats["lookups"] == 0  # not counted until answered
+    assert resolve(tier, key) == [Lookup.MISS]
+    assert tier.stats["lookups"] == 1 and tier.stats["hits"] == 0
+
+
+def test_wrong_namespace_never_hits(open_tier, staging):
+    buf, _ = staging
+    a, b = open_tier(FACTS), open_tier(OTHER)
+    keys = unique_keys("ns", 4)
+    store(a, keys, buf)
+    assert resolve(b, keys) == [Lookup.MISS] * 4
+    assert b.get([(k, view(buf, 20), None) for k in keys]) == [False] * 4
+    assert object_name(FACTS.namespace_id, keys[0]) != object_name(OTHER.namespace_id, keys[0])
+
+
+def raw_client(master):
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", master.metadata, 16 << 20, 16 << 20, "tcp", "",
+                   master.master) == 0
+    return s
+
+
+def test_corrupt_value_is_a_miss_never_served(master, open_tier, staging):
+    buf, rows = staging
+    writer, reader = open_tier(), open_tier()
+    keys = unique_keys("corrupt", 2)
+    store(writer, keys, buf)
+    raw = raw_client(master)
+    try:
+        name = object_name(FACTS.namespace_id, keys[0])
+        value = bytearray(raw.get(name))
+        assert len(value) == HEADER_BYTES + RB and value[HEADER_BYTES:] == rows[0].tobytes()
+        value[HEADER_BYTES + 1000] ^= 0xFF  # one flipped byte, header intact
+        assert raw.remove(name, True) == 0
+        assert raw.put(name, bytes(value)) == 0
+        # a value under our name whose header names another namespace (a foreign writer)
+        foreign = bytearray(raw.get(object_name(FACTS.namespace_id, keys[1])))
+        struct.pack_into("<Q", foreign, 8, 12345)
+        name1 = object_name(FACTS.namespace_id, keys[1])
+        assert raw.remove(name1, True) == 0
+        assert raw.put(name1, bytes(foreign)) == 0
+        # (the raw client stays open: its segment may hold the values it put)
+        assert resolve(reader, keys) == [Lookup.HIT, Lookup.HIT]
+        rows[10:12] = 0
+        assert reader.get([(k, view(buf, 10 + i), i) for i, k in enumerate(keys)]) == [True] * 2
+        reads = {c.token: c for c in reader.wait_idle(timeout=30)}
+    finally:
+        raw.close()
+    assert (reads[0].ok, reads[0].reason) == (False, "checksum")
+    assert (reads[1].ok, reads[1].reason) == (False, "header")
+    assert reader.stats["checksum_failures"] == 1
+    assert reader.stats["remote_errors:checksum"] == 1
+    assert reader.stats["remote_errors:header"] == 1
+    assert not reader.contains(keys[0]) and not reader.contains(keys[1])  # forgotten: misses
+
+
+def test_verify_off_still_checks_the_header(master, open_tier, staging):
+    buf, _ = staging
+    writer, reader = open_tier(), open_tier(verify=False)
+    keys = unique_keys("nover", 1)
+    store(writer, keys, buf)
+    raw = raw_client(master)
+    try:
+        name = object_name(FACTS.namespace_id, keys[0])
+        value = bytearray(raw.get(name))
+        value[0:4] = b"XXXX"
+        assert raw.remove(name, True) == 0 and raw.put(name, bytes(value)) == 0
+        assert resolve(reader, keys) == [Lookup.HIT]
+        reader.get([(keys[0], view(buf, 9), 0)])
+        (done,) = reader.wait_idle(timeout=30)
+    finally:
+        raw.close()
+    assert (done.ok, done.reason) == (False, "header")
+
+
+def test_store_threshold_and_bad_rows(open_tier, staging):
+    buf, _ = staging
+    tier = open_tier(store_threshold=2)
+    keys = unique_keys("thr", 2)
+    out = tier.put(keys, [view(buf, 0), view(buf, 1)])
+    assert out.admitted == [] and out.rejected == {k: "threshold" for k in keys}
+    assert tier.stats["rejections:threshold"] == 2
+    assert tier.put(keys, [view(buf, 0), view(buf, 1)]).admitted == keys
+    tier.wait_idle(timeout=30)
+    with pytest.raises(ValueError, match="row_bytes"):
+        tier.put([b"short"], [memoryview(bytearray(100))])
+    with pytest.raises(ValueError, match="2 keys but 1 rows"):
+        tier.put(keys, [view(buf, 0)])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"master": "nohost"}, r"tiers\[1\]\.master: expected HOST:PORT"),
+    ({"metadata": "127.0.0.1:8080"}, r"metadata: expected the metadata server's URL"),
+    ({"protocol": "udp"}, r"protocol: expected one of tcp, rdma"),
+    ({"segment": "lots"}, r"segment: expected a byte size"),
+    ({"timeout_s": 0}, r"timeout_s: expected seconds"),
+    ({"verify": "yes"}, r"verify: expected true or false"),
+    ({"demote": "later"}, r"demote: expected one of"),
+    ({"colour": "blue"}, r"unknown key\(s\) 'colour'"),
+])
+def test_bad_config_is_one_clear_error(bad, match):
+    cfg = {"master": "127.0.0.1:50051", "metadata": "http://127.0.0.1:8080/metadata", **bad}
+    with pytest.raises(ValueError, match=match):
+        MooncakeTierConfig.from_dict(cfg, "tiers[1]")
+
+
+def test_master_killed_then_restarted(master, open_tier, staging):
+    """kill -9 mid-run: lookups miss, stores are rejected, reads fail, each call returns at
+    once; after a restart (every value lost with the old master) new stores hit again."""
+    buf, rows = staging
+    writer, reader = open_tier(), open_tier()
+    before = unique_keys("before", 4)
+    store(writer, before, buf)
+    assert resolve(reader, before) == [Lookup.HIT] * 4
+    master.kill()
+    try:
+        # a read of a chunk the master said exists: fails (never hangs), a miss
+        assert reader.get([(before[0], view(buf, 12), "r")]) == [True]
+        (done,) = reader.wait_idle(timeout=30)
+        assert not done.ok and done.reason in ("unavailable", "transfer", "gone")
+        during = unique_keys("during", 2)
+        t0 = time.monotonic()
+        answers = resolve(reader, during)
+        out = writer.put(during, [view(buf, 4), view(buf, 5)])
+        writer.wait_idle(timeout=30)
+        assert answers == [Lookup.MISS, Lookup.MISS]
+        assert time.monotonic() - t0 < 10
+        assert reader.link.state is LinkState.DOWN
+        assert writer.link.state is LinkState.DOWN or not out.admitted
+        later = writer.put(unique_keys("later", 1), [view(buf, 6)])
+        assert later.admitted == [] and set(later.rejected.values()) == {"error"}
+        assert writer.stats["rejections:error"] >= 1
+        assert reader.stats["remote_errors:unavailable"] >= 1
+    finally:
+        master.start()
+    for t in (writer, reader):
+        deadline = time.monotonic() + 30
+        while t.link.state is not LinkState.UP and time.monotonic() < deadline:
+            t.poll(wait=0.1)
+        assert t.link.state is LinkState.UP, "the tier did not reconnect to the restarted master"
+    after = unique_keys("after", 3)
+    deadline = time.monotonic() + 30
+    while True:  # the client re-mounts its segment on the new master within a few seconds
+        out = writer.put(after, [view(buf, 7 + i) for i in range(3)])
+        done = writer.wait_idle(timeout=30)
+        if all(c.ok for c in done) and len(done) == 3:
+            break
+        assert time.monotonic() < deadline, f"stores never succeeded after the restart: {done}"
+        time.sleep(0.5)
+    assert resolve(reader, after) == [Lookup.HIT] * 3
+    assert reader.get([(k, view(buf, 20 + i), i) for i, k in enumerate(after)]) == [True] * 3
+    assert all(c.ok for c in reader.wait_idle(timeout=30))
+    for i in range(3):
+        assert np.array_equal(rows[20 + i], rows[7 + i])
+
+
+def test_frozen_master_times_out_never_blocks(master, open_tier, staging):
+    """SIGSTOP: the master keeps its sockets but answers nothing. Every call of the tier
+    returns at once; the queries fail within the timeout and are misses."""
+    buf, _ = staging
+    tier = open_tier(timeout_s=0.5)
+    keys = unique_keys("frozen", 3)
+    master.stop()
+    try:
+        t0 = time.monotonic()
+        first = [tier.lookup(k) for k in keys]
+        put = tier.put(unique_keys("frozen-put", 1), [view(buf, 3)])
+        returned = time.monotonic() - t0
+        assert first == [Lookup.RETRY] * 3 and len(put.admitted) == 1
+        assert returned < 0.25, f"lookup/put waited {returned:.2f}s on a frozen master"
+        done = tier.wait_idle(timeout=30)
+        assert [c.ok for c in done] == [False]
+        assert resolve(tier, keys) == [Lookup.MISS] * 3
+        assert tier.link.state is LinkState.DOWN
+    finally:
+        master.cont()
+    deadline = time.monotonic() + 30
+    while tier.link.state is not LinkState.UP and time.monotonic() < deadline:
+        tier.poll(wait=0.1)
+    assert tier.link.state is LinkState.UP
+
+
+def test_in_a_chain_a_remote_hit_is_promoted_into_a_cpu_row(open_tier, staging, tmp_path,
+                                                           monkeypatch):
+    from tiering.backends.staging import StagingRegion
+    from tiering.chain import TierChain
+    from tiering.cpu_tier import CpuTier
+    from tiering.request_lookups import RequestLookups
+
+    monkeypatch.setenv("VLLM_TIERING_SHM_DIR", str(tmp_path))
+    buf, rows = staging
+    writer = open_tier()
+    keys = unique_keys("chain", 3)
+    store(writer, keys, buf)
+    region = StagingRegion(f"mc-{time.monotonic_ns()}", 8, RB)
+    try:
+        chain = TierChain(CpuTier(region, "lru"), [open_tier()])
+        req = RequestLookups("r1")
+        answers = [chain.lookup(k, request=req) for k in keys]
+        assert answers == [Lookup.RETRY] * 3
+        deadline = time.monotonic() + 10
+        while Lookup.RETRY in answers and time.monotonic() < deadline:
+            chain.on_schedule_end()
+            chain.poll(wait=0.05)
+            answers = [chain.lookup(k, request=req) for k in keys]
+        assert answers == [Lookup.PENDING] * 3  # promotions reserved
+        chain.wait_idle(timeout=30)
+        assert [chain.lookup(k, request=req) for k in keys] == [Lookup.HIT] * 3
+        for i, k in enumerate(keys):
+            assert np.array_equal(region.rows[chain.cpu.row_of(k)], rows[i])
+        # the CPU tier counted one miss per chunk, not one per re-ask
+        assert chain.cpu.stats["lookups"] == 3 and chain.cpu.stats["hits"] == 0
+        assert chain.tiers[1].stats["lookups"] == 3 and chain.tiers[1].stats["hits"] == 3
+        chain.close()
+    finally:
+        region.close(unlink=True)
