@@ -408,6 +408,14 @@ class MooncakeTier(Tier):
             self._removed_listener(gone)
         return len(gone)
 
+    def clear(self, last_access_before: float | None = None) -> int:
+        """Forget every key known here (``last_access_before`` is not tracked: all of them);
+        the store keeps them for the other engines."""
+        return self.drop(list(self._present))
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Nothing to persist: the counters live in this process (its /metrics)."""
+
     def evict(self, n: int) -> list[bytes]:
         """Nothing: the master evicts by its own watermarks, for the whole cluster."""
         return []

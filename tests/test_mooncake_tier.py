@@ -325,3 +325,26 @@ def test_in_a_chain_a_remote_hit_is_promoted_into_a_cpu_row(open_tier, staging, 
         chain.close()
     finally:
         region.close(unlink=True)
+
+
+def test_tiering_inspect_and_stats_show_the_masters_view(master, open_tier, staging, capsys):
+    import json
+
+    from tiering.cli import main
+
+    buf, _ = staging
+    tier = open_tier(OTHER)  # its own namespace: only this test's chunks in it
+    keys = unique_keys("inspect", 5)
+    store(tier, keys, buf)
+    assert main(["inspect", f"mooncake://{master.admin}", "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)
+    (ns,) = [n for n in view["namespaces"] if n["namespace"] == OTHER.namespace_id]
+    assert ns["chunks"] >= 5 and ns["kv_bytes"] == ns["chunks"] * RB
+    assert ns["value_bytes"] == ns["chunks"] * (RB + HEADER_BYTES)
+    assert ns["facts_published"] is True
+    assert view["master"]["master_total_capacity_bytes"] > 0
+    assert main(["stats", f"mooncake://{master.admin}", "--namespace", OTHER.namespace_id]) == 0
+    text = capsys.readouterr().out
+    assert f"namespace {OTHER.namespace_id}: {ns['chunks']} chunks" in text
+    assert main(["inspect", "mooncake://nohost"]) == 2
+    assert "expected mooncake://HOST:PORT" in capsys.readouterr().err

@@ -31,6 +31,10 @@ def _namespaces(args: argparse.Namespace) -> list[Path]:
 def _cmd_stats(args: argparse.Namespace) -> int:
     from tiering.backends.reader import NamespaceReader
 
+    if str(args.path).startswith("mooncake://"):  # counters live in each engine's /metrics
+        from tiering.cli_cache import mooncake_view
+
+        return mooncake_view(args)
     out = []
     for folder in _namespaces(args):
         with NamespaceReader(folder) as r:
@@ -123,7 +127,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         return p
 
     p = with_path("stats", "persisted hit/miss/eviction/admission counters",
-                  "Counters the tier persists with every group commit (read-only).")
+                  "Counters the tier persists with every group commit (read-only). PATH "
+                  "mooncake://HOST:PORT (a Mooncake master's HTTP admin port): the master's "
+                  "view of our namespaces and its totals (each engine's own counters of its "
+                  "mooncake tier are on its /metrics, tier=\"mooncake\").")
     p.set_defaults(func=_cmd_stats)
 
     for name, func, desc in (
