@@ -22,6 +22,7 @@ from tiering.backends.sizes import parse_size
 
 DEMOTE_MODES = ("on_store", "on_evict")
 PROTOCOLS = ("tcp", "rdma")
+MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses to mount a smaller segment
 _HOST_PORT = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
 _URL = re.compile(r"^https?://[^/\s]+(/\S*)?$")
 
@@ -32,7 +33,8 @@ class MooncakeTierConfig:
     metadata: str  # the transfer engine's metadata server: http://HOST:PORT/metadata
     protocol: str = "tcp"
     # bytes of this process's memory lent to the cluster-wide pool (other engines' chunks land
-    # here too); 0 lends nothing (a pure client that only reads and writes others' segments)
+    # here too); 0 lends nothing (a pure client that only reads and writes others' segments);
+    # otherwise at least 16MiB
     segment: int | str = "1GiB"
     # the client's own transfer buffer, used only for values not in registered memory (the
     # staging rows are registered, so their transfers bypass it)
@@ -112,9 +114,9 @@ def validate(cfg: MooncakeTierConfig) -> None:
     if local < 1 << 20:
         raise ValueError(f"local_buffer: expected at least 1MiB (the client's transfer buffer), "
                          f"got {cfg.local_buffer!r:.40}")
-    if segment and segment < 1 << 20:
-        raise ValueError(f"segment: expected 0 (lend nothing) or at least 1MiB, got "
-                         f"{cfg.segment!r:.40}")
+    if segment and segment < MIN_SEGMENT_BYTES:
+        raise ValueError(f"segment: expected 0 (lend nothing) or at least 16MiB (Mooncake's "
+                         f"smallest segment), got {cfg.segment!r:.40}")
     for name, (low, high) in _INT_RANGES.items():
         v = getattr(cfg, name)
         if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:

@@ -304,13 +304,23 @@ class MooncakeTier(Tier):
         if r.fault == "not_set_up":
             return
         if r.fault and self.link.up:
-            self.link.move(LinkState.DOWN)
-            self.link.next_probe = time.monotonic() + MOONCAKE_PROBE_S
+            self._link_down()
             log.warning("mooncake tier: master %s did not answer (%s); chunks are misses until "
                         "it does", self.cfg.master, r.detail or r.fault)
         elif not r.fault and self.link.state is LinkState.DOWN and not r.batch.overran:
             self.link.move(LinkState.UP)
             log.warning("mooncake tier: master %s answers again", self.cfg.master)
+
+    def _link_down(self) -> None:
+        """The master stopped answering. What it said before is forgotten: a master that comes
+        back may be a new one that lost every value (asking again costs one RPC a chunk)."""
+        self.link.move(LinkState.DOWN)
+        self.link.next_probe = time.monotonic() + MOONCAKE_PROBE_S
+        forgotten = list(self._present)
+        self._present.clear()
+        self._absent.clear()
+        if forgotten and self._removed_listener is not None:
+            self._removed_listener(forgotten)
 
     def _watchdog(self) -> None:
         """Calls that overran: counted, logged once, the link marked down (no new work starts
@@ -322,7 +332,7 @@ class MooncakeTier(Tier):
             self._log_fault("timeout", f"{len(late)} Mooncake call(s) running for more than "
                             f"{self._overrun_s:.0f}s")
             if self.link.up:
-                self.link.move(LinkState.DOWN)
+                self._link_down()
         if (self.link.state is LinkState.DOWN and not self.link.probing
                 and time.monotonic() >= self.link.next_probe):
             self.link.probing = True

@@ -204,6 +204,7 @@ def test_store_threshold_and_bad_rows(open_tier, staging):
     ({"metadata": "127.0.0.1:8080"}, r"metadata: expected the metadata server's URL"),
     ({"protocol": "udp"}, r"protocol: expected one of tcp, rdma"),
     ({"segment": "lots"}, r"segment: expected a byte size"),
+    ({"segment": "8MiB"}, r"segment: expected 0 \(lend nothing\) or at least 16MiB"),
     ({"timeout_s": 0}, r"timeout_s: expected seconds"),
     ({"verify": "yes"}, r"verify: expected true or false"),
     ({"demote": "later"}, r"demote: expected one of"),
@@ -348,3 +349,79 @@ def test_tiering_inspect_and_stats_show_the_masters_view(master, open_tier, stag
     assert f"namespace {OTHER.namespace_id}: {ns['chunks']} chunks" in text
     assert main(["inspect", "mooncake://nohost"]) == 2
     assert "expected mooncake://HOST:PORT" in capsys.readouterr().err
+
+
+def _writer_process(cfg: dict, keys: list[bytes], ready) -> None:
+    """A peer engine: lends its segment, stores the rows, then lives until killed."""
+    buf = mmap.mmap(-1, len(keys) * RB)
+    np.frombuffer(buf, dtype=np.uint8)[:] = 7
+    tier = MooncakeTier(cfg, FACTS)
+    assert tier.wait_connected(30)
+    tier.put(keys, [view(buf, i) for i in range(len(keys))])
+    ready.put(sum(c.ok for c in tier.wait_idle(timeout=30)))
+    time.sleep(600)
+
+
+def test_peer_killed_with_its_segment_is_a_miss(master, open_tier, staging):
+    """The values live in a peer's segment (this reader lends none); the peer is killed -9:
+    reads of them fail fast as misses, and the master forgets them once the peer's lease ends."""
+    import multiprocessing as mp
+
+    buf, _ = staging
+    reader = open_tier(segment=0)
+    keys = unique_keys("peer", 4)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    cfg = master.tier_config(local_hostname="127.0.0.1", timeout_s=1.0, segment="32MiB")
+    peer = ctx.Process(target=_writer_process, args=(cfg, keys, ready), daemon=True)
+    peer.start()
+    try:
+        assert ready.get(timeout=60) == 4
+        assert resolve(reader, keys) == [Lookup.HIT] * 4
+    finally:
+        peer.kill()  # SIGKILL: its segment goes with it
+        peer.join(30)
+    t0 = time.monotonic()
+    assert reader.get([(k, view(buf, 24 + i), i) for i, k in enumerate(keys)]) == [True] * 4
+    reads = reader.wait_idle(timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert [c.ok for c in reads] == [False] * 4
+    assert {c.reason for c in reads} <= {"transfer", "gone", "unavailable", "timeout"}
+    assert reader.stats["promotion_failures"] == 4
+    assert not any(reader.contains(k) for k in keys)
+    deadline = time.monotonic() + 30  # the master drops the dead client's objects (client_ttl)
+    while resolve(reader, keys) != [Lookup.MISS] * 4:
+        assert time.monotonic() < deadline, "the dead peer's chunks are still listed"
+        time.sleep(0.5)
+
+
+def test_full_store_is_a_counted_rejection(tmp_path):
+    """One client lending Mooncake's smallest segment (16 MiB), offered 32 MiB at once: what
+    does not fit is rejected as full (counted, logged), the rest is stored and reads back."""
+    own = MooncakeMaster(tmp_path).start()
+    row = 1 << 20
+    buf = mmap.mmap(-1, 32 * row)
+    rows = np.frombuffer(buf, dtype=np.uint8).reshape(32, row)
+    rows[:] = np.random.default_rng(5).integers(0, 256, rows.shape, dtype=np.uint8)
+    facts = NamespaceFacts("model-a", "bfloat16", "NHD", row, 16)
+    tier = MooncakeTier(own.tier_config(local_hostname="127.0.0.1", segment="16MiB"), facts)
+    try:
+        assert tier.wait_connected(30)
+        keys = unique_keys("full", 32)
+        out = tier.put(keys, [memoryview(buf)[i * row:(i + 1) * row] for i in range(32)])
+        assert out.admitted == keys
+        done = tier.wait_idle(timeout=60)
+        failed = [c for c in done if not c.ok]
+        stored = [c.key for c in done if c.ok]
+        assert failed and stored and len(done) == 32
+        assert {c.reason for c in failed} == {"full"}
+        assert tier.stats["rejections:full"] == len(failed) == tier.stats["remote_errors:full"]
+        assert tier.stats["stores"] == len(stored)
+        assert not any(tier.contains(c.key) for c in failed)
+        back = mmap.mmap(-1, row)
+        assert tier.get([(stored[0], memoryview(back), 0)]) == [True]
+        (read,) = tier.wait_idle(timeout=30)
+        assert read.ok and bytes(back) == rows[keys.index(stored[0])].tobytes()
+    finally:
+        tier.close()
+        own.close()
