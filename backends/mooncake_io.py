@@ -209,7 +209,7 @@ class MooncakeClient:
                 error = "" if rc == 0 else f"setup returned {rc}"
             except Exception as exc:  # a bad address and the like: keep trying, say why
                 error = f"setup raised {type(exc).__name__}: {exc}"
-            if not error and not self._register(memoryview(self._headers)):
+            if not error and not self._register(self._headers.data):
                 error = "cannot register the header arena"
             if not error:
                 self.hostname = str(self._store.get_hostname())
@@ -244,8 +244,12 @@ class MooncakeClient:
                         break
                     batches.append(more)
             names = [it.name for b in batches for it in b.items]
+
+            def exists(names: list[str] = names) -> Sequence[int]:
+                return self._store.batch_is_exist(names)  # type: ignore[no-any-return]
+
             reasons, fault, detail, secs = self._call(
-                lambda names=names: self._store.batch_is_exist(names), len(names),
+                exists, len(names),
                 lambda codes: ["" if c == 1 else ("gone" if c == 0 else "unavailable")
                                for c in codes])
             at = 0
@@ -291,21 +295,21 @@ class MooncakeClient:
 
     def _transfer(self, batch: Batch, headers: np.ndarray) -> BatchDone:
         items, rb = batch.items, self.codec.row_bytes
-        hview = memoryview(headers)
+        hview = headers.data
         haddr = _address(hview)
+        bufs: list[memoryview] = []
         for it in items:
             assert it.buf is not None
             if not self._register(it.buf):
                 return BatchDone(batch, ["transfer"] * len(items),
                                  detail="cannot register the row memory")
+            bufs.append(it.buf)
         names = [it.name for it in items]
-        ptrs = [[haddr + i * HEADER_BYTES, _address(it.buf)]  # type: ignore[arg-type]
-                for i, it in enumerate(items)]
+        ptrs = [[haddr + i * HEADER_BYTES, _address(b)] for i, b in enumerate(bufs)]
         sizes = [[HEADER_BYTES, rb]] * len(items)
         if batch.kind is Kind.STORE:
-            for i, it in enumerate(items):
-                self.codec.pack(it.key, it.buf,  # type: ignore[arg-type]
-                                hview[i * HEADER_BYTES:(i + 1) * HEADER_BYTES])
+            for i, (it, b) in enumerate(zip(items, bufs, strict=True)):
+                self.codec.pack(it.key, b, hview[i * HEADER_BYTES:(i + 1) * HEADER_BYTES])
             reasons, fault, detail, secs = self._call(
                 lambda: self._store.batch_put_from_multi_buffers(names, ptrs, sizes), len(items),
                 lambda codes: ["" if c in (0, ALREADY_EXISTS) else reason_of(c) for c in codes])
@@ -314,10 +318,10 @@ class MooncakeClient:
             lambda: self._store.batch_get_into_multi_buffers(names, ptrs, sizes), len(items),
             lambda codes: [reason_of(c) if c < 0 else ("" if c == HEADER_BYTES + rb else "short")
                            for c in codes])
-        for i, it in enumerate(items):
+        for i, (it, b) in enumerate(zip(items, bufs, strict=True)):
             if not reasons[i]:
                 reasons[i] = self.codec.check(it.key, hview[i * HEADER_BYTES:(i + 1) * HEADER_BYTES],
-                                              it.buf, self.cfg.verify)  # type: ignore[arg-type]
+                                              b, self.cfg.verify)
         return BatchDone(batch, reasons, secs, fault, detail)
 
     def _remove(self, batch: Batch) -> BatchDone:

@@ -418,10 +418,16 @@ def test_full_store_is_a_counted_rejection(tmp_path):
         assert tier.stats["rejections:full"] == len(failed) == tier.stats["remote_errors:full"]
         assert tier.stats["stores"] == len(stored)
         assert not any(tier.contains(c.key) for c in failed)
-        back = mmap.mmap(-1, row)
-        assert tier.get([(stored[0], memoryview(back), 0)]) == [True]
-        (read,) = tier.wait_idle(timeout=30)
-        assert read.ok and bytes(back) == rows[keys.index(stored[0])].tobytes()
+        # the master evicts past its high watermark (90%): a stored chunk may be gone already
+        back = mmap.mmap(-1, len(stored) * row)
+        assert tier.get([(k, memoryview(back)[i * row:(i + 1) * row], i)
+                         for i, k in enumerate(stored)]) == [True] * len(stored)
+        reads = tier.wait_idle(timeout=30)
+        assert any(c.ok for c in reads) and {c.reason for c in reads if not c.ok} <= {"gone"}
+        for c in reads:
+            if c.ok:
+                i = c.token
+                assert back[i * row:(i + 1) * row] == rows[keys.index(stored[i])].tobytes()
     finally:
         tier.close()
         own.close()

@@ -242,7 +242,7 @@ class MooncakeTier(FileTier):
         return MooncakeStoreTier(MooncakeTierConfig.from_dict(tier_config, where=where), facts,
                                  info)
 
-    def lookup(self, key, req_context: ReqContext) -> LookupResult:
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         tier_filter = getattr(req_context, "load_tier_filter", None)
         if tier_filter is not None and not tier_filter.allows(self.medium, self.locality):
             return LookupResult.MISS
