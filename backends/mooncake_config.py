@@ -47,7 +47,9 @@ class MooncakeTierConfig:
     # free port; give HOST or HOST:PORT on a multi-homed host
     local_hostname: str = ""
     rdma_devices: str = ""  # with protocol "rdma": the NICs, e.g. "mlx5_0,mlx5_1"
-    io_threads: int = 4  # threads making Mooncake calls (one more asks the master what exists)
+    # threads making Mooncake data calls (one more asks the master what exists); on the 2-core
+    # build machine one or two read fastest (docs/scale-out.md), more help with cores to spare
+    io_threads: int = 2
     timeout_s: float = 5.0  # bound of one Mooncake call (its RPC timeout; our watchdog)
     batch_rows: int = 16  # rows per Mooncake batch call (batches run on the I/O threads at once)
     # the master's HTTP admin service (mooncake_master --metrics_port): only tools use it

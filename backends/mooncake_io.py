@@ -7,9 +7,10 @@ one batch call), and one connector thread that sets the client up and retries wh
 is unreachable. Each finished batch comes back as a ``BatchDone`` on the results queue that
 the tier's ``poll`` drains; these threads never touch the tier's state.
 
-Bounded calls: Mooncake's own RPC timeouts are set from ``timeout_s`` before the client is made
-(``MC_RPC_TIMEOUT_MS``, ``MC_RPC_CONNECT_TIMEOUT_MS``, unless the operator set them), so a master
-that stops answering fails each call within that time; the tier's watchdog (``MooncakeTier.poll``)
+Bounded calls: Mooncake's own timeouts are set from ``timeout_s`` before the client is made
+(``MC_RPC_TIMEOUT_MS``, ``MC_RPC_CONNECT_TIMEOUT_MS``, ``MC_TCP_PROGRESS_TIMEOUT_SEC``,
+``MC_TCP_STATUS_TIMEOUT_SEC``, unless the operator set them), so a master or a peer that stops
+answering fails each call within about that time; the tier's watchdog (``MooncakeTier.poll``)
 also marks the link down when a call overruns. A batch always reports back once its call
 returns; until then its rows stay pinned, because Mooncake may still be writing into them.
 
@@ -25,6 +26,7 @@ import contextlib
 import enum
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -124,10 +126,15 @@ def _root_range(view: memoryview) -> tuple[int, int]:
 
 
 def set_timeouts(timeout_s: float) -> None:
-    """Bound Mooncake's master RPCs by ``timeout_s`` (unless the operator set them)."""
+    """Bound Mooncake's master RPCs and TCP transfers by ``timeout_s`` (unless the operator set
+    them; they are per process: the first mooncake tier of a process sets them). Without the TCP
+    ones a transfer from a peer that stopped answering (frozen, partitioned) waits 30 s."""
     ms = str(max(100, int(timeout_s * 1000)))
     os.environ.setdefault("MC_RPC_TIMEOUT_MS", ms)
     os.environ.setdefault("MC_RPC_CONNECT_TIMEOUT_MS", ms)
+    secs = str(max(1, math.ceil(timeout_s)))
+    os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", secs)
+    os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", secs)
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", SETUP_RETRIES)
     # Mooncake logs through glog at INFO by default (several lines per client and call); keep
     # its warnings and errors unless the operator chose a level
