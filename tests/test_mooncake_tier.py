@@ -440,3 +440,32 @@ def test_full_store_is_a_counted_rejection(tmp_path):
     finally:
         tier.close()
         own.close()
+
+
+MC = {"medium": "mooncake", "master": "127.0.0.1:50051",
+      "metadata": "http://127.0.0.1:8080/metadata"}
+
+
+def test_tiers_config_places_the_mooncake_tier_last(tmp_path):
+    from tiering.config import check_sizes, parse
+
+    def extra(*tiers: dict) -> dict:
+        return {"cpu_bytes_to_use": "64MiB", "tiers": [{"medium": "cpu"}, *tiers]}
+
+    cfg = parse(extra(MC))
+    assert len(cfg.mooncake) == 1 and cfg.files == []
+    assert cfg.mooncake[0].segment_bytes == 1 << 30
+    disk = {"medium": "file", "path": str(tmp_path / "kv"), "capacity": "1MiB"}
+    cfg = parse(extra(disk, {**MC, "segment": "32MiB", "store_threshold": 2}))
+    assert len(cfg.files) == 1 and cfg.mooncake[0].store_threshold == 2
+    assert check_sizes(cfg, 1 << 20) == 64
+    with pytest.raises(ValueError, match=r"tiers\[2\]: a file tier after the mooncake tier"):
+        parse(extra(MC, disk))
+    with pytest.raises(ValueError, match=r"tiers\[2\]: a second mooncake tier"):
+        parse(extra(MC, MC))
+    with pytest.raises(ValueError, match=r"tiers\[1\]: 'metadata' is required"):
+        parse(extra({"medium": "mooncake", "master": "127.0.0.1:50051"}))
+    with pytest.raises(ValueError, match=r"tiers\[1\]\.medium: expected 'file' or 'mooncake'"):
+        parse(extra({"medium": "redis"}))
+    with pytest.raises(ValueError, match=r"tiers\[1\]\.segment: 16777216 bytes holds no value"):
+        check_sizes(parse(extra({**MC, "segment": "16MiB"})), 16 << 20)

@@ -1,8 +1,9 @@
 """The ``Tier`` contract every tier implements, and the typed outcomes its calls return.
 
-Two tiers implement it: ``tiering.cpu_tier.CpuTier`` (rows of the shared staging region, filled
-and drained by the GPU workers) and ``tiering.backends.file_tier.FileTier`` (slots in slab files
-on a filesystem). ``tiering.chain.TierChain`` routes between them and applies every completion in
+Three tiers implement it: ``tiering.cpu_tier.CpuTier`` (rows of the shared staging region, filled
+and drained by the GPU workers), ``tiering.backends.file_tier.FileTier`` (slots in slab files
+on a filesystem) and ``tiering.backends.mooncake_tier.MooncakeTier`` (a Mooncake Store that
+several engines share; its ``lookup`` may answer ``RETRY`` while it asks the master). ``tiering.chain.TierChain`` routes between them and applies every completion in
 its one ``poll``.
 
 Threads. Every method of a tier is called from one thread, its *owner*: vLLM's scheduler thread
@@ -68,7 +69,7 @@ class Tier(ABC):
     (``stats``): nobody else counts on its behalf.
     """
 
-    #: "cpu" or "file"
+    #: "cpu", "file" or "mooncake"
     medium: str
     row_bytes: int
     stats: TierStats
