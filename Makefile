@@ -18,13 +18,14 @@ demo: env
 # preemption scenario is 0.32-only: under 0.33's scheduler it completes without a flush, so it
 # would prove nothing there.
 VLLM033_TESTS := tests/test_vllm_spec.py tests/test_vllm_adapters.py tests/test_vllm_secondary.py \
-                 tests/test_vllm_worker.py \
+                 tests/test_vllm_worker.py tests/test_vllm_mooncake_secondary.py \
                  tests/test_vllm_scheduler.py tests/vllm_contract
 
 test: env
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra -m "not gpu" $(PYTEST_ARGS)
 	@bash scripts/setup_vllm033.sh
+	@bash scripts/setup_mooncake.sh .venv033
 	.venv033/bin/python -m pytest -q -ra -p no:cacheprovider $(VLLM033_TESTS) \
 	  --deselect tests/test_vllm_scheduler.py::test_preemption_flushes_stores_and_leaves_no_row_pinned
 

@@ -36,4 +36,6 @@ else
   pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 fi
 pip install -e ".[test]"
+# Mooncake Store client + master for the shared tier (docs/scale-out.md) and its tests
+bash scripts/setup_mooncake.sh "$VENV"
 echo "$recipe_hash" > "$stamp"

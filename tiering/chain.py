@@ -65,8 +65,11 @@ class Event:
     removed: bool
 
 
-def tier_label(i: int) -> str:
-    """The ``tier`` label of tier ``i`` in metrics and hit sources."""
+def tier_label(i: int, medium: str = "file") -> str:
+    """The ``tier`` label of tier ``i`` in metrics and hit sources (the shared store below the
+    file tiers is ``mooncake``)."""
+    if medium == "mooncake":
+        return "mooncake"
     return "cpu" if i == 0 else ("disk" if i == 1 else f"disk{i}")
 
 
@@ -130,13 +133,18 @@ class TierChain:
         self.poll()
         return self.cpu.lookup(key, count, per_request=per_request)
 
-    def find_file(self, key: bytes, count: bool = True) -> int | None:
-        """The first file tier (1-based chain index) that holds ``key``, or None; every tier
-        asked counts the lookup when ``count``."""
+    def find_file(self, key: bytes, count: bool = True, counted_above: int = 0
+                  ) -> tuple[Lookup, int]:
+        """Ask the store tiers in order: (HIT, i) for the first (1-based chain index) that holds
+        ``key``, (RETRY, i) if tier ``i`` is still asking a remote index (a Mooncake master:
+        ask again next step), else (MISS, 0). Every tier asked counts the lookup when
+        ``count``, except the tiers above ``counted_above`` (the tier that answered RETRY
+        before: those above it counted this lookup then)."""
         for i, tier in enumerate(self.file_tiers, start=1):
-            if tier.lookup(key, count) is Lookup.HIT:
-                return i
-        return None
+            found = tier.lookup(key, count and i >= counted_above)
+            if found is Lookup.HIT or found is Lookup.RETRY:
+                return found, i
+        return Lookup.MISS, 0
 
     def promote(self, key: bytes, i: int, protect: Collection[bytes] = ()) -> Lookup:
         """Start reading ``key`` from file tier ``i`` into a CPU row (issued with the step's
@@ -144,7 +152,7 @@ class TierChain:
         on the CPU tier). A promotion never evicts a key in ``protect``."""
         tier = self.tiers[i]
         tier.touch([key])  # a promotion is a use: recency and the persisted hit count
-        got = self.cpu.reserve_promotion(key, tier_label(i), protect)
+        got = self.cpu.reserve_promotion(key, tier_label(i, tier.medium), protect)
         if got is None:
             return Lookup.MISS
         row, evicted = got
@@ -163,8 +171,8 @@ class TierChain:
         found = self.find_cpu(key, count)
         if found is not Lookup.MISS:
             return found
-        i = self.find_file(key, count)
-        return Lookup.MISS if i is None else self.promote(key, i, protect)
+        found, i = self.find_file(key, count)
+        return found if found is not Lookup.HIT else self.promote(key, i, protect)
 
     def read_backlog_bytes(self) -> list[int]:
         """Per file tier (0-based), the bytes of reads queued or in flight: what a new
@@ -199,7 +207,7 @@ class TierChain:
         self._reads_queued[i - 1] += n
         if self.advisor is not None:
             self.advisor.measuring(i - 1)
-        log.debug("tier %s: calibration read of %d rows", tier_label(i), n)
+        log.debug("tier %s: calibration read of %d rows", tier_label(i, tier.medium), n)
         return True
 
     def hit_source(self, key: bytes) -> str:

@@ -91,6 +91,10 @@ def _targets(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]
 def _cmd_stats(args: argparse.Namespace) -> int:
     from tiering.backends.reader import NamespaceReader
 
+    if str(args.path).startswith("mooncake://"):  # counters live in each engine's /metrics
+        from tiering.cli_cache import mooncake_view
+
+        return mooncake_view(args)
     out = []
     for folder in _namespaces(args):
         with NamespaceReader(folder) as r:
@@ -219,9 +223,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    def with_path(name: str, help_: str, desc: str) -> argparse.ArgumentParser:
+    def with_path(name: str, help_: str, desc: str, store_ok: bool = False
+                  ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=desc)
-        p.add_argument("path", type=cli_args.cache_path,
+        p.add_argument("path", type=cli_args.cache_path_or_store if store_ok else cli_args.cache_path,
                        help="cache root (the tier's path) or one namespace folder")
         p.add_argument("--namespace", type=cli_args.namespace, action="append",
                        help="only this namespace id (repeatable)")
@@ -229,7 +234,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         return p
 
     p = with_path("stats", "persisted hit/miss/eviction/admission counters",
-                  "Counters the tier persists with every group commit (read-only).")
+                  "Counters the tier persists with every group commit (read-only). PATH "
+                  "mooncake://HOST:PORT (a Mooncake master's HTTP admin port): the master's "
+                  "view of our namespaces and its totals (each engine's own counters of its "
+                  "mooncake tier are on its /metrics, tier=\"mooncake\").", store_ok=True)
     p.set_defaults(func=_cmd_stats)
 
     for name, func, desc in (

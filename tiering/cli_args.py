@@ -123,6 +123,12 @@ def cache_path(text: str) -> str:
     return text
 
 
+def cache_path_or_store(text: str) -> str:
+    """``cache_path``, or a shared store's address (``mooncake://HOST:PORT``, checked by the
+    command that reads it)."""
+    return text if text.startswith("mooncake://") else cache_path(text)
+
+
 def output_file(text: str) -> str:
     """A file to write: not empty, not a folder, in a folder that exists."""
     from tiering.backends.paths import path_problem

@@ -17,6 +17,8 @@ from tiering.backends.sizes import format_size
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from tiering.backends.reader import NamespaceReader, find_namespaces
 
+    if str(args.path).startswith("mooncake://"):  # a shared store: the master's view
+        return mooncake_view(args)
     out = []
     for folder in find_namespaces(args.path):
         with NamespaceReader(folder) as r:
@@ -36,6 +38,22 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
               f"io engine {s['io_engine']}")
         print("  hits:  " + "  ".join(f"{k}: {v}" for k, v in s["hit_histogram"].items()))
         print("  ages:  " + "  ".join(f"{k}: {v}" for k, v in s["age_histogram"].items()))
+    return 0
+
+
+def mooncake_view(args: argparse.Namespace) -> int:
+    """``inspect``/``stats`` of a Mooncake master: our namespaces' chunks and bytes there."""
+    from tiering.backends.mooncake_admin import format_view, master_view, parse_address
+
+    view = master_view(parse_address(str(args.path)))
+    wanted = getattr(args, "namespace", None)  # a list (--namespace repeats) or one id
+    if wanted:
+        wanted = {wanted} if isinstance(wanted, str) else set(wanted)
+        view["namespaces"] = [n for n in view["namespaces"] if n["namespace"] in wanted]
+    if args.json:
+        print(json.dumps({"path": str(args.path), **view}, indent=2))
+    else:
+        print("\n".join(format_view(view)))
     return 0
 
 
@@ -83,8 +101,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="namespaces, capacity, usage, entries, histograms",
-                       description="Summarise every namespace under PATH (read-only).")
-    p.add_argument("path", type=cli_args.cache_path)
+                       description="Summarise every namespace under PATH (read-only). PATH "
+                       "mooncake://HOST:PORT (a Mooncake master's HTTP admin port): its view "
+                       "of our namespaces (chunks, bytes, replicas) and its totals.")
+    p.add_argument("path", type=cli_args.cache_path_or_store)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_inspect)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiering.backends.file_config import FileTierConfig, check_types, validate
+from tiering.backends.mooncake_config import MooncakeTierConfig, check_row
 from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
 
@@ -44,6 +45,8 @@ class TieredConfig:
     cpu_bytes_to_use: int
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     files: list[FileTierConfig] = field(default_factory=list)
+    # the shared Mooncake Store tier, at most one, below every file tier
+    mooncake: list[MooncakeTierConfig] = field(default_factory=list)
     gpu_copy: str = "auto"  # how GPU workers move KV pages (backends/cuda_copy.py)
 
 
@@ -104,9 +107,20 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
                 _int(tier.get("tracker_size", 64_000), f"{where}.tracker_size", 1),
                 promote, rate)
             continue
+        if medium == "mooncake":
+            if cfg.mooncake:
+                raise ValueError(f"{where}: a second mooncake tier; one shared store is the last "
+                                 "tier")
+            cfg.mooncake.append(MooncakeTierConfig.from_dict(
+                {k: v for k, v in tier.items() if k != "medium"}, where))
+            continue
         if medium != "file":
-            raise ValueError(f"{where}.medium: expected 'file' (tiers after the first are file "
-                             f"tiers), got {medium!r}")
+            raise ValueError(f"{where}.medium: expected 'file' or 'mooncake' (tiers after the "
+                             f"first are file tiers, then at most one mooncake tier), got "
+                             f"{medium!r}")
+        if cfg.mooncake:
+            raise ValueError(f"{where}: a file tier after the mooncake tier; the shared store "
+                             "is the last tier (put file tiers between cpu and mooncake)")
         body = {k: v for k, v in tier.items() if k != "medium"}
         if not body.get("path"):
             raise ValueError(f"{where}.path: required (a folder on the NVMe/filesystem tier)")
@@ -136,6 +150,11 @@ def check_sizes(cfg: TieredConfig, row_bytes: int, namespace_id: str | None = No
     for i, f in enumerate(cfg.files, start=1):
         try:
             validate(f, row_bytes, namespace_id)
+        except ValueError as exc:
+            raise ValueError(f"tiers[{i}].{exc}") from None
+    for i, m in enumerate(cfg.mooncake, start=1 + len(cfg.files)):
+        try:
+            check_row(m, row_bytes)
         except ValueError as exc:
             raise ValueError(f"tiers[{i}].{exc}") from None
     return rows

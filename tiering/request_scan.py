@@ -109,6 +109,9 @@ class RequestScan:
         self.chain = chain
         self.req_id = req_id
         self.counted: set[bytes] = set()
+        # chunk -> the store tier that answered RETRY for it (a remote tier still asking): the
+        # tiers above it counted this lookup then, so the re-asks count there no more
+        self.retried: dict[bytes, int] = {}
         self.disk_run = DiskRun()
         self.decision: Decision | None = None
         self.computed_to: int | None = None  # prompt tokens computed so far (offered chunks)
@@ -117,15 +120,22 @@ class RequestScan:
     # -- lookups -----------------------------------------------------------------------------
     def lookup(self, key: bytes, first_token: int | None = None) -> Lookup:
         """vLLM's lookup of ``key``, which starts at ``first_token`` in the prompt when the
-        caller knows. HIT, PENDING (ask again next step) or MISS (vLLM computes from here)."""
+        caller knows. HIT, PENDING (ask again next step), RETRY (a remote tier is still asking:
+        ask again next step) or MISS (vLLM computes from here)."""
         chain = self.chain
         count = key not in self.counted
-        found = chain.find_cpu(key, count, per_request=True)
+        # a re-ask after a remote tier's RETRY: the tiers above it counted this lookup already
+        retry_at = self.retried.get(key, 0)
+        found = chain.find_cpu(key, count and not retry_at, per_request=True)
         if found is not Lookup.MISS:
             if found is Lookup.HIT:
                 self.counted.add(key)
             return found
-        i = chain.find_file(key, count)
+        found, at = chain.find_file(key, count, retry_at)
+        if found is Lookup.RETRY:  # a remote tier is still asking: ask again next step
+            self.retried[key] = at
+            return Lookup.RETRY
+        i: int | None = at if found is Lookup.HIT else None
         if i is not None and chain.advisor is not None:
             state = self._disk_decision(key, i, first_token)
             if state is None:  # surveyed: decided when vLLM asks again next step

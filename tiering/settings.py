@@ -83,6 +83,25 @@ OVERLAP_BATCHES = True
 # busy or idle: the bound on how long `tiering evict|clear` waits for a live writer.
 HOUSEKEEPING_SECONDS = 0.25
 
+# -- mooncake tier -------------------------------------------------------------------------------
+# How long the master's answer "this name exists" is trusted before asking again. The master may
+# evict a chunk sooner (its own watermarks): the read then fails as a miss ("gone"), so a long
+# trust costs one wasted read at worst, and saves an RPC per chunk per request meanwhile.
+MOONCAKE_PRESENT_TTL_S = 30.0
+# How long "this name does not exist" is trusted: short, since another engine may store the chunk
+# any moment; long enough that one step's repeated asks of many requests make one RPC.
+MOONCAKE_ABSENT_TTL_S = 0.5
+# Names remembered as present, at most (a bounded map: older ones are asked again).
+MOONCAKE_PRESENT_MAX = 1 << 20
+# While the master is unreachable, ask it again this often (one small exists call).
+MOONCAKE_PROBE_S = 1.0
+# A Mooncake call counts as overrun (link marked down, `remote_errors{reason="timeout"}`) after
+# this many times the tier's timeout_s plus one second: Mooncake's own RPC timeout is timeout_s,
+# a batch makes a few RPCs and transfers.
+MOONCAKE_OVERRUN_FACTOR = 3.0
+# One log line per fault reason at most this often (counters count every occurrence).
+MOONCAKE_LOG_EVERY_S = 60.0
+
 # -- GPU copies ----------------------------------------------------------------------------------
 # Descriptors per cudaMemcpyBatchAsync call: larger calls measured slower on the H200.
 CUDA_BATCH_MAX = 1024

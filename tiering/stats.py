@@ -33,6 +33,9 @@ RECOMPUTE_REASONS = ("faster", "disk_busy", "unmeasured")
 
 # Why a chunk offered to a tier was not stored there (``rejections`` label ``reason``).
 REJECT_REASONS = ("threshold", "full", "error", "pinned")
+# Why a remote (Mooncake) tier's operation on a chunk failed (``remote_errors`` label ``reason``).
+REMOTE_ERROR_REASONS = ("unavailable", "timeout", "transfer", "full", "gone", "checksum", "header",
+                        "short")
 
 METRICS: tuple[Metric, ...] = (
     Metric("lookups", "counter", "Chunk lookups that reached this tier (one per request and "
@@ -76,6 +79,13 @@ METRICS: tuple[Metric, ...] = (
            "rebuilt it from what it could verify (or set it aside and started empty)."),
     Metric("checksum_failures", "counter", "Reads whose checksum did not match (served as "
            "misses)."),
+    Metric("remote_errors", "counter", "Chunks whose operation on a remote (Mooncake) tier "
+           "failed or was skipped, by reason (unavailable: the master did not answer or the "
+           "client is not set up; timeout: a call overran the tier's timeout; transfer: moving "
+           "the bytes failed, e.g. a peer left with its segment; full: no segment had room; gone: "
+           "the chunk left the store before it was read; checksum, header, short: the value read "
+           "was not the chunk stored). Each is a miss or a rejection, never wrong KV.",
+           ("reason",), REMOTE_ERROR_REASONS),
     Metric("usage_bytes", "gauge", "Bytes held by this tier."),
     Metric("usage_perc", "gauge", "Fraction of this tier's capacity in use (0..1)."),
     Metric("capacity_bytes", "gauge", "Capacity of this tier in bytes."),

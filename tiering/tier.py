@@ -10,7 +10,9 @@ A tier is one of two kinds, and the chain (``tiering.chain.TierChain``) treats t
   ``prepare_load``/``complete_load`` around a GPU load job.
 * a **store tier** (``StoreTier``) is a tier below it that keeps copies of rows on a medium of
   its own (``tiering.backends.file_tier.FileTier``: slots in slab files; the Mooncake Store
-  tier). Its calls *copy* bytes in the background: ``put`` rows in, ``get`` them back into
+  tier, ``tiering.backends.mooncake_tier.MooncakeTier``, a store that several engines share;
+  its ``lookup`` may answer ``RETRY`` while it asks the master). Its calls *copy* bytes in the
+  background: ``put`` rows in, ``get`` them back into
   rows, and ``poll`` the completions. Every store tier passes the same contract tests
   (``tests/store_tier_contract.py``).
 
@@ -57,6 +59,10 @@ class Lookup(enum.Enum):
     MISS = 0
     HIT = 1
     PENDING = 2  # known, not readable yet: ask again after the next poll
+    # not known yet: the tier is asking a remote index in the background (a Mooncake master);
+    # ask again after the next poll. The chain answers RETRY itself (vLLM keeps scanning the
+    # request's chunks, so one step asks about all of them at once).
+    RETRY = 3
 
 
 @dataclass
@@ -90,7 +96,7 @@ class Tier(ABC):
     exporter) use only what this class declares.
     """
 
-    #: "cpu" or "file" (a word for logs and the ``tiering`` tools)
+    #: "cpu", "file" or "mooncake" (a word for logs and the ``tiering`` tools)
     medium: str
     row_bytes: int
     stats: TierStats

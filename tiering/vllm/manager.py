@@ -30,7 +30,7 @@ from tiering.vllm.worker import RowsSpec
 log = logging.getLogger(__name__)
 
 _LOOKUP = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS,
-           Lookup.PENDING: LookupResult.HIT_PENDING}
+           Lookup.PENDING: LookupResult.HIT_PENDING, Lookup.RETRY: LookupResult.RETRY}
 
 
 class TieredManager(OffloadingManager):

@@ -62,7 +62,7 @@ class TierMetrics:
 
         stats = OffloadingConnectorStats()
         for i, tier in enumerate(chain.tiers):
-            label = tier_label(i)
+            label = tier_label(i, tier.medium)
             for flat in COUNTER_KEYS:
                 name, value = split_key(flat)
                 labels = (label, value) if value else (label,)
@@ -80,12 +80,14 @@ class TierMetrics:
                                 ("attention", adv.prefill.b)):
                 stats.set_gauge(PREFIX + "advisor_prefill_seconds", value, (term,))
             for i, backlog in enumerate(chain.read_backlog_bytes()):
-                label, rate = tier_label(i + 1), adv.read_rate(i) or 0.0
+                label = tier_label(i + 1, chain.tiers[i + 1].medium)
+                rate = adv.read_rate(i) or 0.0
                 stats.set_gauge(PREFIX + "read_bytes_per_second", rate, (label,))
                 stats.set_gauge(PREFIX + "read_backlog_bytes", backlog, (label,))
                 stats.set_gauge(PREFIX + "advisor_queued_read_seconds",
                                 backlog / rate if rate else 0.0, (label,))
         for i, kind, secs in chain.transfer_samples:
-            stats.observe_histogram(PREFIX + "transfer_seconds", secs, (tier_label(i), kind))
+            stats.observe_histogram(PREFIX + "transfer_seconds", secs,
+                                    (tier_label(i, chain.tiers[i].medium), kind))
         chain.transfer_samples.clear()
         return stats

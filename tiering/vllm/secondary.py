@@ -29,6 +29,9 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from tiering.backends.file_config import FileTierConfig
 from tiering.backends.file_tier import FileTier as _FileTier
+from tiering.backends.mooncake_config import MooncakeTierConfig
+from tiering.backends.mooncake_tier import MooncakeTier as MooncakeStoreTier
+from tiering.backends.namespace import NamespaceFacts
 from tiering.tier import Lookup
 from tiering.vllm.compat import (
     Locality,
@@ -69,10 +72,9 @@ class FileTier(SecondaryTierManager):
         events = tier_config.pop("enable_kv_events", True)
         if not isinstance(events, bool):
             raise ValueError(f"{where}: enable_kv_events: expected true or false, got {events!r}")
-        cfg = FileTierConfig.from_dict(tier_config, where=where)
         row_bytes = self.block_size_bytes
         facts, info = facts_from_config(offloading_spec.config, row_bytes)
-        self.tier = _FileTier(cfg, facts, info)
+        self.tier = self._open_tier(tier_config, facts, info, where)
         self._rows = primary_kv_view.cast("B") if primary_kv_view.ndim > 1 else primary_kv_view
         self._row_bytes = row_bytes
         self._jobs: dict[int, _Job] = {}
@@ -82,6 +84,11 @@ class FileTier(SecondaryTierManager):
         self._events_on = events and bool(offloading_spec.kv_events_config.enable_kv_cache_events)
         if self._events_on:
             self.tier.on_removed(self._removed)
+
+    def _open_tier(self, tier_config: dict[str, Any], facts: NamespaceFacts,
+                   info: dict[str, Any], where: str) -> _FileTier | MooncakeStoreTier:
+        """Our tier behind this manager (a subclass opens another kind)."""
+        return _FileTier(FileTierConfig.from_dict(tier_config, where=where), facts, info)
 
     def _bad_chunk_ids(self, job_metadata: TransferJob) -> bool:
         """Chunk ids outside the primary tier: the job fails (logged), nothing raises."""
@@ -210,3 +217,37 @@ def _parse_locality(value: Any, where: str) -> Locality | None:
         names = " or ".join(repr(m.value) for m in Locality)
         raise ValueError(f"{where}: locality: expected a vLLM Locality ({names}), "
                          f"got {value!r}") from None
+
+
+class MooncakeTier(FileTier):
+    """Our Mooncake Store tier under vLLM's ``TieringOffloadingSpec``::
+
+        "secondary_tiers": [{"type": "MooncakeTier", "module_path": "tiering.vllm",
+                             "master": "10.0.0.5:50051",
+                             "metadata": "http://10.0.0.5:8080/metadata", "segment": "8GiB"}]
+
+    Every key except ``type``/``module_path``/``locality``/``enable_kv_events`` is a Mooncake-tier
+    setting (``MooncakeTierConfig``). ``locality`` defaults to ``"REMOTE"``: the chunks live in
+    a store other engines share. A chunk the master was not asked about yet answers RETRY (vLLM
+    keeps scanning and asks again next step); jobs run and complete like the file tier's."""
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None, **tier_config: Any) -> None:
+        tier_config.setdefault("locality", Locality.REMOTE.value)
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector,
+                         **tier_config)
+
+    def _open_tier(self, tier_config: dict[str, Any], facts: NamespaceFacts,
+                   info: dict[str, Any], where: str) -> MooncakeStoreTier:
+        return MooncakeStoreTier(MooncakeTierConfig.from_dict(tier_config, where=where), facts,
+                                 info)
+
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        tier_filter = getattr(req_context, "load_tier_filter", None)
+        if tier_filter is not None and not tier_filter.allows(self.medium, self.locality):
+            return LookupResult.MISS
+        self.tier.poll()  # answers of the master that arrived since the last step
+        found = self.tier.lookup(bytes(key))
+        if found is Lookup.HIT:
+            return LookupResult.HIT
+        return LookupResult.RETRY if found in (Lookup.RETRY, Lookup.PENDING) else LookupResult.MISS

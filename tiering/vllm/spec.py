@@ -21,6 +21,7 @@ from typing import Any
 from tiering.advisor import PromotionAdvisor
 from tiering.backends.block_copy import MemcpyEngine
 from tiering.backends.file_tier import FileTier
+from tiering.backends.mooncake_tier import MooncakeTier
 from tiering.backends.staging import StagingRegion, remove_stale
 from tiering.chain import TierChain
 from tiering.config import check_sizes, parse
@@ -74,10 +75,12 @@ class TieredOffloadingSpec(OffloadingSpec):
                                populate=bool(self.cfg.files))
         remove_stale(keep=region.path)
         facts, info = facts_from_config(self.config, self.row_bytes)
-        tiers: list[FileTier] = []
+        tiers: list[FileTier | MooncakeTier] = []
         try:
             for fcfg in self.cfg.files:
                 tiers.append(FileTier(fcfg, facts, info))
+            for mcfg in self.cfg.mooncake:  # the shared store, below the file tiers
+                tiers.append(MooncakeTier(mcfg, facts, info))
         except BaseException:
             for t in tiers:
                 t.close()
@@ -109,8 +112,9 @@ class TieredOffloadingSpec(OffloadingSpec):
         self._manager = TieredManager(chain, TierMetrics(),
                                       on_shutdown=lambda: region.close(unlink=True))
         log.info("vllm-tiering: CPU tier %d rows x %d bytes (%s, store_threshold %d), "
-                 "%d file tier(s)", self.num_rows, self.row_bytes, self.cfg.cpu.policy,
-                 self.cfg.cpu.store_threshold, len(tiers))
+                 "%d file tier(s), %d mooncake tier(s)", self.num_rows, self.row_bytes,
+                 self.cfg.cpu.policy, self.cfg.cpu.store_threshold, len(self.cfg.files),
+                 len(self.cfg.mooncake))
         return self._manager
 
     # -- worker side ---------------------------------------------------------------------------------

