@@ -164,7 +164,8 @@ def check_folder(folder: Path, layout: tuple[tuple[re.Pattern[str], str], ...] =
 
     The folder must be a real directory owned by this user; no entry in it (or in
     ``index.lmdb/``) may be a symbolic link; every entry must be one this format writes
-    (``layout``), a regular file or a directory as expected and owned by this user. A planted
+    (``layout``), a regular file or a directory as expected and owned by this user, and a
+    file must have one name (a hard link would let the writer rewrite someone's file). A planted
     link would otherwise make the writer truncate, overwrite or create files outside the cache;
     a foreign entry says the folder is not (only) ours. NamespaceError names the first
     offending entry.
@@ -206,6 +207,15 @@ def check_folder(folder: Path, layout: tuple[tuple[re.Pattern[str], str], ...] =
         if est.st_uid != uid and want is not None:
             raise NamespaceError(f"{path}: {name} is owned by uid {est.st_uid}, not by this "
                                  f"user ({uid}); refusing it")
+        if stat.S_ISREG(est.st_mode) and est.st_nlink != 1 and want is not None:
+            raise NamespaceError(hard_link_problem(path, name, est.st_nlink))
+
+
+def hard_link_problem(path: Path | str, name: str, links: int) -> str:
+    """Why a file with several names is refused: the tier never makes hard links, so a second
+    name means the file (or its bytes) is someone else's, and writing it would change them."""
+    return (f"{path}: {name} has {links} hard links (vllm-tiering never makes one, so it may be "
+            "a file of yours linked in); refusing a cache folder with hard-linked files in it")
 
 
 def write_meta(folder: Path, facts: NamespaceFacts, info: dict[str, Any]) -> None:

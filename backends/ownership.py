@@ -199,7 +199,8 @@ def _remove_in(dfd: int, prefix: str, layout: tuple[tuple[re.Pattern[str], str],
                 if pattern.match(name):
                     kind = k
                     break
-        if kind == "file" and stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+        if kind == "file" and stat.S_ISREG(st.st_mode) and st.st_uid == uid \
+                and st.st_nlink == 1:
             if not dry_run:
                 os.unlink(name, dir_fd=dfd)
             out.removed.append(rel)
