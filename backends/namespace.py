@@ -113,6 +113,30 @@ def make_dirs(path: Path) -> None:
             os.close(fd)
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {dup!r:.40} (parsers disagree on which one counts)")
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON the tier writes")
+
+
+def load_json(data: bytes) -> Any:
+    """Parse a JSON file of ours that anyone may have written: ValueError (never RecursionError
+    or a silent pick) for what the tier never writes: not UTF-8, not JSON, nested deeper than
+    the parser can go, a key twice, NaN/Infinity."""
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                          parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def write_json(path: Path, obj: dict[str, Any]) -> None:
     """Write a JSON file atomically (tmp file + fsync + rename), mode 0600. The tmp file is
     created fresh (never through a planted link); the rename replaces a link, never follows it.
@@ -280,7 +304,7 @@ def read_writer_info(folder: Path) -> dict[str, Any]:
     try:
         fd = os.open(folder / "writer.json", os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as fh:
-            info = json.loads(fh.read(1 << 20).decode("utf-8"))
+            info = load_json(fh.read(1 << 20))
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}
@@ -302,13 +326,13 @@ def read_meta(folder: Path) -> dict[str, Any]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as fh:
-            meta = json.loads(fh.read(1 << 20).decode("utf-8"))
+            meta = load_json(fh.read(1 << 20))
     except FileNotFoundError:
         raise NamespaceError(f"{path}: missing; {folder} is not a vllm-tiering namespace") from None
     except OSError as exc:
         raise NamespaceError(f"{path}: unreadable ({exc.strerror or exc})") from None
-    except ValueError as exc:  # not UTF-8, not JSON
-        raise NamespaceError(f"{path}: not a JSON file ({exc})") from None
+    except ValueError as exc:  # not UTF-8, not JSON, too deep, a key twice
+        raise NamespaceError(f"{path}: not a JSON file the tier writes ({exc})") from None
     if not isinstance(meta, dict):
         raise NotOurs(f"{path}: expected a JSON object, got {type(meta).__name__}; not a "
                       "vllm-tiering namespace")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import os
 import re
@@ -43,6 +42,7 @@ from tiering.backends.namespace import (
     NotOurs,
     OtherFormatVersion,
     check_folder,
+    load_json,
     read_meta,
 )
 
@@ -117,7 +117,7 @@ def _format_1_meta(folder: Path) -> dict[str, Any] | None:
     try:
         fd = os.open(folder / META_FILE, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as fh:
-            meta = json.loads(fh.read(1 << 20).decode("utf-8"))
+            meta = load_json(fh.read(1 << 20))
     except (OSError, ValueError):
         return None
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_1 \

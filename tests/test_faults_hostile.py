@@ -7,10 +7,12 @@ the check and the act, and asserts that no byte of it changes and that the refus
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
-from tierutil import key, open_tier, store
+from faultutil import tree_bytes
+from tierutil import key, open_tier, read, row_for, store
 
 from tiering.backends.namespace import NamespaceError
 from tiering.cli import main
@@ -66,3 +68,90 @@ def test_a_hard_link_to_a_user_file_under_one_of_our_names_is_refused_and_kept(
         assert_refused(rc, err, name.split("/")[-1], "hard link")
     assert sha(user) == before
     assert os.stat(user).st_nlink == 2, "the user's second name was removed"
+
+
+# -- JSON files of ours that someone else wrote: deep, duplicated, huge ----------------------
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def _meta_variants(meta: dict) -> dict[str, str]:
+    text = json.dumps(meta)
+    return {
+        "deeply-nested": text[:-1] + f', "x": {DEEP}}}',
+        "nested-in-extra": json.dumps({**meta, "extra": "@"}).replace('"@"', DEEP),
+        "duplicate-magic": text[:-1] + ', "magic": "vllm-tiering namespace"}',
+        "duplicate-version": '{"format_version": 1, ' + text[1:],
+    }
+
+
+@pytest.mark.parametrize("variant", ["deeply-nested", "nested-in-extra", "duplicate-magic",
+                                     "duplicate-version"])
+def test_meta_json_too_deep_or_with_duplicate_keys_is_one_refusal(tmp_path, capsys, variant):
+    """Python's JSON parser raises RecursionError (not ValueError) on deep nesting: the writer
+    raised it instead of a NamespaceError and every tool exited 1 with a message naming no
+    file. Duplicate keys (the last one wins in Python, the first in other parsers) are not
+    what the tier writes: not proven ours."""
+    with open_tier(tmp_path) as t:
+        store(t, [key(0)])
+        folder = t.folder
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(_meta_variants(meta)[variant])
+    before = tree_bytes(tmp_path)
+    with pytest.raises(NamespaceError) as exc:
+        open_tier(tmp_path)
+    assert "meta.json" in str(exc.value)
+    for cmd in (["clear"], ["evict", "--bytes", "1"], ["inspect"], ["verify"], ["stats"]):
+        rc, _, err = run(capsys, cmd[0], str(tmp_path), *cmd[1:])
+        assert_refused(rc, err, "meta.json")
+    assert tree_bytes(tmp_path) == before
+
+
+def test_writer_json_too_deep_is_only_not_shown(tmp_path, capsys):
+    with open_tier(tmp_path) as t:
+        store(t, [key(0)])
+        folder = t.folder
+    (folder / "writer.json").write_text(DEEP)
+    rc, out, err = run(capsys, "inspect", str(tmp_path), "--json")
+    assert rc == 0, err
+    assert json.loads(out)["namespaces"][0]["entries"] == 1
+
+
+@pytest.mark.parametrize("plant", ["deeply-nested", "fifo", "link-to-dev-zero"])
+def test_a_planted_request_file_does_not_stop_the_live_writer(tmp_path, plant):
+    """A file named like a tool's request that is no request: nesting the parser cannot take
+    (the RecursionError ended the committer thread: nothing was published any more and tools
+    timed out), a fifo (opening it blocked the committer forever), a link to /dev/zero (read
+    to the end: forever). The committer must log it and go on."""
+    from tiering.backends import admin
+
+    with open_tier(tmp_path) as t:
+        store(t, [key(0)])
+        req = t.folder / "requests"
+        req.mkdir(exist_ok=True)
+        planted = req / "0123456789ab.json"
+        if plant == "fifo":
+            os.mkfifo(planted)
+        elif plant == "link-to-dev-zero":
+            planted.symlink_to("/dev/zero")
+        else:
+            planted.write_text(DEEP)
+        import threading
+
+        stop = threading.Event()
+
+        def serve() -> None:  # the owner thread's steps
+            while not stop.is_set():
+                t.poll()
+                stop.wait(0.01)
+
+        owner = threading.Thread(target=serve)
+        owner.start()
+        try:
+            reply = admin.submit_request(t.folder, {"op": "clear"}, timeout=10)
+        finally:
+            stop.set()
+            owner.join()
+        assert reply.get("removed_entries") == 1, reply
+        assert t.committer.is_alive()
+        store(t, [key(1)])
+        assert read(t, key(1))[0] == bytes(row_for(key(1)))
