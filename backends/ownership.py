@@ -13,7 +13,8 @@ A tool or the writer removes or rewrites files only in a namespace it has proven
 
 Anything else is ``NotOurs``: one line naming the path and what was expected. Removing a
 format-1 namespace (``tiering clear``) unlinks the files that format wrote, by name, one by one
-through a descriptor of the folder (a folder swapped for a link meanwhile is never followed),
+through a descriptor of the folder that is checked to be the one proven (a folder swapped for
+a link, or renamed away and replaced by another, meanwhile is never acted on),
 then removes each folder it made only if that left it empty: never a recursive delete. What it
 cannot remove it names and leaves in place.
 
@@ -81,6 +82,7 @@ class Owned:
     folder: Path
     format_version: int
     meta: dict[str, Any]
+    identity: tuple[int, int] = (-1, -1)  # (st_dev, st_ino) of the folder that was proven
 
 
 @dataclass
@@ -96,6 +98,23 @@ def identify(folder: Path) -> Owned:
     """Prove ``folder`` is a namespace of ours (format 2 or 1); NotOurs or NamespaceError
     (one line naming the path and what was expected) otherwise. Reads only."""
     folder = Path(folder)
+    before = _identity_of(folder)
+    owned = _identify(folder)
+    if _identity_of(folder) != before:
+        raise NotOurs(f"{folder}: replaced while it was being checked; refusing it")
+    owned.identity = before
+    return owned
+
+
+def _identity_of(folder: Path) -> tuple[int, int]:
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return (-1, -1)
+    return (st.st_dev, st.st_ino)
+
+
+def _identify(folder: Path) -> Owned:
     try:
         check_folder(folder)
         return Owned(folder, FORMAT_VERSION, read_meta(folder))
@@ -142,13 +161,21 @@ def remove_format_1(owned: Owned, dry_run: bool = False) -> Removal:
     folder = owned.folder
     dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
+        st = os.fstat(dfd)
+        if (st.st_dev, st.st_ino) != owned.identity:  # renamed and replaced since the proof
+            raise NotOurs(f"{folder}: is not the folder that was proven a format-1 namespace "
+                          "(replaced since); refusing to remove anything in it")
         _refuse_if_held(dfd, folder)
         out = Removal()
         _remove_in(dfd, "", FORMAT_1_LAYOUT, out, dry_run)
     finally:
         os.close(dfd)
     if not out.kept:
-        if not dry_run:
+        if dry_run:
+            pass
+        elif _identity_of(folder) != owned.identity:  # replaced meanwhile: not ours to rmdir
+            out.kept.append(". (replaced while it was emptied)")
+        else:
             try:
                 os.rmdir(folder)
             except OSError as exc:  # something appeared meanwhile: leave it

@@ -155,3 +155,30 @@ def test_a_planted_request_file_does_not_stop_the_live_writer(tmp_path, plant):
         assert t.committer.is_alive()
         store(t, [key(1)])
         assert read(t, key(1))[0] == bytes(row_for(key(1)))
+
+
+# -- check, then act: the folder swapped in between ------------------------------------------
+@pytest.mark.parametrize("swap", ["user-folder", "link-to-user-folder"])
+def test_format_1_removal_acts_only_on_the_folder_it_proved(tmp_path, swap):
+    """`clear` proves a format-1 namespace (``identify``), then removes its files. Between the
+    two the folder is renamed away and a user's folder with format-1 file names (meta.json,
+    writer.json, slab-0000.dat) put in its place: before the fix the removal unlinked the
+    user's files (it went by the path it was given, not the folder it had proven)."""
+    from faultutil import make_format_1_namespace
+
+    from tiering.backends.ownership import identify, remove_format_1
+
+    folder = make_format_1_namespace(tmp_path / "root")
+    owned = identify(folder)
+    folder.rename(tmp_path / "aside")
+    user = tmp_path / "user" if swap == "link-to-user-folder" else folder
+    user.mkdir()
+    for name in ("meta.json", "writer.json", "slab-0000.dat", "writer.lock"):
+        (user / name).write_text(f"user's {name}")
+    if swap == "link-to-user-folder":
+        folder.symlink_to(user)
+    before = tree_bytes(tmp_path)
+    with pytest.raises((NamespaceError, OSError)) as exc:
+        remove_format_1(owned)
+    assert str(folder) in str(exc.value)
+    assert tree_bytes(tmp_path) == before
