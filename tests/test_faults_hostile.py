@@ -12,7 +12,7 @@ import os
 
 import pytest
 from faultutil import tree_bytes
-from tierutil import key, open_tier, read, row_for, store
+from tierutil import ROW, key, open_tier, read, row_for, store
 
 from tiering.backends.namespace import NamespaceError
 from tiering.cli import main
@@ -182,3 +182,72 @@ def test_format_1_removal_acts_only_on_the_folder_it_proved(tmp_path, swap):
         remove_format_1(owned)
     assert str(folder) in str(exc.value)
     assert tree_bytes(tmp_path) == before
+
+
+# -- the staging region: /dev/shm/vllm_tiering_<engine>.shm ----------------------------------
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    from tiering.backends import staging
+
+    monkeypatch.setattr(staging, "SHM_DIR", tmp_path / "shm")
+    (tmp_path / "shm").mkdir(mode=0o700)
+    return tmp_path / "shm"
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hard-link"])
+def test_a_user_file_planted_at_the_region_path_is_never_mapped(tmp_path, shm, plant):
+    """A link to a user's file of exactly the region's size at the region's name: before the
+    fix the engine opened it through the link (no O_NOFOLLOW), mapped it and wrote KV rows
+    into the user's file; and remove_stale unlinked a second name of a user's file."""
+    from tiering.backends import staging
+
+    user = tmp_path / "user.bin"
+    data = os.urandom(2 * ROW)
+    user.write_bytes(data)
+    path = staging.region_path("eng")
+    if plant == "symlink":
+        path.symlink_to(user)
+    else:
+        os.link(user, path)
+    with pytest.raises(OSError) as exc:
+        region = staging.StagingRegion("eng", 2, ROW)
+        region.rows[:] = 7  # what the engine does with its rows
+    assert str(path) in str(exc.value)
+    assert staging.remove_stale() == []
+    assert user.read_bytes() == data and os.path.lexists(path)
+
+
+def test_a_region_being_created_is_not_removed_as_stale_by_another_engine(shm, monkeypatch):
+    """Engine A creates its region (O_CREAT: 0 bytes, no lock yet); engine B's start-up runs
+    remove_stale in that instant, finds an unlocked file of 0 bytes (a multiple of the page
+    size) and unlinks it; A then locks and maps a file nobody else can open, and A's workers
+    create another one: the scheduler and the workers saw different rows (wrong KV). Before
+    the fix the row A wrote never reached its worker's mapping."""
+    from tiering.backends import staging
+
+    real_flock = staging.fcntl.flock
+    raced = []
+
+    class RacingFcntl:
+        LOCK_SH, LOCK_EX, LOCK_NB, LOCK_UN = (staging.fcntl.LOCK_SH, staging.fcntl.LOCK_EX,
+                                              staging.fcntl.LOCK_NB, staging.fcntl.LOCK_UN)
+
+        @staticmethod
+        def flock(fd: int, op: int) -> None:
+            if op == staging.fcntl.LOCK_SH and not raced:  # engine B starts right here
+                raced.append(1)
+                monkeypatch.setattr(staging, "fcntl", __import__("fcntl"))
+                staging.remove_stale()
+                monkeypatch.setattr(staging, "fcntl", RacingFcntl)
+            real_flock(fd, op)
+
+    monkeypatch.setattr(staging, "fcntl", RacingFcntl)
+    scheduler = staging.StagingRegion("eng", 2, ROW)
+    monkeypatch.setattr(staging, "fcntl", __import__("fcntl"))
+    assert raced
+    worker = staging.StagingRegion("eng", 2, ROW)
+    scheduler.rows[1, :] = 42
+    assert int(worker.rows[1, 0]) == 42, "the scheduler and the worker map different rows"
+    assert staging.remove_stale() == []  # a live region is never stale
+    worker.close()
+    scheduler.close(unlink=True)
