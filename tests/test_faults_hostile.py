@@ -251,3 +251,37 @@ def test_a_region_being_created_is_not_removed_as_stale_by_another_engine(shm, m
     assert staging.remove_stale() == []  # a live region is never stale
     worker.close()
     scheduler.close(unlink=True)
+
+
+# -- gpu_bench's scratch folder --------------------------------------------------------------
+def test_gpu_bench_sweep_never_removes_a_scratch_folder_it_did_not_make(tmp_path):
+    """``--phases prefill-sweep --scratch ~/work`` (a wrong folder): the other phases refuse a
+    folder without the script's marker; the sweep ran ``shutil.rmtree`` on it (before the fix
+    the user's folder was gone)."""
+    import argparse
+
+    from tiering import gpu_bench
+
+    user = tmp_path / "work"
+    (user / "src").mkdir(parents=True)
+    (user / "src" / "main.py").write_text("print('x')\n")
+    before = tree_bytes(tmp_path)
+    a = argparse.Namespace(scratch=str(user), out=str(tmp_path / "out"), cpu_platform=True)
+    with pytest.raises(SystemExit) as exc:
+        gpu_bench.sweep_main(a, 0.0)
+    assert str(user) in str(exc.value) and gpu_bench.SCRATCH_MARKER in str(exc.value)
+    assert tree_bytes(tmp_path) == before
+
+
+def test_gpu_bench_scratch_marker_must_be_a_file_not_a_link(tmp_path):
+    from tiering import gpu_bench
+
+    user = tmp_path / "work"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    (tmp_path / "elsewhere").write_text("x")
+    (user / gpu_bench.SCRATCH_MARKER).symlink_to(tmp_path / "elsewhere")
+    before = tree_bytes(tmp_path)
+    with pytest.raises(SystemExit):
+        gpu_bench.reset_scratch(user)
+    assert tree_bytes(tmp_path) == before
