@@ -285,3 +285,43 @@ def test_gpu_bench_scratch_marker_must_be_a_file_not_a_link(tmp_path):
     with pytest.raises(SystemExit):
         gpu_bench.reset_scratch(user)
     assert tree_bytes(tmp_path) == before
+
+
+# -- tiering export -o: replaces only an export of its own -----------------------------------
+@pytest.fixture
+def cache(tmp_path):
+    with open_tier(tmp_path / "cache") as t:
+        store(t, [key(0)])
+        return tmp_path / "cache", t.folder
+
+
+@pytest.mark.parametrize("target", ["user-file", "meta.json", "slab", "link", "in-namespace"])
+def test_export_output_never_replaces_a_file_that_is_not_an_export(tmp_path, capsys, cache,
+                                                                   target):
+    """``-o`` aimed at the wrong file (a user's notes, the namespace's own meta.json or a slab,
+    a link) or into a namespace folder (a file the writer does not know): refused, nothing
+    changes. Before the fix each was replaced by the metrics text."""
+    root, folder = cache
+    user = tmp_path / "notes.txt"
+    user.write_text("my notes\n")
+    out = {"user-file": user, "meta.json": folder / "meta.json",
+           "slab": folder / "slab-0000.dat", "link": tmp_path / "metrics.prom",
+           "in-namespace": folder / "metrics.prom"}[target]
+    if target == "link":
+        out.symlink_to(user)
+    before = tree_bytes(tmp_path)
+    rc, _, err = run(capsys, "export", str(root), "-o", str(out))
+    assert_refused(rc, err, str(out))
+    assert tree_bytes(tmp_path) == before
+    with open_tier(root) as t:
+        assert len(t) == 1
+
+
+def test_export_output_replaces_its_own_export_and_an_empty_file(tmp_path, capsys, cache):
+    root, _ = cache
+    out = tmp_path / "tiering.prom"
+    out.touch()  # the operator made it first, to chmod it
+    for _ in range(2):
+        rc, _, err = run(capsys, "export", str(root), "-o", str(out))
+        assert rc == 0, err
+        assert out.read_text().startswith("# HELP tiering_cache_")
