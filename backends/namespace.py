@@ -183,7 +183,7 @@ def entry_kind(name: str, layout: tuple[tuple[re.Pattern[str], str], ...] = LAYO
 
 
 def check_folder(folder: Path, layout: tuple[tuple[re.Pattern[str], str], ...] = LAYOUT,
-                 layout_text: str = LAYOUT_TEXT) -> None:
+                 layout_text: str = LAYOUT_TEXT, allow_foreign: bool = False) -> list[str]:
     """Refuse a namespace folder whose files are not what they should be.
 
     The folder must be a real directory owned by this user; no entry in it (or in
@@ -193,12 +193,20 @@ def check_folder(folder: Path, layout: tuple[tuple[re.Pattern[str], str], ...] =
     link would otherwise make the writer truncate, overwrite or create files outside the cache;
     a foreign entry says the folder is not (only) ours. NamespaceError names the first
     offending entry.
+
+    ``allow_foreign`` (the writer and the read-only tools, once ``meta.json`` proved the folder
+    is a namespace): entries whose names this format never writes (an NFS ``.nfsXXXX`` file,
+    ``lost+found``, a core dump, an editor's backup) are returned instead of refused; nothing
+    ever opens, follows or removes a name outside the layout, so they are left as they are.
+    Entries with our names are checked all the same. Tools that change a namespace
+    (``evict``/``clear``, ``ownership.identify``) refuse them.
     """
+    foreign: list[str] = []
     uid = os.geteuid()
     try:
         st = os.lstat(folder)
     except FileNotFoundError:
-        return
+        return foreign
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise NamespaceError(f"{folder}: not a directory (a link or a file); refusing it")
     if st.st_uid != uid:
@@ -213,13 +221,15 @@ def check_folder(folder: Path, layout: tuple[tuple[re.Pattern[str], str], ...] =
             est = os.lstat(path)
         except FileNotFoundError:
             continue  # removed meanwhile
+        want = (("file" if name.endswith(".mdb") else None) if "/" in name  # LMDB's files
+                else entry_kind(name, layout))
+        if want is None and "/" not in name and allow_foreign:
+            foreign.append(name)  # never opened, followed or removed
+            continue
         if stat.S_ISLNK(est.st_mode):
             raise NamespaceError(f"{path}: {name} is a symbolic link; refusing a cache folder "
                                  "with links in it")
-        if "/" in name:  # inside index.lmdb/: LMDB's files; nothing else is ever removed there
-            want = "file" if name.endswith((".mdb",)) else None
-        else:
-            want = entry_kind(name, layout)
+        if "/" not in name:
             if want is None:
                 raise NotOurs(f"{path}: {name!r} is not something vllm-tiering writes in a "
                               f"namespace folder; refusing {folder} (expected only "
@@ -233,6 +243,7 @@ def check_folder(folder: Path, layout: tuple[tuple[re.Pattern[str], str], ...] =
                                  f"user ({uid}); refusing it")
         if stat.S_ISREG(est.st_mode) and est.st_nlink != 1 and want is not None:
             raise NamespaceError(hard_link_problem(path, name, est.st_nlink))
+    return foreign
 
 
 def hard_link_problem(path: Path | str, name: str, links: int) -> str:
@@ -266,11 +277,14 @@ def check_unstarted(folder: Path) -> None:
 def check_for_writer(folder: Path) -> None:
     """Before a writer writes anything in an existing ``folder``: it must be a namespace of
     this format proven ours, or a folder a first open left before meta.json (NotOurs,
-    OtherFormatVersion or NamespaceError otherwise, naming the path). Reads only."""
-    check_folder(folder)
+    OtherFormatVersion or NamespaceError otherwise, naming the path). Entries the tier never
+    writes are allowed beside a proven ``meta.json`` (``check_folder``'s ``allow_foreign``),
+    never in a folder without one. Reads only."""
     if os.path.lexists(folder / META_FILE):
+        check_folder(folder, allow_foreign=True)
         read_meta(folder)
     else:
+        check_folder(folder)
         check_unstarted(folder)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from tiering.backends.checksum import namespace_seed
 from tiering.backends.io_engines import IoEngine
-from tiering.backends.namespace import NamespaceError, hard_link_problem
+from tiering.backends.namespace import SLAB_FILE, NamespaceError, hard_link_problem
 from tiering.settings import MIN_RUN_BYTES
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,8 @@ class SlabSet:
     def existing_bytes(self) -> int:
         total = 0
         for p in self.folder.glob("slab-*.dat"):
-            total += p.stat().st_blocks * 512
+            if SLAB_FILE.match(p.name) and p.is_file() and not p.is_symlink():
+                total += p.stat().st_blocks * 512
         return total
 
 

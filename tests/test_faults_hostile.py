@@ -325,3 +325,70 @@ def test_export_output_replaces_its_own_export_and_an_empty_file(tmp_path, capsy
         rc, _, err = run(capsys, "export", str(root), "-o", str(out))
         assert rc == 0, err
         assert out.read_text().startswith("# HELP tiering_cache_")
+
+
+# -- stray files in a namespace: the writer serves, deleting tools refuse --------------------
+STRAYS = {".nfs000000000012abcd00000001": "file", "lost+found": "dir", "core.12345": "file",
+          "meta.json~": "file", ".meta.json.swp": "file", "index.lmdb.tmp-x": "env",
+          "slab-old.dat": "file", "notes": "link"}
+
+
+def _plant_strays(tmp_path, folder) -> None:
+    (tmp_path / "elsewhere").mkdir(exist_ok=True)
+    (tmp_path / "elsewhere" / "f").write_text("elsewhere")
+    for name, kind in STRAYS.items():
+        p = folder / name
+        if kind == "dir":
+            p.mkdir()
+            (p / "#123").write_text("fsck's find")
+        elif kind == "env":  # named like a rebuild's temporary env, but not one of ours
+            p.mkdir()
+            (p / "data.mdb").write_text("someone's data.mdb")
+        elif kind == "link":
+            p.symlink_to(tmp_path / "elsewhere")
+        else:
+            p.write_bytes(b"not the tier's " + name.encode())
+
+
+def test_writer_serves_a_namespace_with_stray_files_and_never_touches_them(tmp_path, capsys):
+    """An NFS silly-rename file, lost+found, a core dump, an editor's backup or swap file next
+    to meta.json: the namespace is still proven ours by its marker (meta.json: magic, fields,
+    a name its facts hash to), and the writer never opens or deletes a name it does not write,
+    so it serves (a restart keeps its hits) and logs them. Before, it refused to start (an
+    outage over a vim swap file). evict/clear still refuse such a folder; read-only tools
+    read it."""
+    keys = [key(i) for i in range(4)]
+    with open_tier(tmp_path / "cache") as t:
+        store(t, keys)
+        folder = t.folder
+    _plant_strays(tmp_path, folder)
+    before = tree_bytes(tmp_path)
+    strays = {k: v for k, v in before.items() if k.split("/")[2:3] and
+              k.split("/")[2] in STRAYS or k.startswith("elsewhere")}
+    for _ in range(2):  # the start-up clean-up of a first and of a second open
+        with open_tier(tmp_path / "cache") as t:
+            for k in keys:
+                assert read(t, k)[0] == bytes(row_for(k))
+            store(t, [key("new")])
+    after = tree_bytes(tmp_path)
+    assert {k: after.get(k) for k in strays} == strays, "a stray file changed"
+    for cmd in (["inspect"], ["verify"], ["stats"], ["export"]):
+        rc, out, err = run(capsys, cmd[0], str(tmp_path / "cache"), *cmd[1:])
+        assert rc == 0, (cmd, err)
+    for cmd in (["clear"], ["evict", "--bytes", "1"], ["clear", "--dry-run"]):
+        rc, _, err = run(capsys, cmd[0], str(tmp_path / "cache"), *cmd[1:])
+        assert_refused(rc, err, "is not something vllm-tiering writes")
+    with open_tier(tmp_path / "cache") as t:
+        assert len(t) == 5
+
+
+def test_a_folder_without_meta_json_and_a_stray_file_is_still_refused(tmp_path):
+    root = tmp_path / "cache"
+    with open_tier(tmp_path / "probe") as t:
+        ns = t.folder.name
+    (root / ns).mkdir(parents=True)
+    (root / ns / "core.1").write_text("x")
+    before = tree_bytes(tmp_path)
+    with pytest.raises(NamespaceError):
+        open_tier(root)
+    assert tree_bytes(tmp_path) == before
