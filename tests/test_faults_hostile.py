@@ -392,3 +392,15 @@ def test_a_folder_without_meta_json_and_a_stray_file_is_still_refused(tmp_path):
     with pytest.raises(NamespaceError):
         open_tier(root)
     assert tree_bytes(tmp_path) == before
+
+
+# -- garbage on the command line -------------------------------------------------------------
+@pytest.mark.parametrize("url", ["http://h\udcff/metrics", "http://日本/metrics", "http://a b/m",
+                                 "http://[::1/m", "http://:80/m", "http://127.0.0.1:99999/m"])
+def test_watch_url_that_cannot_be_requested_is_refused_naming_it(capsys, url):
+    """Before the fix: a host with a character HTTP cannot carry was exit 2 with only
+    "'latin-1' codec can't encode character …" (not naming the argument or what was
+    expected), a space was exit 1 "unexpected InvalidURL", an empty host or a port over 65535
+    was tried (exit 1), an unclosed IPv6 bracket said only "Invalid IPv6 URL"."""
+    rc, _, err = run(capsys, "watch", url, "--count", "1")
+    assert_refused(rc, err, "url", "expected")
