@@ -404,3 +404,58 @@ def test_watch_url_that_cannot_be_requested_is_refused_naming_it(capsys, url):
     was tried (exit 1), an unclosed IPv6 bracket said only "Invalid IPv6 URL"."""
     rc, _, err = run(capsys, "watch", url, "--count", "1")
     assert_refused(rc, err, "url", "expected")
+
+
+def test_cli_fuzz_every_bad_input_is_one_line_and_nothing_else_changes(tmp_path, capsys,
+                                                                       monkeypatch, trials):
+    """Random subcommands with random flags and values (garbage, paths of every kind, ours and
+    not ours): every run ends 0, 1 or 2 with at most one line on stderr, never a traceback or
+    an "unexpected" error, and no byte outside the cache changes. TIERING_FAULT_TRIALS=3000 for
+    a long run (bounded by default: a few seconds)."""
+    import random
+
+    from faultutil import make_format_1_namespace
+
+    n = trials(150)
+    rng = random.Random(18)
+    monkeypatch.chdir(tmp_path)
+    with open_tier(tmp_path / "cache") as t:
+        store(t, [key(i) for i in range(4)])
+        ns = t.folder.name
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "meta.json").write_text('{"name": "app"}')
+    (tmp_path / "file.txt").write_text("hello\n")
+    make_format_1_namespace(tmp_path / "v1")
+    (tmp_path / "loop").symlink_to("loop")
+    outside = {k: v for k, v in tree_bytes(tmp_path).items() if not k.startswith("cache")}
+    values = ["", "-", "0", "-1", "1", "1e999", "nan", "9" * 40, "1GiB", "-5GiB", "7d", "0s",
+              "lru", ",", "\n", "a\nb", "é", "\u202e", " ", "..", ".", "/", "~", "/dev/zero",
+              "cache", "cache/", f"cache/{ns}", f"cache/{ns}/..", f"cache//{ns}", "user", "v1",
+              "loop", "loop/kv", "file.txt", "file.txt/x", "x" * 300, "a/" * 3000, ns,
+              "0123456789abcdef", "http://127.0.0.1:1/metrics", "http://[::1", "ftp://x",
+              "cache:1GiB", "cache:0", ":", "user:1MiB", "loop/kv:1MiB", "file.txt:1MiB",
+              f"cache/{ns}:1MiB", "out.prom", "user/meta.json", f"cache/{ns}/meta.json", "{}"]
+    flags = {"inspect": ["--namespace", "--json"], "verify": ["--namespace", "--json"],
+             "stats": ["--namespace", "--json"],
+             "evict": ["--namespace", "--json", "--timeout", "--dry-run", "--all", "--bytes",
+                       "--older-than"],
+             "clear": ["--namespace", "--json", "--timeout", "--dry-run", "--all"],
+             "export": ["--namespace", "-o"], "watch": ["--interval", "--json"],
+             "config": ["--cpu", "--disk", "--policy", "--threshold", "--io", "--io-threads",
+                        "--compression", "--json"]}
+    for _ in range(n):
+        cmd = rng.choice(sorted(flags))
+        argv = [cmd] if cmd == "config" else [cmd, rng.choice(values)]
+        for _ in range(rng.randint(0, 4)):
+            argv.append(rng.choice(flags[cmd] + ["--bogus"]))
+            if rng.random() < 0.8:
+                argv.append(rng.choice(values))
+        if cmd == "watch":
+            argv += ["--count", "1"]
+        rc = main(argv)
+        _, err = capsys.readouterr()
+        assert rc in (0, 1, 2), (argv, rc, err)
+        assert len(err.strip().splitlines()) <= 1 and "Traceback" not in err, (argv, err)
+        assert "unexpected" not in err, (argv, err)
+    after = tree_bytes(tmp_path)
+    assert {k: after.get(k) for k in outside} == outside, "a byte outside the cache changed"
