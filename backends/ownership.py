@@ -212,7 +212,8 @@ def _remove_in(dfd: int, prefix: str, layout: tuple[tuple[re.Pattern[str], str],
     """Unlink, under the folder open as ``dfd``, the regular files (owned by us) whose names
     the format wrote; recurse into the folders it made; rmdir them if that emptied them."""
     uid = os.geteuid()
-    for name in sorted(os.listdir(dfd)):
+    # the marker last: a removal cut short anywhere leaves a folder a rerun can still prove
+    for name in sorted(os.listdir(dfd), key=lambda n: (prefix == "" and n == META_FILE, n)):
         rel = prefix + name
         try:
             st = os.lstat(name, dir_fd=dfd)

@@ -459,3 +459,43 @@ def test_cli_fuzz_every_bad_input_is_one_line_and_nothing_else_changes(tmp_path,
         assert "unexpected" not in err, (argv, err)
     after = tree_bytes(tmp_path)
     assert {k: after.get(k) for k in outside} == outside, "a byte outside the cache changed"
+
+
+# -- a clear killed half-way: the rerun finishes --------------------------------------------
+def test_a_format_1_clear_cut_short_anywhere_is_finished_by_a_rerun(tmp_path, capsys,
+                                                                    monkeypatch):
+    """``clear`` of a format-1 namespace killed after any number of its unlinks (simulated: the
+    k-th unlink raises, as a kill -9 there would stop it): a rerun must still prove the rest is
+    ours and remove it. Before the fix meta.json (the marker) went second, so a clear cut short
+    after it left slabs and an index that no rerun could prove ours: refused forever."""
+    from faultutil import make_format_1_namespace
+
+    from tiering.backends import ownership
+
+    real_unlink = os.unlink
+    total = None
+    k = 0
+    while total is None or k < total:
+        root = tmp_path / f"r{k}"
+        folder = make_format_1_namespace(root)
+        calls = []
+
+        def unlink(path, *a, dir_fd=None, calls=calls, k=k, **kw):
+            if len(calls) == k:
+                raise KeyboardInterrupt("killed")
+            calls.append(path)
+            return real_unlink(path, *a, dir_fd=dir_fd, **kw)
+
+        monkeypatch.setattr(ownership.os, "unlink", unlink)
+        try:
+            main(["clear", str(root)])
+            total = len(calls)  # the first k large enough: the number of files
+        except KeyboardInterrupt:
+            pass
+        monkeypatch.setattr(ownership.os, "unlink", real_unlink)
+        capsys.readouterr()
+        rc, out, err = run(capsys, "clear", str(root))
+        assert (rc == 0 and not folder.exists()) or (total is not None and rc == 2), \
+            (k, rc, out, err, sorted(p.name for p in folder.rglob("*")))
+        k += 1
+    assert total and total >= 5
