@@ -23,7 +23,6 @@ read-only snapshot of the index: it never writes, never takes the lock, never as
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -36,6 +35,7 @@ from tiering.backends.file_state import lock_holder, writer_alive
 from tiering.backends.namespace import (
     OtherFormatVersion,
     facts_from_meta,
+    load_json,
     read_meta,
     read_writer_info,
     write_json,
@@ -159,7 +159,7 @@ def _read_reply(done: Path) -> dict[str, Any] | None:
         return None
     try:
         with os.fdopen(fd, "rb") as fh:
-            reply = json.loads(fh.read(1 << 20))
+            reply = load_json(fh.read(1 << 20))
     except ValueError:
         return None  # never half-written (atomic rename), but never trust it either
     finally:

@@ -15,6 +15,7 @@ from typing import Any
 
 from tiering.backends.codec import check_codec
 from tiering.backends.io_engines import ALIGN, ENGINES
+from tiering.backends.namespace import SLAB_FILE as SLAB_NAME
 from tiering.backends.paths import check_path
 from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
@@ -97,7 +98,7 @@ def allocated_bytes(root: Path, namespace_id: str | None) -> int:
             st = p.lstat()
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode):
+        if stat.S_ISREG(st.st_mode) and SLAB_NAME.match(p.name):  # not a look-alike name
             total += st.st_blocks * 512
     return total
 

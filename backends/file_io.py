@@ -23,11 +23,11 @@ scheduler thread drains in ``FileTier.poll``).
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import queue
 import re
+import stat
 import sys
 import threading
 import time
@@ -42,6 +42,7 @@ from tiering.backends.checksum import checksum_of
 from tiering.backends.codec import ZstdCodec
 from tiering.backends.index import Index, pack_record
 from tiering.backends.io_engines import ALIGN, IoEngine
+from tiering.backends.namespace import load_json
 from tiering.backends.slab import SlabSet, adjacent_runs, run_rows
 from tiering.settings import (
     HOUSEKEEPING_SECONDS,
@@ -52,6 +53,19 @@ from tiering.settings import (
 
 log = logging.getLogger(__name__)
 REQUEST_NAME = re.compile(r"^[0-9a-f]{12}\.json$")  # what admin.submit_request writes
+
+
+def _read_request(path: Path) -> bytes:
+    """A tool's request file: a regular file of one name, at most 1 MiB, never through a link
+    and never waiting on a fifo (the committer thread must not block on what was planted)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise ValueError("not a regular file of one name; a tool writes one")
+        return os.read(fd, 1 << 20)
+    finally:
+        os.close(fd)
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -315,7 +329,7 @@ class Committer(threading.Thread):
             if not REQUEST_NAME.match(path.name):  # only a tool's request (uuid hex): never
                 continue  # rename a file someone else put there
             try:
-                op = json.loads(path.read_text())
+                op = load_json(_read_request(path))
                 path.rename(path.with_suffix(".taken"))
             except (OSError, ValueError) as exc:
                 log.warning("file tier: ignoring unreadable admin request %s: %s", path, exc)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiering.backends.namespace import NamespaceError
+from tiering.backends.namespace import NamespaceError, hard_link_problem
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,9 @@ def _write_holder(folder: Path) -> None:
         log.warning("%s: cannot record the writer's pid (%s)", path, exc)
         return
     try:
+        links = os.fstat(lock).st_nlink
+        if links != 1:  # never truncate a file that has another name (someone's file)
+            raise NamespaceError(hard_link_problem(path, path.name, links))
         os.ftruncate(lock, 0)
         os.pwrite(lock, f"{os.getpid()}\n".encode(), 0)
     except OSError as exc:  # a full disk: the pid is only for messages

@@ -124,7 +124,13 @@ class FileTier(StoreTier):
         os.close(self._lock_fd)
 
     def _open(self, cfg, facts, info, nums) -> None:
-        check_folder(self.folder)  # no planted links, nothing of another user
+        # no planted links, nothing of another user under our names; names the tier never
+        # writes (a .nfsXXXX file, an editor's backup) stay as they are, never opened
+        foreign = check_folder(self.folder, allow_foreign=True)
+        if foreign:
+            log.warning("%s: holds %s, which vllm-tiering does not write; serving anyway and "
+                        "leaving them as they are (tiering evict/clear refuse this folder until "
+                        "they are moved out)", self.folder, ", ".join(map(repr, foreign[:10])))
         self.meta = open_meta(self.folder, facts, {"element_bytes": cfg.element_bytes, **info},
                               nums["slab_file_bytes"], self.n_slots)
         self.index = Index.open_for_writer(

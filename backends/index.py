@@ -36,6 +36,7 @@ import ctypes
 import errno
 import logging
 import os
+import re
 import stat
 import struct
 import time
@@ -150,7 +151,8 @@ def _finish_swap(folder: Path) -> None:
         else:
             os.rename(new, path)
     for stale in folder.glob(f"{INDEX_DIR}.tmp-*"):
-        remove_env_dir(stale)
+        if re.fullmatch(rf"{re.escape(INDEX_DIR)}\.tmp-\d+", stale.name):  # a rebuild's, not a
+            remove_env_dir(stale)  # look-alike (foreign names are allowed in the folder)
     if os.path.isdir(old) and not os.path.islink(old):
         remove_env_dir(old)
 

@@ -113,6 +113,30 @@ def make_dirs(path: Path) -> None:
             os.close(fd)
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {dup!r:.40} (parsers disagree on which one counts)")
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON the tier writes")
+
+
+def load_json(data: bytes) -> Any:
+    """Parse a JSON file of ours that anyone may have written: ValueError (never RecursionError
+    or a silent pick) for what the tier never writes: not UTF-8, not JSON, nested deeper than
+    the parser can go, a key twice, NaN/Infinity."""
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                          parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def write_json(path: Path, obj: dict[str, Any]) -> None:
     """Write a JSON file atomically (tmp file + fsync + rename), mode 0600. The tmp file is
     created fresh (never through a planted link); the rename replaces a link, never follows it.
@@ -159,21 +183,30 @@ def entry_kind(name: str, layout: tuple[tuple[re.Pattern[str], str], ...] = LAYO
 
 
 def check_folder(folder: Path, layout: tuple[tuple[re.Pattern[str], str], ...] = LAYOUT,
-                 layout_text: str = LAYOUT_TEXT) -> None:
+                 layout_text: str = LAYOUT_TEXT, allow_foreign: bool = False) -> list[str]:
     """Refuse a namespace folder whose files are not what they should be.
 
     The folder must be a real directory owned by this user; no entry in it (or in
     ``index.lmdb/``) may be a symbolic link; every entry must be one this format writes
-    (``layout``), a regular file or a directory as expected and owned by this user. A planted
+    (``layout``), a regular file or a directory as expected and owned by this user, and a
+    file must have one name (a hard link would let the writer rewrite someone's file). A planted
     link would otherwise make the writer truncate, overwrite or create files outside the cache;
     a foreign entry says the folder is not (only) ours. NamespaceError names the first
     offending entry.
+
+    ``allow_foreign`` (the writer and the read-only tools, once ``meta.json`` proved the folder
+    is a namespace): entries whose names this format never writes (an NFS ``.nfsXXXX`` file,
+    ``lost+found``, a core dump, an editor's backup) are returned instead of refused; nothing
+    ever opens, follows or removes a name outside the layout, so they are left as they are.
+    Entries with our names are checked all the same. Tools that change a namespace
+    (``evict``/``clear``, ``ownership.identify``) refuse them.
     """
+    foreign: list[str] = []
     uid = os.geteuid()
     try:
         st = os.lstat(folder)
     except FileNotFoundError:
-        return
+        return foreign
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise NamespaceError(f"{folder}: not a directory (a link or a file); refusing it")
     if st.st_uid != uid:
@@ -188,13 +221,15 @@ def check_folder(folder: Path, layout: tuple[tuple[re.Pattern[str], str], ...] =
             est = os.lstat(path)
         except FileNotFoundError:
             continue  # removed meanwhile
+        want = (("file" if name.endswith(".mdb") else None) if "/" in name  # LMDB's files
+                else entry_kind(name, layout))
+        if want is None and "/" not in name and allow_foreign:
+            foreign.append(name)  # never opened, followed or removed
+            continue
         if stat.S_ISLNK(est.st_mode):
             raise NamespaceError(f"{path}: {name} is a symbolic link; refusing a cache folder "
                                  "with links in it")
-        if "/" in name:  # inside index.lmdb/: LMDB's files; nothing else is ever removed there
-            want = "file" if name.endswith((".mdb",)) else None
-        else:
-            want = entry_kind(name, layout)
+        if "/" not in name:
             if want is None:
                 raise NotOurs(f"{path}: {name!r} is not something vllm-tiering writes in a "
                               f"namespace folder; refusing {folder} (expected only "
@@ -206,6 +241,16 @@ def check_folder(folder: Path, layout: tuple[tuple[re.Pattern[str], str], ...] =
         if est.st_uid != uid and want is not None:
             raise NamespaceError(f"{path}: {name} is owned by uid {est.st_uid}, not by this "
                                  f"user ({uid}); refusing it")
+        if stat.S_ISREG(est.st_mode) and est.st_nlink != 1 and want is not None:
+            raise NamespaceError(hard_link_problem(path, name, est.st_nlink))
+    return foreign
+
+
+def hard_link_problem(path: Path | str, name: str, links: int) -> str:
+    """Why a file with several names is refused: the tier never makes hard links, so a second
+    name means the file (or its bytes) is someone else's, and writing it would change them."""
+    return (f"{path}: {name} has {links} hard links (vllm-tiering never makes one, so it may be "
+            "a file of yours linked in); refusing a cache folder with hard-linked files in it")
 
 
 def write_meta(folder: Path, facts: NamespaceFacts, info: dict[str, Any]) -> None:
@@ -232,11 +277,14 @@ def check_unstarted(folder: Path) -> None:
 def check_for_writer(folder: Path) -> None:
     """Before a writer writes anything in an existing ``folder``: it must be a namespace of
     this format proven ours, or a folder a first open left before meta.json (NotOurs,
-    OtherFormatVersion or NamespaceError otherwise, naming the path). Reads only."""
-    check_folder(folder)
+    OtherFormatVersion or NamespaceError otherwise, naming the path). Entries the tier never
+    writes are allowed beside a proven ``meta.json`` (``check_folder``'s ``allow_foreign``),
+    never in a folder without one. Reads only."""
     if os.path.lexists(folder / META_FILE):
+        check_folder(folder, allow_foreign=True)
         read_meta(folder)
     else:
+        check_folder(folder)
         check_unstarted(folder)
 
 
@@ -270,7 +318,7 @@ def read_writer_info(folder: Path) -> dict[str, Any]:
     try:
         fd = os.open(folder / "writer.json", os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as fh:
-            info = json.loads(fh.read(1 << 20).decode("utf-8"))
+            info = load_json(fh.read(1 << 20))
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}
@@ -292,13 +340,13 @@ def read_meta(folder: Path) -> dict[str, Any]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as fh:
-            meta = json.loads(fh.read(1 << 20).decode("utf-8"))
+            meta = load_json(fh.read(1 << 20))
     except FileNotFoundError:
         raise NamespaceError(f"{path}: missing; {folder} is not a vllm-tiering namespace") from None
     except OSError as exc:
         raise NamespaceError(f"{path}: unreadable ({exc.strerror or exc})") from None
-    except ValueError as exc:  # not UTF-8, not JSON
-        raise NamespaceError(f"{path}: not a JSON file ({exc})") from None
+    except ValueError as exc:  # not UTF-8, not JSON, too deep, a key twice
+        raise NamespaceError(f"{path}: not a JSON file the tier writes ({exc})") from None
     if not isinstance(meta, dict):
         raise NotOurs(f"{path}: expected a JSON object, got {type(meta).__name__}; not a "
                       "vllm-tiering namespace")

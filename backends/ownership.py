@@ -13,7 +13,8 @@ A tool or the writer removes or rewrites files only in a namespace it has proven
 
 Anything else is ``NotOurs``: one line naming the path and what was expected. Removing a
 format-1 namespace (``tiering clear``) unlinks the files that format wrote, by name, one by one
-through a descriptor of the folder (a folder swapped for a link meanwhile is never followed),
+through a descriptor of the folder that is checked to be the one proven (a folder swapped for
+a link, or renamed away and replaced by another, meanwhile is never acted on),
 then removes each folder it made only if that left it empty: never a recursive delete. What it
 cannot remove it names and leaves in place.
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import os
 import re
@@ -43,6 +43,7 @@ from tiering.backends.namespace import (
     NotOurs,
     OtherFormatVersion,
     check_folder,
+    load_json,
     read_meta,
 )
 
@@ -81,6 +82,7 @@ class Owned:
     folder: Path
     format_version: int
     meta: dict[str, Any]
+    identity: tuple[int, int] = (-1, -1)  # (st_dev, st_ino) of the folder that was proven
 
 
 @dataclass
@@ -96,6 +98,23 @@ def identify(folder: Path) -> Owned:
     """Prove ``folder`` is a namespace of ours (format 2 or 1); NotOurs or NamespaceError
     (one line naming the path and what was expected) otherwise. Reads only."""
     folder = Path(folder)
+    before = _identity_of(folder)
+    owned = _identify(folder)
+    if _identity_of(folder) != before:
+        raise NotOurs(f"{folder}: replaced while it was being checked; refusing it")
+    owned.identity = before
+    return owned
+
+
+def _identity_of(folder: Path) -> tuple[int, int]:
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return (-1, -1)
+    return (st.st_dev, st.st_ino)
+
+
+def _identify(folder: Path) -> Owned:
     try:
         check_folder(folder)
         return Owned(folder, FORMAT_VERSION, read_meta(folder))
@@ -117,7 +136,7 @@ def _format_1_meta(folder: Path) -> dict[str, Any] | None:
     try:
         fd = os.open(folder / META_FILE, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as fh:
-            meta = json.loads(fh.read(1 << 20).decode("utf-8"))
+            meta = load_json(fh.read(1 << 20))
     except (OSError, ValueError):
         return None
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_1 \
@@ -142,13 +161,21 @@ def remove_format_1(owned: Owned, dry_run: bool = False) -> Removal:
     folder = owned.folder
     dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
+        st = os.fstat(dfd)
+        if (st.st_dev, st.st_ino) != owned.identity:  # renamed and replaced since the proof
+            raise NotOurs(f"{folder}: is not the folder that was proven a format-1 namespace "
+                          "(replaced since); refusing to remove anything in it")
         _refuse_if_held(dfd, folder)
         out = Removal()
         _remove_in(dfd, "", FORMAT_1_LAYOUT, out, dry_run)
     finally:
         os.close(dfd)
     if not out.kept:
-        if not dry_run:
+        if dry_run:
+            pass
+        elif _identity_of(folder) != owned.identity:  # replaced meanwhile: not ours to rmdir
+            out.kept.append(". (replaced while it was emptied)")
+        else:
             try:
                 os.rmdir(folder)
             except OSError as exc:  # something appeared meanwhile: leave it
@@ -185,7 +212,8 @@ def _remove_in(dfd: int, prefix: str, layout: tuple[tuple[re.Pattern[str], str],
     """Unlink, under the folder open as ``dfd``, the regular files (owned by us) whose names
     the format wrote; recurse into the folders it made; rmdir them if that emptied them."""
     uid = os.geteuid()
-    for name in sorted(os.listdir(dfd)):
+    # the marker last: a removal cut short anywhere leaves a folder a rerun can still prove
+    for name in sorted(os.listdir(dfd), key=lambda n: (prefix == "" and n == META_FILE, n)):
         rel = prefix + name
         try:
             st = os.lstat(name, dir_fd=dfd)
@@ -199,7 +227,8 @@ def _remove_in(dfd: int, prefix: str, layout: tuple[tuple[re.Pattern[str], str],
                 if pattern.match(name):
                     kind = k
                     break
-        if kind == "file" and stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+        if kind == "file" and stat.S_ISREG(st.st_mode) and st.st_uid == uid \
+                and st.st_nlink == 1:
             if not dry_run:
                 os.unlink(name, dir_fd=dfd)
             out.removed.append(rel)

@@ -20,6 +20,7 @@ import numpy as np
 from tiering.backends.checksum import checksum_of, namespace_seed
 from tiering.backends.index import Index
 from tiering.backends.namespace import (
+    SLAB_FILE,
     check_folder,
     is_candidate,
     list_namespaces,
@@ -42,7 +43,7 @@ class Corrupt:
 class NamespaceReader:
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
-        check_folder(self.folder)
+        self.foreign = check_folder(self.folder, allow_foreign=True)  # never read, only named
         self.meta = read_meta(self.folder)
         self.row_bytes = int(self.meta["row_bytes"])
         self.index = Index(self.folder, map_size=0, readonly=True)
@@ -61,7 +62,7 @@ class NamespaceReader:
 
     @property
     def slab_files(self) -> list[Path]:
-        return sorted(self.folder.glob("slab-*.dat"))
+        return sorted(p for p in self.folder.glob("slab-*.dat") if SLAB_FILE.match(p.name))
 
     def capacity_slots(self) -> int:
         return int(self.meta["slots"])
@@ -103,6 +104,7 @@ class NamespaceReader:
             "io_engine": self.writer.get("engine"),
             "writer": self.writer,
             "stats": self.index.read_stats(),
+            "foreign_entries": self.foreign,  # names the tier does not write (left alone)
         }
 
     def _read(self, fds: dict[int, int], slot: int, length: int) -> bytes:

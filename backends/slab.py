@@ -25,6 +25,7 @@ from typing import Any
 
 from tiering.backends.checksum import namespace_seed
 from tiering.backends.io_engines import IoEngine
+from tiering.backends.namespace import SLAB_FILE, NamespaceError, hard_link_problem
 from tiering.settings import MIN_RUN_BYTES
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,10 @@ class SlabSet:
                 continue
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
-                current = os.fstat(fd).st_size
+                st = os.fstat(fd)
+                if st.st_nlink != 1:  # linked in after check_folder: never resize it
+                    raise NamespaceError(hard_link_problem(path, path.name, st.st_nlink))
+                current = st.st_size
                 if current > size:
                     os.ftruncate(fd, size)
                 elif current < size:
@@ -158,7 +162,8 @@ class SlabSet:
     def existing_bytes(self) -> int:
         total = 0
         for p in self.folder.glob("slab-*.dat"):
-            total += p.stat().st_blocks * 512
+            if SLAB_FILE.match(p.name) and p.is_file() and not p.is_symlink():
+                total += p.stat().st_blocks * 512
         return total
 
 

@@ -9,12 +9,15 @@ bytes, the layout vLLM's own CPU tier uses.
 Lifecycle: whichever process comes first creates ``/dev/shm/vllm_tiering_<engine>.shm`` at full
 size; the others open it. Every mapper holds a shared ``flock`` on it while mapped, so a region
 whose lock can be taken exclusively has no live user: ``remove_stale`` deletes those (left by an
-engine that was killed) at start. The scheduler unlinks its region at shutdown; workers keep
+engine that was killed) at start; an opener checks, once it holds its lock, that the name still
+leads to the file it locked (a remover may take a region in the instant between its creation and
+its first lock), and nothing is opened through a link or with a second name. The scheduler unlinks its region at shutdown; workers keep
 their mapping until they exit.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -39,35 +42,85 @@ def region_path(engine_id: str) -> Path:
 
 
 def remove_stale(keep: Path | None = None) -> list[Path]:
-    """Delete regions that no process has mapped (their engine died)."""
-    removed = []
+    """Delete regions that no process has mapped (their engine died).
+
+    Only what a region of ours can be: a regular file of this user with one name, whole pages,
+    named ``vllm_tiering_*.shm``, on which nobody holds a lock; and only if the name still
+    leads to the file that was checked and locked (another engine may have removed it and
+    created its own meanwhile). Nothing is opened before ``lstat`` says it is a regular file
+    (never a device or a fifo), nothing through a link.
+    """
+    removed: list[Path] = []
     if not SHM_DIR.is_dir():
         return removed
+    uid = os.geteuid()
     for p in SHM_DIR.glob(f"{_PREFIX}*.shm"):
         if keep is not None and p == keep:
             continue
-        try:  # ours only: a regular file of this user, rows of whole pages
+        try:
             st = os.lstat(p)
-            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
-                or st.st_size % mmap.PAGESIZE):
-            os.close(fd)
-            continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        try:
-            p.unlink()
-            removed.append(p)
-            log.warning("removed stale staging region %s (its engine is gone)", p)
+            fst = os.fstat(fd)
+            if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino) or fst.st_uid != uid \
+                    or fst.st_nlink != 1 or fst.st_size % mmap.PAGESIZE:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # mapped by a live engine
+            if _same_file(p, fst):
+                p.unlink()
+                removed.append(p)
+                log.warning("removed stale staging region %s (its engine is gone)", p)
         except OSError:
             pass
-        os.close(fd)
+        finally:
+            os.close(fd)
     return removed
+
+
+def _same_file(path: Path, st: os.stat_result) -> bool:
+    """``path`` still names the file ``st`` was taken of."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _open_region(path: Path) -> int:
+    """Open (creating it if missing) the region file at ``path`` with a shared lock held, once
+    the lock is held on the file the name leads to: a remover of stale regions may unlink a
+    file between its creation and its lock (it is 0 bytes and unlocked then); mapping that one
+    would give this process rows no other process sees. Never through a link, never a file
+    that is not a region of this user's (another name elsewhere: someone's file)."""
+    for _ in range(100):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OSError(exc.errno, f"{path}: a symbolic link where the staging region "
+                              "should be; refusing to map it (remove the link)") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+                raise OSError(errno.EEXIST, f"{path}: not a staging region of this user (a "
+                              f"regular file of one name owned by uid {os.geteuid()}); "
+                              "refusing to map it")
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if _same_file(path, st):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # removed as stale between the open and the lock: open the new one
+    raise OSError(errno.EAGAIN, f"{path}: keeps being removed while it is opened")
 
 
 class StagingRegion:
@@ -91,9 +144,8 @@ class StagingRegion:
         self.num_rows, self.row_bytes = num_rows, row_bytes
         size = num_rows * row_bytes
         make_dirs(self.path.parent)  # 0700 whatever the umask (TIERING_SHM_DIR may be new)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open_region(self.path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
             current = os.fstat(fd).st_size
             if current == 0:
                 free = shutil.disk_usage(self.path.parent).free

@@ -164,11 +164,49 @@ def _cmd_clear(args: argparse.Namespace) -> int:
     return _admin(args, {"op": "clear"})
 
 
+EXPORT_HEAD = b"# HELP tiering_cache_"  # how every export begins (exporter.render)
+
+
+def _check_output(path: Path) -> None:
+    """``export -o`` replaces only what it wrote itself (a file beginning like an export) or an
+    empty file (made to set its mode); never a file of someone else's, a link, or a file inside
+    a namespace folder (which the tier never writes). ValueError (exit 2) naming it."""
+    import os
+    import stat
+
+    from tiering.backends.namespace import NAMESPACE_NAME
+
+    parent = Path(os.path.abspath(path)).parent
+    if NAMESPACE_NAME.match(parent.name) and os.path.lexists(parent / "meta.json"):
+        raise ValueError(f"-o {path}: inside the namespace folder {parent}; write the export "
+                         "outside the cache")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"-o {path}: exists and is not a regular file (a link, a folder, a "
+                         "device); refusing to replace it")
+    if st.st_size:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            head = os.read(fd, len(EXPORT_HEAD))
+        finally:
+            os.close(fd)
+        if head != EXPORT_HEAD:
+            raise ValueError(f"-o {path}: exists and is not a tiering export (it does not begin "
+                             f"with {EXPORT_HEAD.decode()!r}); refusing to replace it (remove it "
+                             "or name another file)")
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from tiering.exporter import render
 
+    if args.output is not None:
+        _check_output(Path(args.output))
     text = render(_namespaces(args))
     if args.output is not None:
+        _check_output(Path(args.output))  # again: it may have changed while the cache was read
         _write_private(Path(args.output), text)
     else:
         sys.stdout.write(text)

@@ -144,7 +144,18 @@ def output_file(text: str) -> str:
 
 
 def metrics_url(text: str) -> str:
-    if not re.match(r"^https?://[^/\s]+", text):
-        raise argparse.ArgumentTypeError(f"url: expected http(s)://HOST[:PORT][/metrics], got "
-                                         f"{text!r:.80}")
+    """An http(s) URL that can be requested as written: printable ASCII (HTTP carries nothing
+    else; a non-ASCII host must be given in its punycode form), a host, a valid port."""
+    from urllib.parse import urlsplit
+
+    ok = bool(re.match(r"^https?://[^/\s]+", text)) and bool(re.fullmatch(r"[!-~]+", text))
+    if ok:
+        try:
+            parts = urlsplit(text)
+            ok = bool(parts.hostname) and (parts.port is None or 0 < parts.port < 65536)
+        except ValueError:  # a bad port, an unclosed [IPv6
+            ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"url: expected http(s)://HOST[:PORT][/metrics] in "
+                                         f"printable ASCII, got {text!r:.80}")
     return text

@@ -147,7 +147,9 @@ def reset_scratch(scratch: Path) -> None:
     if os.path.lexists(scratch):
         if scratch.is_symlink() or not scratch.is_dir():
             raise SystemExit(f"--scratch {scratch}: not a folder; refusing to use it")
-        if any(scratch.iterdir()) and not (scratch / SCRATCH_MARKER).is_file():
+        marker = scratch / SCRATCH_MARKER
+        made_here = os.path.isfile(marker) and not os.path.islink(marker)
+        if any(scratch.iterdir()) and not made_here:
             raise SystemExit(f"--scratch {scratch}: holds files and no {SCRATCH_MARKER} (not "
                              "made by this script); refusing to remove it, give an empty or "
                              "new folder")
@@ -1066,11 +1068,10 @@ def sweep_plot(rows: list[dict], path: Path) -> None:
 def sweep_main(a: argparse.Namespace, t0: float) -> None:
     """``--phases prefill-sweep``: every shape of ``--sweep-shapes`` in turn, each setup one
     engine; JSON, table and plot written after every engine."""
+    scratch = Path(a.scratch)
+    reset_scratch(scratch)  # before anything else: a wrong --scratch is refused at once
     import vllm
 
-    scratch = Path(a.scratch)
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     block_tokens = 128 if a.cpu_platform else 16
