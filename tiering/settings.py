@@ -48,6 +48,17 @@ ADVISOR_MIN_SAMPLE_TOKENS = 64
 # off for good. Counted in runs, not chunks: one 32k-token prompt is 2048 chunks of 16 tokens.
 ADVISOR_REPROBE_AFTER = 32
 
+# -- vLLM adapter: loads to the GPU ---------------------------------------------------------------
+# The most requests with a load to the GPU in flight at once (default of the spec's
+# ``max_loading_requests``; 0: no cap). vLLM's scheduler sums the remaining blocks of every
+# request still prefilling or loading before it admits each asynchronous load, so N cache hits
+# admitted together cost N(N-1)/2 of those sums; a request past the cap waits a step instead
+# (tiering.vllm.load_gate), and each waiting request costs one connector scan per step. Chosen
+# from docs/bench_load_path.py (docs/benchmarks.md, "The CPU-tier load path, per block"): 64
+# costs least per loaded block from 256 to 1024 hits at once, and 64 requests of 512 tokens
+# are 2048 loaded blocks a step, more than the H200 moved per step at any shape (8-9k blocks/s).
+MAX_LOADING_REQUESTS = 64
+
 # -- file tier ---------------------------------------------------------------------------------
 # LMDB map size: a fixed headroom plus a generous per-slot share (a record is 44 bytes plus the
 # key and B-tree overhead; copy-on-write needs room for a second copy of touched pages).

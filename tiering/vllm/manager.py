@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable
 
 from tiering.chain import Lookup, TierChain
 from tiering.request_lookups import RequestLookups
+from tiering.settings import MAX_LOADING_REQUESTS
 from tiering.vllm.compat import (
     LookupResult,
     Medium,
@@ -24,6 +25,7 @@ from tiering.vllm.compat import (
     RequestOffloadingContext,
     hit_source,
 )
+from tiering.vllm.load_gate import LoadGate
 from tiering.vllm.metrics import TierMetrics
 from tiering.vllm.worker import RowsSpec
 
@@ -35,10 +37,12 @@ _LOOKUP = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS,
 
 class TieredManager(OffloadingManager):
     def __init__(self, chain: TierChain, metrics: TierMetrics | None = None,
-                 on_shutdown=None) -> None:
+                 on_shutdown=None, max_loading_requests: int = MAX_LOADING_REQUESTS) -> None:
         self.chain = chain
         self.metrics = metrics
         self._on_shutdown = on_shutdown
+        # requests with a load to the GPU in flight, at most max_loading_requests (0: no cap)
+        self.load_gate = LoadGate(max_loading_requests, chain.cpu.stats)
         self._requests: dict[str, RequestLookups] = {}  # live requests' lookup records
 
     def live_requests(self) -> int:
@@ -58,6 +62,10 @@ class TieredManager(OffloadingManager):
         return get(key) if get is not None else None
 
     def lookup(self, key, req_context: ReqContext) -> LookupResult:
+        deferred = self.load_gate.check(getattr(req_context, "req_id", ""), key,
+                                        self.chain.cpu.contains)
+        if deferred is not None:  # too many loads in flight: asked again next step
+            return deferred
         advisor = self.chain.advisor
         first = None
         if advisor is not None:  # only the advisor times runs by position (a call per chunk)
@@ -71,6 +79,7 @@ class TieredManager(OffloadingManager):
         """Drop the request's record, or keep it until its last stores complete (they time
         its prefill; vLLM may finish a request before its stores are done)."""
         req_id = getattr(req_context, "req_id", "")
+        self.load_gate.forget(req_id)
         rec = self._requests.get(req_id)
         if rec is None:
             return
@@ -82,13 +91,16 @@ class TieredManager(OffloadingManager):
         return hit_source(self.chain.hit_source(bytes(key)))
 
     def prepare_load(self, keys: Collection, req_context: ReqContext) -> RowsSpec:
-        return RowsSpec(self.chain.prepare_load([bytes(k) for k in keys]))
+        rows = self.chain.prepare_load([bytes(k) for k in keys])
+        self.load_gate.started(getattr(req_context, "req_id", ""))
+        return RowsSpec(rows)
 
     def touch(self, keys: Collection, req_context: ReqContext) -> None:
         self.chain.touch([bytes(k) for k in keys])
 
     def complete_load(self, keys: Collection, req_context: ReqContext) -> None:
         self.chain.complete_load(bytes(k) for k in keys)
+        self.load_gate.ended(getattr(req_context, "req_id", ""))
 
     def prepare_store(self, keys: Collection, req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
@@ -131,6 +143,7 @@ class TieredManager(OffloadingManager):
             yield OffloadingEvent(keys=e.keys, medium=medium, removed=e.removed)
 
     def on_schedule_end(self, context) -> None:
+        self.load_gate.end_step()
         self.chain.on_schedule_end()
 
     def has_pending_work(self) -> bool:
@@ -139,6 +152,7 @@ class TieredManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self.chain.reset()
+        self.load_gate.reset()  # vLLM drops its in-flight jobs: their completions never come
         # vLLM drops its in-flight jobs on a reset: their completions never come
         for req_id in [r for r, rec in self._requests.items() if rec.finished]:
             del self._requests[req_id]
