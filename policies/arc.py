@@ -40,8 +40,11 @@ class ArcPolicy(EvictionPolicy):
         return key in self.t1 or key in self.t2
 
     def __iter__(self) -> Iterator[Key]:
+        return iter(list(self._scan_order()))
+
+    def _scan_order(self) -> Iterator[Key]:
         first, second = (self.t1, self.t2) if len(self.t1) > self.p else (self.t2, self.t1)
-        return iter([*first, *second])
+        return itertools.chain(first, second)
 
     def peek_victims(self, n: int) -> list[Key]:
         first, second = (self.t1, self.t2) if len(self.t1) > self.p else (self.t2, self.t1)

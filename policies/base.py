@@ -105,15 +105,26 @@ class EvictionPolicy(ABC):
     def _try_pick_victims(self, n: int, protected: Collection[Key]) -> list[Key] | None:
         """Remove and return ``n`` evictable keys, or ``None`` with nothing changed.
 
-        This default counts the evictable keys first (``evictable_count``: a pass over every
-        pinned and every protected key) and then picks. A policy that can look for its victims
-        from its eviction end and stop at the ``n``-th overrides it: the count made each
-        eviction O(pins + protected), and a long prompt's promotions (each pinned, each
-        protected for its request, one eviction apiece) O(chunks^2): 1.2 s of the scheduler
-        thread for a 32k prompt's 2048 chunks (docs/benchmarks.md)."""
-        if self.evictable_count(protected) < n:
-            return None
-        return self._pick_victims(n, protected)
+        This default first looks for ``n`` evictable keys from the eviction end
+        (``_scan_order``, read only) and stops at the ``n``-th, then picks them. Counting every
+        pinned and protected key instead (``evictable_count``) made each eviction O(pins +
+        protected), and a long prompt's promotions (each pinned, each protected for its
+        request, one eviction apiece) O(chunks^2): 1.2 s of the scheduler thread for a 32k
+        prompt's 2048 chunks (docs/benchmarks.md). A policy whose victims come straight off
+        one end may override this with a single pass (``LruPolicy``)."""
+        pins = self._pins
+        found = 0
+        for key in self._scan_order():
+            if key not in pins and key not in protected:
+                found += 1
+                if found == n:
+                    return self._pick_victims(n, protected)
+        return None
+
+    def _scan_order(self) -> Iterator[Key]:
+        """Resident keys, next victim first, without copying them (a read-only pass that may
+        stop early; nothing may change the policy meanwhile). Default: ``iter(self)``."""
+        return iter(self)
 
     def clear(self) -> None:
         for key in list(self):

@@ -45,7 +45,10 @@ class LruPolicy(EvictionPolicy):
     def _discard(self, key: Key) -> bool:
         return self._order.pop(key, 0) is None
 
-    def _try_pick_victims(self, n: int, protected: Collection[Key]) -> list[Key] | None:
+    def _scan_order(self) -> Iterator[Key]:
+        return iter(self._order)
+
+    def _pick_victims(self, n: int, protected: Collection[Key]) -> list[Key]:
         """Oldest first, stepping over pinned and protected keys; stops at the ``n``-th, so an
         eviction costs the blocked keys at the old end, not every pin and protected key."""
         victims = []
@@ -56,14 +59,9 @@ class LruPolicy(EvictionPolicy):
             victims.append(key)
             if len(victims) == n:
                 break
-        else:
-            return None  # fewer than n evictable: nothing removed
         for key in victims:
             del self._order[key]
         return victims
-
-    def _pick_victims(self, n: int, protected: Collection[Key]) -> list[Key]:
-        return self._try_pick_victims(n, protected) or []
 
     def bulk_load(self, keys: list[Key], reused: list[bool]) -> None:
         if self._order:

@@ -49,6 +49,9 @@ class S3FifoPolicy(EvictionPolicy):
     def __iter__(self) -> Iterator[Key]:
         return iter([*self.small, *self.main])
 
+    def _scan_order(self) -> Iterator[Key]:
+        return itertools.chain(self.small, self.main)
+
     def peek_victims(self, n: int) -> list[Key]:
         return list(itertools.islice(itertools.chain(self.small, self.main), n))
 
