@@ -122,7 +122,8 @@ class TierChain:
             if request.segment_start is None:  # the first lookup: computing starts here
                 request.start_clock()
                 request.segment_token, request.segment_step = first_token, self._steps
-        self.poll()
+        if self._batches:  # reads in flight: a finished one may turn this lookup into a hit
+            self.poll()  # (otherwise the step's end polls: admin requests, store completions)
         found = self.cpu.lookup(key, count, per_request=request is not None)
         if found is not Lookup.MISS:
             if request is not None:
@@ -229,6 +230,8 @@ class TierChain:
         request.segment_step = self._steps
 
     def hit_source(self, key: bytes) -> str:
+        if not self.file_tiers:  # nothing is promoted: every row came from the GPU
+            return "cpu"
         return "disk" if self.cpu.source_of(key) != "cpu" else "cpu"
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:

@@ -46,6 +46,9 @@ class LoadGate:
         self._loading: dict[str, int] = {}  # request -> its load jobs in flight
         # requests told to wait in this step -> the KV groups already answered RETRY
         self._deferred: dict[str, set[bytes]] = {}
+        # True while the cap is reached or a scan was deferred this step: the manager asks
+        # ``check`` only then (one attribute read per lookup otherwise)
+        self.closed = False
 
     def loading(self) -> int:
         """Requests with a load in flight."""
@@ -68,9 +71,13 @@ class LoadGate:
         groups.add(group)
         return LookupResult.RETRY
 
+    def _update(self) -> None:
+        self.closed = bool(self._deferred) or bool(self.cap) and len(self._loading) >= self.cap
+
     def started(self, req_id: str) -> None:
         """vLLM asked to load the request's hits (``prepare_load``)."""
         self._loading[req_id] = self._loading.get(req_id, 0) + 1
+        self._update()
 
     def ended(self, req_id: str) -> None:
         """One load job of the request completed (``complete_load``)."""
@@ -79,17 +86,21 @@ class LoadGate:
             self._loading.pop(req_id, None)
         else:
             self._loading[req_id] = n - 1
+        self._update()
 
     def forget(self, req_id: str) -> None:
         """The request finished: none of its loads holds a slot any more."""
         self._loading.pop(req_id, None)
         self._deferred.pop(req_id, None)
+        self._update()
 
     def end_step(self) -> None:
         """The scheduler's step ended: deferred requests are asked about afresh next step."""
         self._deferred.clear()
+        self._update()
 
     def reset(self) -> None:
         """vLLM dropped its in-flight jobs (a cache reset): their completions never come."""
         self._loading.clear()
         self._deferred.clear()
+        self._update()

@@ -33,6 +33,15 @@ log = logging.getLogger(__name__)
 
 _LOOKUP = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS,
            Lookup.PENDING: LookupResult.HIT_PENDING}
+_SOURCE = {"cpu": hit_source("cpu"), "disk": hit_source("disk")}
+_BYTES = frozenset({bytes})
+
+
+def _as_bytes(keys: Iterable) -> list[bytes]:
+    """vLLM's keys as a list of bytes. Its ``OffloadKey`` already is ``bytes``: then the list
+    is used as it is (one type check over the list in C, not a ``bytes()`` call per key)."""
+    out = list(keys)
+    return out if set(map(type, out)) <= _BYTES else [bytes(k) for k in out]
 
 
 class TieredManager(OffloadingManager):
@@ -62,16 +71,19 @@ class TieredManager(OffloadingManager):
         return get(key) if get is not None else None
 
     def lookup(self, key, req_context: ReqContext) -> LookupResult:
-        deferred = self.load_gate.check(getattr(req_context, "req_id", ""), key,
-                                        self.chain.cpu.contains)
-        if deferred is not None:  # too many loads in flight: asked again next step
-            return deferred
+        gate = self.load_gate
+        if gate.closed:  # the cap is reached: a request that would load waits a step
+            deferred = gate.check(getattr(req_context, "req_id", ""), key,
+                                  self.chain.cpu.contains)
+            if deferred is not None:
+                return deferred
         advisor = self.chain.advisor
         first = None
         if advisor is not None:  # only the advisor times runs by position (a call per chunk)
             end = self._end_token(key, req_context)
             first = end - advisor.chunk_tokens if end is not None else None
-        result = self.chain.lookup(bytes(key), request=self._request(req_context),
+        result = self.chain.lookup(key if type(key) is bytes else bytes(key),
+                                   request=self._request(req_context),
                                    first_token=first)
         return _LOOKUP[result]
 
@@ -88,23 +100,23 @@ class TieredManager(OffloadingManager):
             del self._requests[req_id]
 
     def get_load_source(self, key, req_context: ReqContext):
-        return hit_source(self.chain.hit_source(bytes(key)))
+        return _SOURCE[self.chain.hit_source(key if type(key) is bytes else bytes(key))]
 
     def prepare_load(self, keys: Collection, req_context: ReqContext) -> RowsSpec:
-        rows = self.chain.prepare_load([bytes(k) for k in keys])
+        rows = self.chain.prepare_load(_as_bytes(keys))
         self.load_gate.started(getattr(req_context, "req_id", ""))
         return RowsSpec(rows)
 
     def touch(self, keys: Collection, req_context: ReqContext) -> None:
-        self.chain.touch([bytes(k) for k in keys])
+        self.chain.touch(_as_bytes(keys))
 
     def complete_load(self, keys: Collection, req_context: ReqContext) -> None:
-        self.chain.complete_load(bytes(k) for k in keys)
+        self.chain.complete_load(_as_bytes(keys))
         self.load_gate.ended(getattr(req_context, "req_id", ""))
 
     def prepare_store(self, keys: Collection, req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
-        out = self.chain.prepare_store([bytes(k) for k in keys])
+        out = self.chain.prepare_store(_as_bytes(keys))
         if out is None:
             return None
         to_store, rows, evicted = out
@@ -115,7 +127,7 @@ class TieredManager(OffloadingManager):
 
     def complete_store(self, keys: Collection, req_context: ReqContext,
                        success: bool = True) -> None:
-        self.chain.complete_store([bytes(k) for k in keys], success)
+        self.chain.complete_store(_as_bytes(keys), success)
         rec = self._requests.get(getattr(req_context, "req_id", ""))
         if rec is None or not keys:
             return
