@@ -53,10 +53,12 @@ ADVISOR_REPROBE_AFTER = 32
 # ``max_loading_requests``; 0: no cap). vLLM's scheduler sums the remaining blocks of every
 # request still prefilling or loading before it admits each asynchronous load, so N cache hits
 # admitted together cost N(N-1)/2 of those sums; a request past the cap waits a step instead
-# (tiering.vllm.load_gate), and each waiting request costs one connector scan per step. Chosen
-# from docs/bench_load_path.py (docs/benchmarks.md, "The CPU-tier load path, per block"): 64
-# costs least per loaded block from 256 to 1024 hits at once, and 64 requests of 512 tokens
-# are 2048 loaded blocks a step, more than the H200 moved per step at any shape (8-9k blocks/s).
+# (tiering.vllm.load_gate), and each waiting request costs one short connector scan per step, so
+# the best cap grows about as sqrt(N). Chosen from docs/bench_load_path.py (docs/benchmarks.md,
+# "The CPU-tier load path, per block"): 64 is within 10% of the cheapest cap per loaded block at
+# 256, 1024 and 2048 hits at once (13.5 -> 12.8, 30.5 -> 17.5, 57.1 -> 24.1 CPU us a block
+# against no cap), and 64 requests of 512 tokens keep ~2000 blocks in flight (1-4 GiB at the
+# H200 shapes). Whether that keeps the GPU's copy engine busy is for the H200 sweep to confirm.
 MAX_LOADING_REQUESTS = 64
 
 # -- file tier ---------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ CPU staging, DISK for chunks promoted from a file tier) so that vLLM's
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
 
 from tiering.chain import Lookup, TierChain
 from tiering.request_lookups import RequestLookups
@@ -37,7 +38,7 @@ _SOURCE = {"cpu": hit_source("cpu"), "disk": hit_source("disk")}
 _BYTES = frozenset({bytes})
 
 
-def _as_bytes(keys: Iterable) -> list[bytes]:
+def _as_bytes(keys: Iterable[bytes]) -> list[bytes]:
     """vLLM's keys as a list of bytes. Its ``OffloadKey`` already is ``bytes``: then the list
     is used as it is (one type check over the list in C, not a ``bytes()`` call per key)."""
     out = list(keys)
@@ -46,7 +47,8 @@ def _as_bytes(keys: Iterable) -> list[bytes]:
 
 class TieredManager(OffloadingManager):
     def __init__(self, chain: TierChain, metrics: TierMetrics | None = None,
-                 on_shutdown=None, max_loading_requests: int = MAX_LOADING_REQUESTS) -> None:
+                 on_shutdown: Callable[[], object] | None = None,
+                 max_loading_requests: int = MAX_LOADING_REQUESTS) -> None:
         self.chain = chain
         self.metrics = metrics
         self._on_shutdown = on_shutdown
@@ -70,7 +72,7 @@ class TieredManager(OffloadingManager):
         get = getattr(req_context, "get_offload_key_position", None)
         return get(key) if get is not None else None
 
-    def lookup(self, key, req_context: ReqContext) -> LookupResult:
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         gate = self.load_gate
         if gate.closed:  # the cap is reached: a request that would load waits a step
             deferred = gate.check(getattr(req_context, "req_id", ""), key,
@@ -99,22 +101,22 @@ class TieredManager(OffloadingManager):
         if rec.stores_in_flight <= 0:
             del self._requests[req_id]
 
-    def get_load_source(self, key, req_context: ReqContext):
+    def get_load_source(self, key: bytes, req_context: ReqContext) -> Any:
         return _SOURCE[self.chain.hit_source(key if type(key) is bytes else bytes(key))]
 
-    def prepare_load(self, keys: Collection, req_context: ReqContext) -> RowsSpec:
+    def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> RowsSpec:
         rows = self.chain.prepare_load(_as_bytes(keys))
         self.load_gate.started(getattr(req_context, "req_id", ""))
         return RowsSpec(rows)
 
-    def touch(self, keys: Collection, req_context: ReqContext) -> None:
+    def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         self.chain.touch(_as_bytes(keys))
 
-    def complete_load(self, keys: Collection, req_context: ReqContext) -> None:
+    def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         self.chain.complete_load(_as_bytes(keys))
         self.load_gate.ended(getattr(req_context, "req_id", ""))
 
-    def prepare_store(self, keys: Collection, req_context: ReqContext
+    def prepare_store(self, keys: Collection[bytes], req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
         out = self.chain.prepare_store(_as_bytes(keys))
         if out is None:
@@ -125,7 +127,7 @@ class TieredManager(OffloadingManager):
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=RowsSpec(rows),
                                   evicted_keys=evicted)
 
-    def complete_store(self, keys: Collection, req_context: ReqContext,
+    def complete_store(self, keys: Collection[bytes], req_context: ReqContext,
                        success: bool = True) -> None:
         self.chain.complete_store(_as_bytes(keys), success)
         rec = self._requests.get(getattr(req_context, "req_id", ""))
@@ -154,7 +156,7 @@ class TieredManager(OffloadingManager):
             medium = Medium.CPU if e.medium == "cpu" else Medium.STORAGE
             yield OffloadingEvent(keys=e.keys, medium=medium, removed=e.removed)
 
-    def on_schedule_end(self, context) -> None:
+    def on_schedule_end(self, context: object) -> None:
         self.load_gate.end_step()
         self.chain.on_schedule_end()
 
