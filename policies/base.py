@@ -145,6 +145,24 @@ class EvictionPolicy(ABC):
         else:
             self._pins[key] = count - 1
 
+    def pin_many(self, keys: Iterable[Key]) -> None:
+        """``pin`` each key (a load job's keys in one call: the scheduler pins per block)."""
+        pins, order = self._pins, self
+        for key in keys:
+            if key not in order:
+                raise KeyError(f"cannot pin {key!r}: not resident")
+            pins[key] = pins.get(key, 0) + 1
+
+    def unpin_many(self, keys: Iterable[Key]) -> None:
+        """``unpin`` each key."""
+        pins = self._pins
+        for key in keys:
+            count = pins.get(key, 0)
+            if count <= 1:
+                pins.pop(key, None)
+            else:
+                pins[key] = count - 1
+
     def is_pinned(self, key: Key) -> bool:
         return key in self._pins
 

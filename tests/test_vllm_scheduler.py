@@ -259,3 +259,106 @@ def test_offloaded_chunks_of_1_4_and_16_gpu_blocks(model, blocks_per_chunk):
     assert h.cached["a2"] == 16 * block
     assert h.cached["b"] == 0
     h.manager.shutdown()
+
+
+def _cpu_only(rows: int, cap: int | None) -> dict:
+    ex = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+          "block_size": 128, "cpu_bytes_to_use": rows * (256 << 10),
+          "tiers": [{"medium": "cpu", "policy": "lru"}]}
+    if cap is not None:
+        ex["max_loading_requests"] = cap
+    return ex
+
+
+def _hit_batch(model, cap: int | None, n: int = 6, delay: int = 2, abort: str = ""):
+    """n prompts stored, then the same n again (every chunk a CPU hit), stepped by hand: the
+    most requests seen loading at once, and the harness."""
+    h = Harness(model, _cpu_only(4 * n + 4, cap), gpu_tokens=2 * n * 512 + 1024, delay=delay,
+                max_num_seqs=2 * n)
+    prompts = [prompt(100 + i) for i in range(n)]
+    for i, p in enumerate(prompts):
+        h.add(f"fill{i}", p, max_tokens=1)
+    h.run()
+    h.reset_gpu_prefix_cache()  # the GPU forgets, the CPU tier keeps every chunk
+    for i, p in enumerate(prompts):
+        h.add(f"hit{i}", p, max_tokens=1)
+    gate, chain = h.manager.load_gate, h.manager.chain
+    most = 0
+    for _ in range(200):
+        if not h.scheduler.requests and not h._pending:
+            break
+        h.step()
+        chain.check()
+        most = max(most, gate.loading())
+        if abort and abort in h.scheduler.requests and gate.loading():
+            from vllm.v1.request import RequestStatus
+
+            loading = {r.request_id for r in h.scheduler.requests.values()
+                       if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
+            if abort in loading:  # a loading request is aborted: its slot frees
+                h.scheduler.finish_requests(abort, RequestStatus.FINISHED_ABORTED)
+                abort = ""
+    h.run()
+    return h, most
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_loads_in_flight_are_capped_and_every_request_is_served_its_hits(model, cap):
+    """max_loading_requests: vLLM's scheduler pays, for every asynchronous load it admits, a
+    pass over all requests still loading or prefilling (docs/benchmarks.md), so at most `cap`
+    requests load at once; the others wait (RETRY) and are admitted as loads complete. Every
+    request still gets its whole CPU-tier hit, each load is one job, nothing stays pinned."""
+    h, most = _hit_batch(model, cap)
+    chain = h.manager.chain
+    assert most == cap  # the cap was reached and held
+    assert chain.cpu.stats["loads_deferred"] > 0
+    assert h.loads == 6
+    assert all(h.cached[f"hit{i}"] >= 384 for i in range(6)), h.cached  # 3 of 4 chunks at least
+    assert chain.usage()["pinned"] == 0 and h.manager.load_gate.loading() == 0
+    h.manager.shutdown()
+
+
+def test_without_a_cap_every_hit_request_loads_at_once(model):
+    """The same batch with max_loading_requests 0: all six load together (what the cap bounds),
+    and no scan is deferred."""
+    h, most = _hit_batch(model, 0)
+    assert most == 6 and h.manager.chain.cpu.stats["loads_deferred"] == 0
+    assert all(h.cached[f"hit{i}"] >= 384 for i in range(6))
+    h.manager.shutdown()
+
+
+def test_an_aborted_load_frees_its_slot(model):
+    """cap 1, and the request loading first is aborted mid-load: the others are still admitted
+    and served their hits, and the aborted load's slot is released (by vLLM's completion of the
+    dropped job or by the request's finish, whichever comes first)."""
+    h, most = _hit_batch(model, 1, n=3, delay=4, abort="hit0")
+    assert most == 1 and "hit0" not in h.cached
+    assert all(h.cached[f"hit{i}"] >= 384 for i in (1, 2)), h.cached
+    assert h.manager.chain.usage()["pinned"] == 0 and h.manager.load_gate.loading() == 0
+    h.manager.shutdown()
+
+
+def test_a_connector_reset_frees_the_slots_of_dropped_loads(model):
+    """vLLM forgets its in-flight jobs on a connector reset (their completions never reach the
+    manager): the gate forgets them too (at the reset, at the latest when the request finishes),
+    or every later hit would wait forever. cap 1: a load is in flight when the connector is
+    reset; a prompt stored afterwards is then loaded."""
+    h = Harness(model, _cpu_only(16, 1), delay=6)
+    a, b = prompt(7), prompt(8)
+    h.add("a1", a, max_tokens=1)
+    h.run()
+    h.reset_gpu_prefix_cache()
+    h.add("a2", a, max_tokens=1)
+    for _ in range(2):
+        h.step()
+    assert h.manager.load_gate.loading() == 1
+    assert h.scheduler.reset_connector_cache()  # vLLM's connector reset, between two steps
+    h.run()
+    h.add("b1", b, max_tokens=1)
+    h.run()
+    h.reset_gpu_prefix_cache()
+    h.add("b2", b, max_tokens=1)
+    h.run()
+    assert h.cached["b2"] >= 384 and h.manager.load_gate.loading() == 0
+    assert h.manager.chain.usage()["pinned"] == 0
+    h.manager.shutdown()

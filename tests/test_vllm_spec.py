@@ -65,6 +65,8 @@ def good(tmp_path, **over) -> dict:
     (lambda e: e["tiers"][0].update(medium="file"), r"tiers\[0\].medium: tier 0 .* 'cpu'"),
     (lambda e: e["tiers"][1].update(speed=3), r"tiers\[1\]: unknown key.*'speed'"),
     (lambda e: e.update(gpu_copy="fast"), "gpu_copy: expected one of auto, dma, staged, direct"),
+    (lambda e: e.update(max_loading_requests=-1), "max_loading_requests: expected an integer"),
+    (lambda e: e.update(max_loading_requests="8"), "max_loading_requests: expected an integer"),
 ])
 def test_bad_config_is_one_clear_error_before_allocation(tmp_path, mutate, message):
     extra = good(tmp_path)

@@ -130,7 +130,8 @@ class TierChain:
     def find_cpu(self, key: bytes, count: bool = True, per_request: bool = False) -> Lookup:
         """Apply finished I/O, then ask the CPU tier (HIT, PENDING while a promotion of the key
         is in flight, or MISS)."""
-        self.poll()
+        if self._batches:  # reads in flight: a finished one may turn this lookup into a hit
+            self.poll()  # (otherwise the step's end polls: admin requests, store completions)
         return self.cpu.lookup(key, count, per_request=per_request)
 
     def find_file(self, key: bytes, count: bool = True, counted_above: int = 0
@@ -211,6 +212,8 @@ class TierChain:
         return True
 
     def hit_source(self, key: bytes) -> str:
+        if not self.file_tiers:  # nothing is promoted: every row came from the GPU
+            return "cpu"
         return "disk" if self.cpu.source_of(key) != "cpu" else "cpu"
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:

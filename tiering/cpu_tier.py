@@ -110,8 +110,8 @@ class CpuTier(RowTier):
                 row.fresh = False
                 if not per_request:  # the promoting caller's own hit: the file tier's
                     return Lookup.HIT
-            if count:
-                self.count_lookup(key, True)
+            if count:  # count_lookup(key, True) without its call (once per block)
+                self.stats.lookup(True, self.row_bytes)
             return Lookup.HIT
         if count:
             self.count_lookup(key, False)
@@ -288,19 +288,30 @@ class CpuTier(RowTier):
 
     # -- loads to the GPU ------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
-        rows = []
-        for k in keys:
-            self.pin(k)
-            rows.append(self.key_row[k].index)
+        """Pin the rows of a load job's keys (each READY: vLLM saw them hit); their indices.
+        One pass and one policy call per job, not per key (vLLM loads a request's hits in one
+        job; this runs on the scheduler thread for every loaded block)."""
+        key_row = self.key_row
+        rows = [key_row[k] for k in keys]
+        self.policy.pin_many(keys)
+        for row in rows:
+            row.pins += 1
         self.stats.add("promotions", len(rows))
         self.stats.add("promotion_bytes", len(rows) * self.row_bytes)
-        return rows
+        return [row.index for row in rows]
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
+        """Release the pins of ``prepare_load`` (a key dropped since, by a reset, lost them
+        with its row: skipped)."""
+        key_row = self.key_row
+        pinned = []
         for k in keys:
-            row = self.key_row.get(k)
-            if row is not None:
-                self.unpin_row(row.index)
+            row = key_row.get(k)
+            if row is not None:  # bound to k, so not DETACHED
+                assert row.pins > 0, f"unbalanced unpin of {row!r}"
+                row.pins -= 1
+                pinned.append(k)
+        self.policy.unpin_many(pinned)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self.policy.access_many([k for k in keys if k in self.key_row])

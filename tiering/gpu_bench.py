@@ -754,6 +754,9 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
                    help="cpu and ours: vLLM's sync_load_budget_bytes in MiB (loads of up to "
                         "that many bytes a step run before the step's forward pass, not "
                         "asynchronously; vLLM takes none for a prompt whose every token hits)")
+    g.add_argument("--sweep-max-loading", type=int, default=-1,
+                   help="ours: max_loading_requests (requests loading to the GPU at once; "
+                        "0: no cap; -1: the spec's default)")
     g.add_argument("--sweep-cpu-factor", type=float, default=1.5,
                    help="CPU tier size / KV of one batch")
     g.add_argument("--profile", default="",
@@ -784,7 +787,8 @@ def check_sweep_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None
 
 def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
                           gpu_block_tokens: int, gpu_copy: str = "auto",
-                          sync_load_bytes: int = 0) -> dict | None:
+                          sync_load_bytes: int = 0,
+                          max_loading_requests: int | None = None) -> dict | None:
     """The sweep's offloading setups: vLLM's CPUOffloadingSpec (``cpu``) or our spec with its
     CPU tier only (``ours``), offloading chunks of ``chunk_tokens`` (None or the GPU block
     size: vLLM's default of one GPU block per chunk)."""
@@ -800,6 +804,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
     elif config == "ours":
         extra.update(spec_name="TieredOffloadingSpec", spec_module_path="tiering.vllm",
                      gpu_copy=gpu_copy, tiers=[{"medium": "cpu", "policy": "lru"}])
+        if max_loading_requests is not None:
+            extra["max_loading_requests"] = max_loading_requests
     else:
         raise ValueError(f"prefill sweep: unknown config {config!r}")
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -949,7 +955,8 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     batch_bytes = n * tokens * kvb
     cpu_bytes = int(batch_bytes * a.sweep_cpu_factor)
     kvt = sweep_transfer_config(config, cpu_bytes, chunk, block_tokens, a.gpu_copy,
-                                int(a.sweep_sync_load_mib * 2**20))
+                                int(a.sweep_sync_load_mib * 2**20),
+                                None if a.sweep_max_loading < 0 else a.sweep_max_loading)
     plan = sweep_batches(n, a.sweep_hit_rates)
     if config == "none":  # no cache of any kind: a fresh batch, then the same prompts again
         plan = [("hit", 0.0, list(range(n))), ("hit", 100.0, list(range(n)))]

@@ -55,6 +55,19 @@ ADVISOR_CALIBRATION_BYTES = 64 << 20
 ADVISOR_CALIBRATION_MIN_ROWS = 4
 ADVISOR_CALIBRATION_MAX_ROWS = 64
 
+# -- vLLM adapter: loads to the GPU ---------------------------------------------------------------
+# The most requests with a load to the GPU in flight at once (default of the spec's
+# ``max_loading_requests``; 0: no cap). vLLM's scheduler sums the remaining blocks of every
+# request still prefilling or loading before it admits each asynchronous load, so N cache hits
+# admitted together cost N(N-1)/2 of those sums; a request past the cap waits a step instead
+# (tiering.vllm.load_gate), and each waiting request costs one short connector scan per step, so
+# the best cap grows about as sqrt(N). Chosen from docs/bench_load_path.py (docs/benchmarks.md,
+# "The CPU-tier load path, per block"): 64 is within 10% of the cheapest cap per loaded block at
+# 256, 1024 and 2048 hits at once (13.5 -> 12.8, 30.5 -> 17.5, 57.1 -> 24.1 CPU us a block
+# against no cap), and 64 requests of 512 tokens keep ~2000 blocks in flight (1-4 GiB at the
+# H200 shapes). Whether that keeps the GPU's copy engine busy is for the H200 sweep to confirm.
+MAX_LOADING_REQUESTS = 64
+
 # -- file tier ---------------------------------------------------------------------------------
 # LMDB map size: a fixed headroom plus a generous per-slot share (a record is 44 bytes plus the
 # key and B-tree overhead; copy-on-write needs room for a second copy of touched pages).

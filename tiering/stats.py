@@ -74,6 +74,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("demotions_deferred", "counter", "Write-through chunks whose write waited because the "
            "rows already being written to file tiers had reached the demotion budget (the disk "
            "was behind the stores); they are written oldest first as writes complete."),
+    Metric("loads_deferred", "counter", "CPU tier: request scans told to wait a step because "
+           "the most requests with a load to the GPU in flight were loading (vLLM's scheduler "
+           "pays per in-flight load for every admission; max_loading_requests)."),
     Metric("io_errors", "counter", "Failed reads and writes of this tier."),
     Metric("index_resets", "counter", "Times a file tier found its index damaged at open and "
            "rebuilt it from what it could verify (or set it aside and started empty)."),

@@ -10,10 +10,12 @@ CPU staging, DISK for chunks promoted from a file tier) so that vLLM's
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
 
 from tiering.chain import Lookup, TierChain
 from tiering.request_scan import RequestScan
+from tiering.settings import MAX_LOADING_REQUESTS
 from tiering.vllm.compat import (
     LookupResult,
     Medium,
@@ -24,6 +26,7 @@ from tiering.vllm.compat import (
     RequestOffloadingContext,
     hit_source,
 )
+from tiering.vllm.load_gate import LoadGate
 from tiering.vllm.metrics import TierMetrics
 from tiering.vllm.worker import RowsSpec
 
@@ -31,14 +34,26 @@ log = logging.getLogger(__name__)
 
 _LOOKUP = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS,
            Lookup.PENDING: LookupResult.HIT_PENDING, Lookup.RETRY: LookupResult.RETRY}
+_SOURCE = {"cpu": hit_source("cpu"), "disk": hit_source("disk")}
+_BYTES = frozenset({bytes})
+
+
+def _as_bytes(keys: Iterable[bytes]) -> list[bytes]:
+    """vLLM's keys as a list of bytes. Its ``OffloadKey`` already is ``bytes``: then the list
+    is used as it is (one type check over the list in C, not a ``bytes()`` call per key)."""
+    out = list(keys)
+    return out if set(map(type, out)) <= _BYTES else [bytes(k) for k in out]
 
 
 class TieredManager(OffloadingManager):
     def __init__(self, chain: TierChain, metrics: TierMetrics | None = None,
-                 on_shutdown=None) -> None:
+                 on_shutdown: Callable[[], object] | None = None,
+                 max_loading_requests: int = MAX_LOADING_REQUESTS) -> None:
         self.chain = chain
         self.metrics = metrics
         self._on_shutdown = on_shutdown
+        # requests with a load to the GPU in flight, at most max_loading_requests (0: no cap)
+        self.load_gate = LoadGate(max_loading_requests, chain.cpu.stats)
         self._scans: dict[str, RequestScan] = {}  # live requests' scans (tiering.request_scan)
 
     def live_requests(self) -> int:
@@ -57,32 +72,44 @@ class TieredManager(OffloadingManager):
         get = getattr(req_context, "get_offload_key_position", None)
         return get(key) if get is not None else None
 
-    def lookup(self, key, req_context: ReqContext) -> LookupResult:
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        gate = self.load_gate
+        if gate.closed:  # the cap is reached: a request that would load waits a step
+            deferred = gate.check(getattr(req_context, "req_id", ""), key,
+                                  self.chain.cpu.contains)
+            if deferred is not None:
+                return deferred
         advisor = self.chain.advisor
         first = None
         if advisor is not None:  # only the advisor times runs by position (a call per chunk)
             end = self._end_token(key, req_context)
             first = end - advisor.chunk_tokens if end is not None else None
-        return _LOOKUP[self._scan(req_context).lookup(bytes(key), first)]
+        return _LOOKUP[self._scan(req_context).lookup(key if type(key) is bytes else bytes(key),
+                                                     first)]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Drop the request's scan (vLLM has issued every prepare_store of the request by now;
-        its store completions need no scan)."""
-        self._scans.pop(getattr(req_context, "req_id", ""), None)
+        its store completions need no scan) and its place among the loading requests."""
+        req_id = getattr(req_context, "req_id", "")
+        self.load_gate.forget(req_id)
+        self._scans.pop(req_id, None)
 
-    def get_load_source(self, key, req_context: ReqContext):
-        return hit_source(self.chain.hit_source(bytes(key)))
+    def get_load_source(self, key: bytes, req_context: ReqContext) -> Any:
+        return _SOURCE[self.chain.hit_source(key if type(key) is bytes else bytes(key))]
 
-    def prepare_load(self, keys: Collection, req_context: ReqContext) -> RowsSpec:
-        return RowsSpec(self.chain.prepare_load([bytes(k) for k in keys]))
+    def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> RowsSpec:
+        rows = self.chain.prepare_load(_as_bytes(keys))
+        self.load_gate.started(getattr(req_context, "req_id", ""))
+        return RowsSpec(rows)
 
-    def touch(self, keys: Collection, req_context: ReqContext) -> None:
-        self.chain.touch([bytes(k) for k in keys])
+    def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
+        self.chain.touch(_as_bytes(keys))
 
-    def complete_load(self, keys: Collection, req_context: ReqContext) -> None:
-        self.chain.complete_load(bytes(k) for k in keys)
+    def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
+        self.chain.complete_load(_as_bytes(keys))
+        self.load_gate.ended(getattr(req_context, "req_id", ""))
 
-    def prepare_store(self, keys: Collection, req_context: ReqContext
+    def prepare_store(self, keys: Collection[bytes], req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
         if keys and self.chain.advisor is not None:
             # vLLM offers a step's chunks for storing when it schedules their compute: this
@@ -90,16 +117,16 @@ class TieredManager(OffloadingManager):
             ends = [self._end_token(k, req_context) for k in keys]
             if all(e is not None for e in ends):
                 self._scan(req_context).offered(ends)
-        out = self.chain.prepare_store([bytes(k) for k in keys])
+        out = self.chain.prepare_store(_as_bytes(keys))
         if out is None:
             return None
         to_store, rows, evicted = out
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=RowsSpec(rows),
                                   evicted_keys=evicted)
 
-    def complete_store(self, keys: Collection, req_context: ReqContext,
+    def complete_store(self, keys: Collection[bytes], req_context: ReqContext,
                        success: bool = True) -> None:
-        self.chain.complete_store([bytes(k) for k in keys], success)
+        self.chain.complete_store(_as_bytes(keys), success)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -109,7 +136,8 @@ class TieredManager(OffloadingManager):
             medium = Medium.CPU if e.medium == "cpu" else Medium.STORAGE
             yield OffloadingEvent(keys=e.keys, medium=medium, removed=e.removed)
 
-    def on_schedule_end(self, context) -> None:
+    def on_schedule_end(self, context: object) -> None:
+        self.load_gate.end_step()
         self.chain.on_schedule_end()
 
     def has_pending_work(self) -> bool:
@@ -118,6 +146,7 @@ class TieredManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self.chain.reset()
+        self.load_gate.reset()  # vLLM drops its in-flight jobs: their completions never come
 
     def get_stats(self):
         return self.metrics.collect(self.chain) if self.metrics is not None else None

@@ -110,7 +110,8 @@ class TieredOffloadingSpec(OffloadingSpec):
         chain = TierChain(cpu, tiers, events=self.kv_events_config.enable_kv_cache_events,
                           advisor=advisor)
         self._manager = TieredManager(chain, TierMetrics(),
-                                      on_shutdown=lambda: region.close(unlink=True))
+                                      on_shutdown=lambda: region.close(unlink=True),
+                                      max_loading_requests=self.cfg.max_loading_requests)
         log.info("vllm-tiering: CPU tier %d rows x %d bytes (%s, store_threshold %d), "
                  "%d file tier(s), %d mooncake tier(s)", self.num_rows, self.row_bytes,
                  self.cfg.cpu.policy, self.cfg.cpu.store_threshold, len(self.cfg.files),

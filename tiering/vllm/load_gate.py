@@ -1,0 +1,106 @@
+"""LoadGate: at most so many requests with a load to the GPU in flight at once.
+
+Why: before vLLM (0.32, 0.33) admits a request whose KV loads asynchronously, its scheduler sums
+the blocks still needed by every request that is prefilling or loading
+(``Scheduler._inflight_prefill_reserved_blocks``, one ``get_num_blocks_to_allocate`` walk per
+request). Loading requests are bounded only by the GPU KV cache, not by ``max_num_seqs``, so a
+burst of N cache hits admitted together costs N(N-1)/2 walks: at N=256 the largest single cost
+of the scheduler thread (docs/benchmarks.md, "The CPU-tier load path, per block"). The fix
+belongs upstream (keep that reservation as a running total); within the connector interface the
+spec can only keep the in-flight set small.
+
+How: the manager tracks the requests between ``prepare_load`` and ``complete_load`` (vLLM loads
+a request's hits in one job). While ``cap`` of them are in flight, a request that would start
+a load (its scan finds a chunk READY in the CPU tier) is told to wait: ``RETRY`` for the first
+chunk each KV group asks about and ``MISS`` for the rest of that step's scan, so vLLM's scan
+stops after one call per group and returns "ask again" (None); the scheduler keeps the request
+waiting, in its queue order, and asks again next step. Nothing is counted or pinned for a
+deferred scan. A request is never deferred forever: every in-flight load ends with
+``complete_load`` (vLLM reports every job, failed ones too), ``on_request_finished`` or a cache
+reset, and each step's first requests in the queue take the slots that freed.
+
+Contract: every method is called by the manager on vLLM's scheduler thread, never blocks and
+never raises into it. The gate only answers for a request; the manager counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tiering.stats import TierStats
+from tiering.vllm.compat import LookupResult
+
+# vLLM's offload key is the block hash followed by the KV group index in 4 bytes
+# (vllm.v1.kv_offload.base.make_offload_key).
+_GROUP_BYTES = 4
+
+
+class LoadGate:
+    def __init__(self, cap: int, stats: TierStats) -> None:
+        """``cap``: the most requests with a load in flight at once; 0: no cap. ``stats``: the
+        CPU tier's counters (``loads_deferred``)."""
+        if cap < 0:
+            raise ValueError(f"max_loading_requests: expected an integer >= 0, got {cap}")
+        self.cap = cap
+        self._stats = stats
+        self._loading: dict[str, int] = {}  # request -> its load jobs in flight
+        # requests told to wait in this step -> the KV groups already answered RETRY
+        self._deferred: dict[str, set[bytes]] = {}
+        # True while the cap is reached or a scan was deferred this step: the manager asks
+        # ``check`` only then (one attribute read per lookup otherwise)
+        self.closed = False
+
+    def loading(self) -> int:
+        """Requests with a load in flight."""
+        return len(self._loading)
+
+    def check(self, req_id: str, key: bytes,
+              resident: Callable[[bytes], bool]) -> LookupResult | None:
+        """The answer for ``key`` if the gate defers the request's scan, else None (look it up
+        as usual). ``resident(key)``: would the lookup hit the CPU tier now?"""
+        groups = self._deferred.get(req_id)
+        if groups is None:
+            if (not self.cap or len(self._loading) < self.cap or req_id in self._loading
+                    or not resident(key)):
+                return None
+            groups = self._deferred[req_id] = set()
+            self._stats.add("loads_deferred")
+        group = key[-_GROUP_BYTES:]
+        if group in groups:
+            return LookupResult.MISS  # ends this group's scan: the answer is already "retry"
+        groups.add(group)
+        return LookupResult.RETRY
+
+    def _update(self) -> None:
+        self.closed = bool(self._deferred) or bool(self.cap) and len(self._loading) >= self.cap
+
+    def started(self, req_id: str) -> None:
+        """vLLM asked to load the request's hits (``prepare_load``)."""
+        self._loading[req_id] = self._loading.get(req_id, 0) + 1
+        self._update()
+
+    def ended(self, req_id: str) -> None:
+        """One load job of the request completed (``complete_load``)."""
+        n = self._loading.get(req_id, 0)
+        if n <= 1:
+            self._loading.pop(req_id, None)
+        else:
+            self._loading[req_id] = n - 1
+        self._update()
+
+    def forget(self, req_id: str) -> None:
+        """The request finished: none of its loads holds a slot any more."""
+        self._loading.pop(req_id, None)
+        self._deferred.pop(req_id, None)
+        self._update()
+
+    def end_step(self) -> None:
+        """The scheduler's step ended: deferred requests are asked about afresh next step."""
+        self._deferred.clear()
+        self._update()
+
+    def reset(self) -> None:
+        """vLLM dropped its in-flight jobs (a cache reset): their completions never come."""
+        self._loading.clear()
+        self._deferred.clear()
+        self._update()
