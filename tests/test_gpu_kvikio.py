@@ -7,6 +7,9 @@ GPU only (marker ``gpu``; ``scripts/gpu_tests.sh``); skipped, never passed, else
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 from tierutil import facts, key, read, row_for
@@ -20,7 +23,7 @@ if not cuda_driver_present():
                 allow_module_level=True)
 pytest.importorskip("kvikio")
 
-LAYOUTS = {
+LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     # name: (row bytes, extra file-tier settings)
     "small-rows": (8192, {}),
     "2MiB-rows": (2 << 20, {}),
@@ -30,7 +33,7 @@ LAYOUTS = {
 }
 
 
-def tier(path, io, row_bytes, **cfg) -> FileTier:
+def tier(path: Path, io: str, row_bytes: int, **cfg: Any) -> FileTier:
     conf = {"path": str(path), "capacity": 32 * row_bytes, "policy": "lru", "io": io,
             "io_threads": 4, "slab_file_bytes": 8 * row_bytes, **cfg}
     return FileTier(conf, facts(row_bytes))
@@ -46,14 +49,14 @@ def kv_like(k: bytes, row_bytes: int) -> memoryview:
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_kvikio_round_trip_and_same_format_as_posix(tmp_path, layout):
+def test_kvikio_round_trip_and_same_format_as_posix(tmp_path: Path, layout: str) -> None:
     row_bytes, cfg = LAYOUTS[layout]
     keys = [key(f"{layout}-{i}") for i in range(12)]
     rows = {k: bytes(kv_like(k, row_bytes)) for k in keys}
     with tier(tmp_path / "a", "kvikio", row_bytes, **cfg) as t:
         assert t.engine.name == "kvikio"
-        accepted = t.put(keys, [memoryview(bytearray(rows[k])) for k in keys])
-        assert accepted == keys
+        put = t.put(keys, [memoryview(bytearray(rows[k])) for k in keys])
+        assert put.admitted == keys and not put.rejected and not put.evicted
         assert all(d.ok for d in t.wait_idle())
         for k in keys:
             got, _ = read(t, k)
@@ -64,7 +67,7 @@ def test_kvikio_round_trip_and_same_format_as_posix(tmp_path, layout):
             assert got == rows[k], f"{layout}: posix reads kvikio's rows differently"
     # and the other way: written by posix, read by kvikio
     with tier(tmp_path / "b", "posix", row_bytes, **cfg) as t:
-        t.put(keys, [memoryview(bytearray(rows[k])) for k in keys])
+        assert t.put(keys, [memoryview(bytearray(rows[k])) for k in keys]).admitted == keys
         assert all(d.ok for d in t.wait_idle())
     with tier(tmp_path / "b", "kvikio", row_bytes, **cfg) as t:
         for k in keys:
