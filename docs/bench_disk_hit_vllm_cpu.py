@@ -17,9 +17,9 @@ import random
 import shutil
 from pathlib import Path
 
-from tiering.demo import server_args, source_of, tiered_config
-from tiering.serving import Server, metric
-from tiering.tiny_model import build
+from benchmarks.demo import server_args, source_of, tiered_config
+from benchmarks.serving import Server, metric
+from benchmarks.tiny_model import build
 
 
 def decisions(samples: dict) -> dict[str, int]:

@@ -100,8 +100,8 @@ def measure(a: argparse.Namespace) -> dict[str, dict]:
 
     from vllm_harness import Harness
 
+    from benchmarks.tiny_model import build
     from tiering import profiling
-    from tiering.tiny_model import build
 
     model = str(build(tmp / "model", layers=2, hidden=128, heads=2, kv_heads=2,
                       intermediate=256, max_pos=4096))

@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 def main() -> None:
@@ -18,9 +19,13 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from tiering.tiny_model import build
+    if len(sys.argv) > 1:
+        model = sys.argv[1]
+    else:  # the demo's model builder lives in the repository's benchmarks/, beside examples/
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from benchmarks.tiny_model import build
 
-    model = sys.argv[1] if len(sys.argv) > 1 else str(build(tempfile.mkdtemp() + "/model"))
+        model = str(build(tempfile.mkdtemp() + "/model"))
     cache = sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp(prefix="kv-")
     llm = LLM(model=model, max_model_len=4096, enforce_eager=True, seed=0,
               prefix_caching_hash_algo="sha256",

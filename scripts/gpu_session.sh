@@ -159,7 +159,7 @@ PY
 for step in "${STEPS[@]}"; do
   # gpu-bench, given the budget left at the step's start minus the margin
   # (the 8B phases' filler prompts write ~9 GB just before the disk phase: ~9 s at 1 GB/s)
-  bench=(python3 -P -m tiering.gpu_bench --out "$OUT" --budget-s $(($(left) - MARGIN_S))
+  bench=(python3 -P -m benchmarks.gpu_bench --out "$OUT" --budget-s $(($(left) - MARGIN_S))
          --settle-max-s 60)
   case $step in
     tests)

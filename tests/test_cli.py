@@ -12,7 +12,7 @@ from tierutil import ROW, key, open_tier, store
 from tiering.backends.namespace import FORMAT_VERSION
 from tiering.cli import build_parser, main
 from tiering.config import parse
-from tiering.serving import metric, parse_metrics
+from tiering.prometheus_text import metric, parse_metrics
 
 
 @pytest.fixture

@@ -260,7 +260,7 @@ def test_gpu_bench_sweep_never_removes_a_scratch_folder_it_did_not_make(tmp_path
     the user's folder was gone)."""
     import argparse
 
-    from tiering import gpu_bench
+    from benchmarks import gpu_bench
 
     user = tmp_path / "work"
     (user / "src").mkdir(parents=True)
@@ -274,7 +274,7 @@ def test_gpu_bench_sweep_never_removes_a_scratch_folder_it_did_not_make(tmp_path
 
 
 def test_gpu_bench_scratch_marker_must_be_a_file_not_a_link(tmp_path):
-    from tiering import gpu_bench
+    from benchmarks import gpu_bench
 
     user = tmp_path / "work"
     user.mkdir()

@@ -1,5 +1,5 @@
 """The GPU benchmark's parts that run without a GPU: waiting for a process tree's writes to end
-(``tiering.write_quiesce``), the model shapes' arithmetic, the offloading configs it builds and
+(``benchmarks.write_quiesce``), the model shapes' arithmetic, the offloading configs it builds and
 the throughput table. The benchmark itself runs on a GPU (``scripts/gpu_session.sh``) and in a
 CPU smoke run (``--cpu-platform``, docs/gpu.md)."""
 
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from tiering import gpu_bench
-from tiering.write_quiesce import process_tree, wait_for_quiet_writes, written_bytes
+from benchmarks import gpu_bench
+from benchmarks.write_quiesce import process_tree, wait_for_quiet_writes, written_bytes
 
 # A writer that overwrites 4 MiB at the start of a file every 20 ms (about 200 MiB/s, far above
 # the 8 MiB per 0.5 s quiet threshold) for SECONDS seconds (forever if negative), then prints
@@ -264,7 +264,7 @@ def test_counters_the_kernel_refuses_are_reported_not_taken_for_quiet(monkeypatc
     is named, and the wait says how many there were."""
     import builtins
 
-    from tiering import write_quiesce
+    from benchmarks import write_quiesce
 
     proc = start_writer(tmp_path, -1)
     try:

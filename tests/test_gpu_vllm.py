@@ -1,7 +1,7 @@
 """Our spec inside real (CUDA) vLLM on a GPU, with transfers running next to forward passes.
 
 A Llama-shaped model with random-normal weights (drawn on the GPU from fixed seeds in every
-engine, ``tiering.gpu_bench``), greedy decoding with the sampled tokens' logprobs, prompts given
+engine, ``benchmarks.gpu_bench``), greedy decoding with the sampled tokens' logprobs, prompts given
 as token ids.
 
 What is compared, bitwise (tokens and logprobs): single requests run one at a time, so that the
@@ -49,7 +49,7 @@ if not _gpu_listed():
 pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from tiering.gpu_bench import Engine, transfer_config, write_model  # noqa: E402
+from benchmarks.gpu_bench import Engine, transfer_config, write_model  # noqa: E402
 
 MAX_TOKENS = 12
 OPTS = SimpleNamespace(dtype="bfloat16", cpu_platform=False, gpu_mem=0.3)

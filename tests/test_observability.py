@@ -18,10 +18,10 @@ import pytest
 pytest.importorskip("vllm")
 import yaml  # noqa: E402  (comes with vLLM)
 
+from benchmarks.demo import server_args, tiered_config  # noqa: E402
+from benchmarks.serving import Server, free_port, metric, parse_metrics  # noqa: E402
+from benchmarks.tiny_model import build  # noqa: E402
 from tiering.cli import main as cli  # noqa: E402
-from tiering.demo import server_args, tiered_config  # noqa: E402
-from tiering.serving import Server, free_port, metric, parse_metrics  # noqa: E402
-from tiering.tiny_model import build  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent

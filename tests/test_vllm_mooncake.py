@@ -22,9 +22,9 @@ pytest.importorskip("mooncake.store")
 
 from mooncake_util import MooncakeMaster  # noqa: E402
 
-from tiering.demo import server_args  # noqa: E402
-from tiering.serving import Server, metric  # noqa: E402
-from tiering.tiny_model import build  # noqa: E402
+from benchmarks.demo import server_args  # noqa: E402
+from benchmarks.serving import Server, metric  # noqa: E402
+from benchmarks.tiny_model import build  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TOKENS = 1024  # 8 chunks of 128 tokens

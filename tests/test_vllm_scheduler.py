@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 
 from vllm_harness import Harness  # noqa: E402
 
-from tiering.tiny_model import build  # noqa: E402
+from benchmarks.tiny_model import build  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from benchmarks.demo import server_args, tiered_config  # noqa: E402
+from benchmarks.serving import Server, metric, parse_metrics  # noqa: E402
+from benchmarks.tiny_model import build  # noqa: E402
 from tiering.backends.reader import find_namespaces  # noqa: E402
-from tiering.demo import server_args, tiered_config  # noqa: E402
 from tiering.exporter import render  # noqa: E402
-from tiering.serving import Server, metric, parse_metrics  # noqa: E402
 from tiering.stats import COUNTER_KEYS, split_key  # noqa: E402
-from tiering.tiny_model import build  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TOKENS = 1024  # 8 chunks of 128 tokens, one 2 MiB row each (4 layers, fp32)

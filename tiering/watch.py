@@ -7,7 +7,7 @@ import time
 import urllib.request
 from typing import Any, TextIO
 
-from tiering.serving import metric, parse_metrics
+from tiering.prometheus_text import metric, parse_metrics
 
 
 def _snapshot(url: str) -> dict:

@@ -1,4 +1,4 @@
-"""vLLM integration (the only package that imports vLLM).
+"""vLLM integration (the only part of the ``tiering`` package that imports vLLM).
 
 * ``TieredOffloadingSpec`` — ``"spec_name": "TieredOffloadingSpec", "spec_module_path":
   "tiering.vllm"`` in ``kv_connector_extra_config``.

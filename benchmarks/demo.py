@@ -15,8 +15,8 @@ import random
 import tempfile
 from pathlib import Path
 
-from tiering.serving import Server, metric
-from tiering.tiny_model import build
+from benchmarks.serving import Server, metric
+from benchmarks.tiny_model import build
 
 PHASES = [("A cold", "A"), ("A again", "A"), ("B (pushes A)", "B"), ("C (pushes A)", "C"),
           ("A after B, C", "A"), ("restart", None), ("A after restart", "A")]

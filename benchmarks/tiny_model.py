@@ -5,7 +5,7 @@ are gibberish but deterministic: greedy outputs with and without offloading must
 which is what the tests compare. The default size makes recomputing a 2k-token prefix on two
 CPU cores cost a few seconds while loading its KV from disk costs tens of milliseconds.
 
-    python -m tiering.tiny_model OUT_DIR [--layers 8 --hidden 512 ...]
+    python -m benchmarks.tiny_model OUT_DIR [--layers 8 --hidden 512 ...]
 """
 
 from __future__ import annotations

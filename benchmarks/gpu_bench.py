@@ -17,7 +17,7 @@ the working set, so the disk matters, and larger, so it all fits in CPU memory).
 
 Before the disk, restart and throughput measurements the benchmark waits until the tiers'
 writes are done: until its engine processes' written bytes (``/proc/<pid>/io``) stop growing
-and an ``os.sync()`` returned (``tiering.write_quiesce``; at most ``--settle-max-s``). The
+and an ``os.sync()`` returned (``benchmarks.write_quiesce``; at most ``--settle-max-s``). The
 time waited is in the timings.
 
 Every phase's greedy token ids and sampled-token logprobs are compared with the cold run of the
@@ -30,7 +30,7 @@ weights in every process without writing a checkpoint, and outputs that vary (vL
 weights repeat one token). Each engine runs in its own engine-core process (vLLM's default);
 the engine-core process holds our spec's state, so a new ``LLM`` is an engine restart.
 
-    python -m tiering.gpu_bench [--lengths 2048,8192,32768] [--configs none,ours] ...
+    python -m benchmarks.gpu_bench [--lengths 2048,8192,32768] [--configs none,ours] ...
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ class Engine:
         self.init_s = time.perf_counter() - t
         # by reference to this module (run as __main__, the function would not pickle to the
         # engine's worker processes)
-        from tiering.gpu_bench import randomize_weights as by_reference
+        from benchmarks.gpu_bench import randomize_weights as by_reference
 
         t = time.perf_counter()
         self.llm.apply_model(by_reference)
@@ -348,7 +348,7 @@ class Engine:
         ``sync``, also until an ``os.sync()`` returned and the writes stayed quiet after it
         (a file tier's group commit sits in ``fdatasync`` without writing). Returns what the
         wait saw (seconds, bytes written meanwhile, whether it settled before the bound)."""
-        from tiering.write_quiesce import wait_for_quiet_writes
+        from benchmarks.write_quiesce import wait_for_quiet_writes
 
         # a wait between phases gets at most 30 s: a writer that never stops (none is known)
         # costs minutes only at the few synced waits
