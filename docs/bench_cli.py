@@ -19,7 +19,7 @@ from pathlib import Path
 from tiering.backends.file_tier import FileTier
 from tiering.backends.index import Index, pack_record
 from tiering.backends.namespace import NamespaceFacts
-from tiering.bench import _key
+from tiering.bench_common import bench_key
 from tiering.cli import main as cli
 
 
@@ -30,7 +30,7 @@ def build(folder: Path, n: int) -> None:
     idx = Index(folder / facts.namespace_id, map_size=(64 << 20) + n * 2048)
     now = time.time()
     for s in range(0, n, 50_000):
-        idx.publish([(_key(i), pack_record(i, 4096, 0, 0, now, now - i, i % 5))
+        idx.publish([(bench_key(i), pack_record(i, 4096, 0, 0, now, now - i, i % 5))
                      for i in range(s, min(n, s + 50_000))], [],
                     stat_delta={"writes": min(50_000, n - s)})
     idx.close()

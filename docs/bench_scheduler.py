@@ -30,7 +30,7 @@ def main() -> None:
     from tiering.backends.file_tier import FileTier
     from tiering.backends.namespace import NamespaceFacts
     from tiering.backends.staging import StagingRegion
-    from tiering.bench import _key
+    from tiering.bench_common import bench_key
     from tiering.chain import TierChain
     from tiering.cpu_tier import CpuTier
 
@@ -45,7 +45,7 @@ def main() -> None:
                         facts)
         chain = TierChain(CpuTier(StagingRegion(f"bench-{policy}", n, 4096), policy, 0),
                           file_tiers=[disk])
-        keys = [_key(i) for i in range(n)]
+        keys = [bench_key(i) for i in range(n)]
         for s in range(0, n, 16):
             out = chain.prepare_store(keys[s:s + 16])
             chain.complete_store(out[0])
@@ -59,7 +59,7 @@ def main() -> None:
             for j, k in enumerate(keys[s:s + 16]):
                 req.lookup(k, first_token=16 * j)
         per_request = (time.perf_counter() - t0) / n * 1e6
-        missing = [_key(n + i) for i in range(n)]
+        missing = [bench_key(n + i) for i in range(n)]
         t0 = time.perf_counter()
         for k in missing[: n // 4]:
             chain.lookup(k)

@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from tiering.bench import Pool, bench, drop_caches
+from tiering.bench import Pool, bench
+from tiering.bench_common import drop_caches
 from tiering.cli import main
 
 KIB = 1024

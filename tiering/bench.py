@@ -31,7 +31,6 @@ CPU cost is the process's user+system seconds over bytes moved, both directions 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import resource
@@ -48,33 +47,7 @@ import numpy as np
 from tiering import cli_args
 from tiering.backends.io_engines import aligned_buffer
 from tiering.backends.namespace import make_dirs
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def drop_caches(folder: Path | None = None) -> str:
-    """Make the next reads cold: 'drop_caches', else 'fadvise' (files under ``folder``)."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    for dirpath, _, files in os.walk(folder or "."):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return "fadvise"
+from tiering.bench_common import bench_key, cpu_seconds, drop_caches
 
 
 class Pool:
@@ -97,10 +70,6 @@ class Pool:
                    for a in range(0, len(rows), self.n))
 
 
-def _key(i: int) -> bytes:
-    return hashlib.sha256(i.to_bytes(8, "little")).digest() + b"\0\0\0\0"
-
-
 def run_tier(folder: Path, pool: Pool, n_rows: int, threads: int, io: str) -> dict[str, Any]:
     from tiering.backends.file_tier import FileTier
     from tiering.backends.namespace import NamespaceFacts
@@ -110,14 +79,14 @@ def run_tier(folder: Path, pool: Pool, n_rows: int, threads: int, io: str) -> di
     cfg = {"path": str(folder), "capacity": n_rows * rb, "policy": "lru", "io": io,
            "io_threads": threads, "slab_file_bytes": "4GiB"}
     tier = FileTier(cfg, facts)
-    keys = [_key(i) for i in range(n_rows)]
-    cpu0, t0 = _cpu(), time.perf_counter()
+    keys = [bench_key(i) for i in range(n_rows)]
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
     step = max(8, threads * 2)
     for s in range(0, n_rows, step):
         tier.put(keys[s:s + step], [pool.row(i) for i in range(s, min(n_rows, s + step))])
         tier.poll()
     done = tier.wait_idle(timeout=3600)
-    write_s, write_cpu = time.perf_counter() - t0, _cpu() - cpu0
+    write_s, write_cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     assert all(d.ok for d in done) and len(tier) == n_rows, "tier bench: writes failed"
     engine = tier.engine.describe()
     tier.close()
@@ -128,7 +97,7 @@ def run_tier(folder: Path, pool: Pool, n_rows: int, threads: int, io: str) -> di
     out[:] = 0xA5
     window = max(threads * 2, min(n_rows, (64 << 20) // rb))  # a long prompt's promotion
     failed, inflight, nxt = 0, 0, 0
-    cpu0, t0 = _cpu(), time.perf_counter()
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
     while nxt < n_rows or inflight:
         while inflight < window and nxt < n_rows:  # a scheduler step: requests of 16 chunks
             hi = min(n_rows, nxt + 16, nxt + window - inflight)
@@ -139,7 +108,7 @@ def run_tier(folder: Path, pool: Pool, n_rows: int, threads: int, io: str) -> di
         for r in tier.poll(wait=0.05 if inflight >= window or nxt >= n_rows else 0.0):
             inflight -= 1
             failed += not r.ok
-    read_s, read_cpu = time.perf_counter() - t0, _cpu() - cpu0
+    read_s, read_cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     tier.close()
     total = n_rows * rb
     return {"write_GBps": total / write_s / 1e9, "read_GBps": total / read_s / 1e9,
@@ -166,7 +135,7 @@ def run_python_io(folder: Path, pool: Pool, n_rows: int, threads: int,
     except (OSError, AttributeError):
         fd, direct = os.open(path, os.O_RDWR | os.O_CREAT, 0o600), False
     sums = [0] * n_rows
-    keys = [_key(i) for i in range(n_rows)] if checksum else []
+    keys = [bench_key(i) for i in range(n_rows)] if checksum else []
     out_buf = aligned_buffer(n_rows * rb)
     out = np.frombuffer(out_buf, np.uint8).reshape(n_rows, rb)
     out[:] = 0xA5
@@ -197,7 +166,7 @@ def run_python_io(folder: Path, pool: Pool, n_rows: int, threads: int,
 
     def timed(fn) -> tuple[float, float]:
         workers = [threading.Thread(target=guarded, args=(fn, k)) for k in range(threads)]
-        cpu0, t0 = _cpu(), time.perf_counter()
+        cpu0, t0 = cpu_seconds(), time.perf_counter()
         for w in workers:
             w.start()
         for w in workers:
@@ -206,7 +175,7 @@ def run_python_io(folder: Path, pool: Pool, n_rows: int, threads: int,
             raise errors[0]
         if fn is write:
             os.fdatasync(fd)
-        return time.perf_counter() - t0, _cpu() - cpu0
+        return time.perf_counter() - t0, cpu_seconds() - cpu0
 
     try:
         os.posix_fallocate(fd, 0, n_rows * rb)  # preallocated, as the tier's slab files are
@@ -300,7 +269,7 @@ def run_index(folder: Path, entries: int) -> dict[str, Any]:
     idx = Index(folder / facts.namespace_id, map_size=(64 << 20) + entries * 2048)
     now = time.time()
     for s in range(0, entries, 100_000):
-        recs = [(_key(i), pack_record(i, 4096, 0, 0, now, now - i, i % 3))
+        recs = [(bench_key(i), pack_record(i, 4096, 0, 0, now, now - i, i % 3))
                 for i in range(s, min(entries, s + 100_000))]
         idx.publish(recs, [])
     idx.close()
@@ -311,7 +280,7 @@ def run_index(folder: Path, entries: int) -> dict[str, Any]:
         cProfile.runctx("FileTier(cfg, facts).close()", globals(), locals(), sort="cumtime")
     tier = FileTier(cfg, facts)
     reopen = time.perf_counter() - t0
-    keys = [_key(i) for i in range(0, entries, max(1, entries // 200_000))]
+    keys = [bench_key(i) for i in range(0, entries, max(1, entries // 200_000))]
     t0 = time.perf_counter()
     hits = sum(tier.lookup(k) is Lookup.HIT for k in keys)
     rate = len(keys) / (time.perf_counter() - t0)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from tiering.backends.io_engines import aligned_buffer
-from tiering.bench import _cpu, _key, drop_caches
+from tiering.bench_common import bench_key, cpu_seconds, drop_caches
 
 
 def _spec(row_bytes: int, engine: str) -> Any:
@@ -113,19 +113,19 @@ def run_interface(kind: str, folder: Path, source: np.ndarray, n_rows: int, thre
     for a in range(0, n_rows, n_src):
         primary[a:a + n_src] = source[:n_rows - a]
     tier = make_tier(kind, folder, primary, threads, n_rows * rb, io, options)
-    keys = [_key(i) for i in range(n_rows)]
+    keys = [bench_key(i) for i in range(n_rows)]
     jobs = [(keys[a:a + job_rows], np.arange(a, min(n_rows, a + job_rows), dtype=np.int64))
             for a in range(0, n_rows, job_rows)]
     try:
-        cpu0, t0 = _cpu(), time.perf_counter()
+        cpu0, t0 = cpu_seconds(), time.perf_counter()
         failed_w = _drive(tier, jobs, False, jobs_in_flight)
         tier.drain_jobs()
-        write_s, write_cpu = time.perf_counter() - t0, _cpu() - cpu0
+        write_s, write_cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
         primary[:] = 0xA5  # a load must overwrite every row
         cold = drop_caches(folder)
-        cpu0, t0 = _cpu(), time.perf_counter()
+        cpu0, t0 = cpu_seconds(), time.perf_counter()
         failed_r = _drive(tier, jobs, True, jobs_in_flight)
-        read_s, read_cpu = time.perf_counter() - t0, _cpu() - cpu0
+        read_s, read_cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     finally:
         tier.shutdown()
     bad = sum(int((primary[a:a + n_src] != source[:n_rows - a]).any(axis=1).sum())
