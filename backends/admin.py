@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tiering.backends.admin_ops import apply, check_op
 from tiering.backends.file_state import lock_holder, writer_alive
 from tiering.backends.namespace import (
     OtherFormatVersion,
@@ -58,60 +59,6 @@ def parse_duration(text: str) -> float:
         raise ValueError(f"--older-than: expected a duration like 90s, 30m, 12h or 7d (at most "
                          f"100 years), got {text!r:.40}")
     return seconds
-
-
-def check_op(op: dict[str, Any]) -> dict[str, Any]:
-    if not isinstance(op, dict):
-        raise ValueError(f"admin request: expected a JSON object, got {op!r:.80}")
-    kind = op.get("op")
-    out: dict[str, Any] | None = None
-    try:
-        if kind == "clear":
-            out = {"op": "clear"}
-        elif kind == "evict" and "bytes" in op and int(op["bytes"]) > 0:
-            out = {"op": "evict", "bytes": int(op["bytes"])}
-        elif kind == "evict" and "older_than" in op and 0 <= float(op["older_than"]) < 1e12:
-            out = {"op": "evict", "older_than": float(op["older_than"])}
-        if out is not None and "expires" in op:
-            out["expires"] = float(op["expires"])
-    except (TypeError, ValueError, OverflowError):
-        out = None
-    if out is None:
-        raise ValueError(f"admin request: expected evict (bytes or older_than) or clear, "
-                         f"got {op!r:.200}")
-    return out
-
-
-def apply(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
-    """Apply an operation on the owner thread of a FileTier; returns what was removed."""
-    op = check_op(op)
-    if op["op"] == "clear":
-        removed = tier.clear()
-    elif "bytes" in op:
-        n = -(-op["bytes"] // tier.row_bytes)
-        removed = len(tier.evict(n))
-    else:
-        removed = tier.clear(last_access_before=time.time() - op["older_than"])
-    return {"removed_entries": removed, "removed_bytes": removed * tier.row_bytes,
-            "entries": len(tier)}
-
-
-def apply_request(tier: Any, op: dict[str, Any]) -> dict[str, Any]:
-    """A tool's request, applied by the writer's owner thread; errors become the reply.
-
-    A request carries the time its tool stops waiting (``expires``): later it is answered
-    with an error and not applied, so a tool that reported failure changed nothing.
-    """
-    try:
-        expires = check_op(op).get("expires")
-        if expires is not None and time.time() > expires:
-            reply = {"error": "request expired before the writer reached it; nothing removed"}
-        else:
-            reply = apply(tier, op)
-    except ValueError as exc:
-        reply = {"error": str(exc)}
-    log.info("file tier %s: admin request %s -> %s", tier.folder, op, reply)
-    return reply
 
 
 def submit_request(folder: Path, op: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:

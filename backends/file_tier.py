@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tiering.backends.admin_ops import apply_request
 from tiering.backends.codec import ZstdCodec
 from tiering.backends.file_config import FileTierConfig, check_types, validate
 from tiering.backends.file_io import (
@@ -407,9 +408,7 @@ class FileTier(StoreTier):
         return r
 
     def _admin(self, r: AdminRequest) -> None:
-        from tiering.backends import admin
-
-        reply = admin.apply_request(self, r.op)
+        reply = apply_request(self, r.op)
         self._submit(Job(reply=(r.reply_path, reply)))  # replied once the deletions commit
 
     def drop(self, keys: Sequence[bytes]) -> int:
