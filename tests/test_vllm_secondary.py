@@ -1,4 +1,4 @@
-"""tiering.vllm.FileTier, the SecondaryTierManager, on its own and under vLLM's tiering manager:
+"""tiering.vllm.FileSecondaryTier, the SecondaryTierManager, on its own and under vLLM's tiering manager:
 locality, KV events (stored, evicted, dropped; none while vLLM's KV events are off), empty jobs."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 
-from tiering.vllm import FileTier  # noqa: E402
+from tiering.vllm import FileSecondaryTier  # noqa: E402
 
 ROWS = 8
 
@@ -48,10 +48,10 @@ def primary():
     del rows
 
 
-def make_tier(tmp_path, primary, events=True, **cfg) -> FileTier:
+def make_tier(tmp_path, primary, events=True, **cfg) -> FileSecondaryTier:
     tier_cfg = {"path": str(tmp_path / "kv"), "capacity": 4 * BLOCK, "io": "posix", "policy": "lru",
                 **cfg}
-    return FileTier(spec_stub(events), memoryview(primary), "FileTier", **tier_cfg)
+    return FileSecondaryTier(spec_stub(events), memoryview(primary), "FileTier", **tier_cfg)
 
 
 def job(job_id: int, keys: list[bytes], chunk_ids: list[int], promotion=False) -> TransferJob:
@@ -59,12 +59,12 @@ def job(job_id: int, keys: list[bytes], chunk_ids: list[int], promotion=False) -
                        is_promotion=promotion, req_context=ReqContext(req_id="r"))
 
 
-def finish(tier: FileTier) -> list:
+def finish(tier: FileSecondaryTier) -> list:
     tier.drain_jobs()
     return list(tier.get_finished_jobs())
 
 
-def store(tier: FileTier, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> None:
+def store(tier: FileSecondaryTier, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> None:
     tier.submit_store(job(job_id, keys, chunk_ids))
     assert [r.success for r in finish(tier)] == [True]
 
@@ -218,7 +218,7 @@ def test_example_secondary_tier_config_is_accepted(tmp_path, primary):
     tier = SecondaryTierFactory.create_secondary_tier(tier_cfg, memoryview(primary),
                                                       spec_stub(events=True))
     try:
-        assert isinstance(tier, FileTier) and tier.locality is Locality.LOCAL
+        assert isinstance(tier, FileSecondaryTier) and tier.locality is Locality.LOCAL
         ctx = ReqContext(req_id="x")
         store(tier, 1, KEYS[:2], [0, 1])  # first offer: store_threshold 2 holds it back
         assert tier.lookup(KEYS[1], ctx) == LookupResult.MISS

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Contract: tiering.vllm.FileTier as the secondary tiers of vLLM's own
+"""Contract: tiering.vllm.FileSecondaryTier as the secondary tiers of vLLM's own
 TieringOffloadingManager (cascade, promotion, partial promotion failure, eviction, reset,
 tier filters).
 
@@ -49,7 +49,7 @@ from vllm.v1.kv_offload.tiering.manager import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiering.vllm import FileTier
+from tiering.vllm import FileSecondaryTier
 
 _CTX = ReqContext(req_id="test")
 ROW_BYTES = 4096  # ADAPTED: one page per row (vLLM's mock uses 16-byte rows; ours are aligned)
@@ -105,7 +105,7 @@ def histogram_count_key(metric_name: str, labelvalues: tuple[str, ...]) -> str:
     return f"{metric_name}:{labelvalues}_count"
 
 
-def corrupt(tier: FileTier, key: OffloadKey) -> None:
+def corrupt(tier: FileSecondaryTier, key: OffloadKey) -> None:
     """Damage one stored row in our slab files (its checksum then fails on read)."""
     store = tier.tier
     index, offset = divmod(store.entry(key).slot, store.slabs.slots_per_file)
@@ -129,8 +129,8 @@ class TestTieringOffloadingManager:
         mock_view = mock_region.create_kv_memoryview()
 
         # ADAPTED: two of our file tiers (own folders) instead of two example tiers
-        def file_tier(name: str) -> FileTier:
-            return FileTier(offloading_spec=_spec(), primary_kv_view=mock_view,
+        def file_tier(name: str) -> FileSecondaryTier:
+            return FileSecondaryTier(offloading_spec=_spec(), primary_kv_view=mock_view,
                             tier_type="FileTier", path=str(tmp_path / name),
                             capacity=16 * ROW_BYTES, io="posix", io_threads=2,
                             slab_file_bytes=4 * ROW_BYTES)
@@ -166,7 +166,7 @@ class TestTieringOffloadingManager:
         if req_context.req_id not in self.manager._req_state:
             self.manager.on_new_request(req_context)
 
-    def _put_in_secondary(self, tier: FileTier, chunks: list[OffloadKey]):
+    def _put_in_secondary(self, tier: FileSecondaryTier, chunks: list[OffloadKey]):
         """ADAPTED: vLLM writes `tier.chunks[key] = True` into its in-memory example tier;
         ours gets the chunks by a real store from primary rows holding known bytes."""
         import numpy as np
@@ -278,7 +278,7 @@ class TestTieringOffloadingManager:
     )
     def test_promotion_from_secondary(self, manager_setup, monkeypatch, source):
         """Test promotion of chunks from secondary to primary tier."""
-        monkeypatch.setattr(FileTier, "cache_hit_source", source)
+        monkeypatch.setattr(FileSecondaryTier, "cache_hit_source", source)
         chunks = to_keys(range(3))
 
         # Manually add chunks to secondary tier (simulate previous cascade)

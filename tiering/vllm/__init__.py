@@ -2,8 +2,11 @@
 
 * ``TieredOffloadingSpec`` — ``"spec_name": "TieredOffloadingSpec", "spec_module_path":
   "tiering.vllm"`` in ``kv_connector_extra_config``.
-* ``FileTier`` — our file tier under vLLM's ``TieringOffloadingSpec``: ``"secondary_tiers":
-  [{"type": "FileTier", "module_path": "tiering.vllm", "path": …, "capacity": …}]``.
+* ``FileSecondaryTier`` — our file tier under vLLM's ``TieringOffloadingSpec``, named
+  ``FileTier`` in configs (vLLM's factory looks the ``type`` up in this module):
+  ``"secondary_tiers": [{"type": "FileTier", "module_path": "tiering.vllm", "path": …,
+  "capacity": …}]``. Not to be confused with ``tiering.backends.file_tier.FileTier``, the file
+  tier itself, which it wraps.
 * ``MooncakeTier`` — our Mooncake Store tier (shared by several engines) under vLLM's
   ``TieringOffloadingSpec``: ``{"type": "MooncakeTier", "module_path": "tiering.vllm",
   "master": …, "metadata": …}``.
@@ -12,8 +15,11 @@
 """
 
 from tiering.vllm.cache_policy import S3FIFOPolicy, TieringARCPolicy, TieringLRUPolicy
-from tiering.vllm.secondary import FileTier, MooncakeTier
+from tiering.vllm.secondary import FileSecondaryTier, MooncakeTier
 from tiering.vllm.spec import TieredOffloadingSpec
 
-__all__ = ["FileTier", "MooncakeTier", "S3FIFOPolicy", "TieredOffloadingSpec", "TieringARCPolicy",
-           "TieringLRUPolicy"]
+# the name configs give vLLM's factory (``"type": "FileTier"``); kept for every existing config
+FileTier = FileSecondaryTier
+
+__all__ = ["FileSecondaryTier", "FileTier", "MooncakeTier", "S3FIFOPolicy", "TieredOffloadingSpec",
+           "TieringARCPolicy", "TieringLRUPolicy"]

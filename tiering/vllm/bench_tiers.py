@@ -7,7 +7,7 @@ outstanding, and ``get_finished_jobs`` polled from one thread (the scheduler's) 
 millisecond, as a scheduler step would. Used by ``tiering bench`` (parts ``vllm_tier`` and
 ``vllm_fs``).
 
-* ``vllm_tier`` — our ``tiering.vllm.FileTier`` (``io_threads`` = threads).
+* ``vllm_tier`` — our ``tiering.vllm.FileSecondaryTier`` (config type ``FileTier``) (``io_threads`` = threads).
 * ``vllm_fs``   — vLLM's ``fs`` tier (``FileSystemTierManager``): one file per chunk, its C
   extension when built, a job runs on one pool thread; ``n_read_threads`` +
   ``n_write_threads`` = threads (every pool thread serves both queues, so either phase runs on

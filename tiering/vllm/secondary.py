@@ -60,7 +60,11 @@ class _Job:
         return sorted(self.ok, key=self.order.__getitem__)
 
 
-class FileTier(SecondaryTierManager):
+class FileSecondaryTier(SecondaryTierManager):
+    """Our file tier (``tiering.backends.file_tier.FileTier``) as vLLM's
+    ``SecondaryTierManager``; configs name it ``"type": "FileTier"`` (an alias in
+    ``tiering.vllm``)."""
+
     medium = Medium.STORAGE
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
@@ -219,7 +223,7 @@ def _parse_locality(value: Any, where: str) -> Locality | None:
                          f"got {value!r}") from None
 
 
-class MooncakeTier(FileTier):
+class MooncakeTier(FileSecondaryTier):
     """Our Mooncake Store tier under vLLM's ``TieringOffloadingSpec``::
 
         "secondary_tiers": [{"type": "MooncakeTier", "module_path": "tiering.vllm",
