@@ -1,10 +1,11 @@
-"""The one registry of tier metrics: every counter and gauge is defined here, once.
+"""The one registry of tier metrics: every counter, gauge and histogram is defined here, once.
 
 A tier (``tiering.tier.Tier``) owns a :class:`TierStats` and counts into it; everything else
-reads it: the chain (rejections it decides), the vLLM metrics (``tiering.vllm.metrics``, as
-deltas per step), the Prometheus exporter of offline caches (``tiering.exporter``), ``tiering
-stats``, and the file tier's persisted counters (LMDB ``stats`` database, written under the same
-flat names). Adding a counter is one line in :data:`METRICS`.
+reads it: the chain (rejections it decides), the vLLM metrics (``tiering.vllm.metrics``:
+counters as deltas per step, gauges as snapshots), the Prometheus exporter of offline caches
+(``tiering.exporter``), ``tiering stats``, and the file tier's persisted counters (LMDB
+``stats`` database, written under the same flat names). The fill-level gauges are computed in
+one place too (:func:`fill_gauges`). Adding a counter is one line in :data:`METRICS`.
 
 A labelled counter (``rejections``) is stored as one flat value per label value:
 ``rejections:full``. The label values are fixed here, so every series exists from the start.
