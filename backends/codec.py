@@ -14,7 +14,6 @@ import numpy as np
 import zstandard
 
 CODECS = {"none": 0, "zstd": 1}
-CODEC_NAMES = {v: k for k, v in CODECS.items()}
 
 
 def check_codec(name: str) -> int:

@@ -196,7 +196,6 @@ class Committer(threading.Thread):
         self.pending = pending
         self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.pid = os.getpid()
-        self.busy = threading.Event()
         # overlap only batches that give every I/O thread at least one full-size run
         self._overlap_rows = engine.threads * -(-MIN_RUN_BYTES // slabs.slot_bytes)
 

@@ -166,7 +166,6 @@ class FileTier(StoreTier):
 
     def _rebuild(self) -> None:
         """Load the index into the slot table, and the policy's order from it."""
-        t0 = time.perf_counter()
         self.slots, ordered_keys, reused = SlotTable.load(self.index, self.n_slots, self.folder,
                                                           self.slabs.unusable_slots())
         self._lost_to_damaged_slabs = self.slots.dropped_unusable
@@ -174,7 +173,6 @@ class FileTier(StoreTier):
         # methods change them
         self._slot_of, self._state = self.slots.slot_of, self.slots.state
         self.policy.bulk_load(ordered_keys, reused)
-        self.reopen_seconds = time.perf_counter() - t0
 
     # -- queries (owner thread) ---------------------------------------------------------------
     def on_removed(self, listener: Callable[[list[bytes]], None] | None) -> None:

@@ -201,7 +201,6 @@ class Index:
         """``records``: the records table as already read (keys, values), so that the first
         ``load_all`` does not read it again (the writer's open has just scanned it)."""
         self.path = folder / INDEX_DIR
-        self.reset_reason = ""  # why the writer started from an empty index (see open_for_writer)
         self._snapshot = records
         if os.path.islink(self.path) or (self.path.exists() and not self.path.is_dir()):
             raise IndexDamaged(f"{self.path}: not a folder (a link or a file); refusing it")
@@ -286,7 +285,6 @@ class Index:
                     "(stored rows become unreachable and their slots are reused)",
                     folder, reason, aside.name)
         index = cls(folder, map_size)
-        index.reset_reason = reason
         index.publish([], [], stat_delta={"index_resets": 1})
         return index
 
@@ -447,15 +445,6 @@ class Index:
                 for slot in stale:
                     txn.delete(_slot_key(slot))
         return stale
-
-    def drop_slots_from(self, n_slots: int) -> list[bytes]:
-        """Delete records whose slot is >= n_slots (capacity shrank); returns their keys."""
-        gone = [k for k, rec in self.iter_records() if rec[0] >= n_slots]
-        if gone:
-            with self.env.begin(write=True, db=self.records) as txn:
-                for k in gone:
-                    txn.delete(k)
-        return gone
 
     def clear(self) -> None:
         with self.env.begin(write=True) as txn:

@@ -1,6 +1,6 @@
 """I/O engines: how slot bytes move between memory and slab files.
 
-Every engine offers the same blocking primitives (``read_into``, ``write_from``, ``sync``) that
+Every engine offers the same blocking primitives (``readv``/``read_into``, ``writev``, ``sync``) that
 the file tier calls from its worker threads, plus ``submit`` to run a task on its own pool and get
 a future back, so the tier's public API never blocks its caller.
 
@@ -51,7 +51,7 @@ def aligned_buffer(nbytes: int) -> memoryview:
 class IoEngine(ABC):
     """Moves bytes between buffers and open slab files.
 
-    Threading: ``read_into``/``write_from``/``sync`` block and are called only from worker
+    Threading: ``readv``/``read_into``/``writev``/``sync`` block and are called only from worker
     threads (``post``/``submit``); they may run concurrently on different offsets of the same
     file. Failure: they raise ``OSError``; the tier turns that into a miss or a rejected write.
 
@@ -115,9 +115,6 @@ class IoEngine(ABC):
 
     def read_into(self, handle: Any, buf: memoryview, offset: int) -> int:
         return self.readv(handle, [buf], offset)
-
-    def write_from(self, handle: Any, buf: memoryview, offset: int) -> int:
-        return self.writev(handle, [buf], offset)
 
     @abstractmethod
     def sync(self, handle: Any) -> None: ...

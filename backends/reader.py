@@ -20,7 +20,6 @@ import numpy as np
 from tiering.backends.checksum import checksum_of, namespace_seed
 from tiering.backends.index import Index
 from tiering.backends.namespace import (
-    SLAB_FILE,
     check_folder,
     is_candidate,
     list_namespaces,
@@ -59,10 +58,6 @@ class NamespaceReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @property
-    def slab_files(self) -> list[Path]:
-        return sorted(p for p in self.folder.glob("slab-*.dat") if SLAB_FILE.match(p.name))
 
     def capacity_slots(self) -> int:
         return int(self.meta["slots"])

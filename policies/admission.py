@@ -29,10 +29,6 @@ class StoreThreshold:
         self.admitted = 0
         self.rejected = 0
 
-    @property
-    def admits_all(self) -> bool:
-        return self.n <= 1
-
     def offer(self, key: Hashable) -> bool:
         """Count one offer of ``key``; True if the tier should store it now."""
         if self.n <= 1:

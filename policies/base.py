@@ -213,9 +213,6 @@ class EvictionPolicy(ABC):
     def on_miss(self, key: Key) -> None:
         """A lookup missed ``key`` (lets ghost-based policies adapt before the re-insert)."""
 
-    def on_request_finished(self, request_id: Hashable) -> None:
-        """A request ended; policies that track per-request state drop it here."""
-
     def stats(self) -> dict[str, float]:
         """Policy-internal numbers for inspection (queue sizes, adaptation target)."""
         return {"resident": len(self), "pinned": len(self._pins)}
