@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sized
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,8 +19,7 @@ class AdminTarget(Protocol):
     folder: Path
     row_bytes: int
 
-    @property
-    def entries(self) -> Sized: ...
+    def __len__(self) -> int: ...
 
     def evict(self, n: int) -> list[bytes]: ...
 
@@ -61,7 +59,7 @@ def apply(tier: AdminTarget, op: dict[str, Any]) -> dict[str, Any]:
     else:
         removed = tier.clear(last_access_before=time.time() - op["older_than"])
     return {"removed_entries": removed, "removed_bytes": removed * tier.row_bytes,
-            "entries": len(tier.entries)}
+            "entries": len(tier)}
 
 
 def apply_request(tier: AdminTarget, op: dict[str, Any]) -> dict[str, Any]:
