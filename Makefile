@@ -4,7 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test env lint gpu-check gpu-test gpu-bench gpu-session bench clean
+# The type checker (mypy strict on the package, settings in pyproject.toml); not yet in `test`.
+typecheck: env
+	$(PY) -m pip install -q "mypy>=1.10"
+	bash scripts/typecheck.sh
+
+.PHONY: typecheck demo test env lint gpu-check gpu-test gpu-bench gpu-session bench clean
 
 env:
 	@bash scripts/setup_env.sh
