@@ -4,11 +4,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-# The type checker (mypy strict on the package, settings in pyproject.toml); not yet in `test`.
-typecheck: env
-	$(PY) -m pip install -q "mypy>=1.10"
-	bash scripts/typecheck.sh
-
 .PHONY: typecheck demo test env lint gpu-check gpu-test gpu-bench gpu-session bench clean
 
 env:
@@ -66,3 +61,8 @@ bench: env
 
 clean:
 	rm -rf $(VENV) .venv033 build build-gpu build-gpu-wheels *.egg-info .pytest_cache .hypothesis
+
+# The type checker (mypy strict on the package, settings in pyproject.toml); not yet in `test`.
+typecheck: env
+	$(PY) -m pip install -q "mypy>=1.10"
+	bash scripts/typecheck.sh
