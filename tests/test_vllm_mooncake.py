@@ -62,6 +62,24 @@ def ask(server: Server, prompt: list[int]) -> dict:
     return {"out": out["token_ids"], "before": before, "after": server.metrics()}
 
 
+def wait_reconnected(servers: dict[str, Server], marks: dict[str, int],
+                     timeout: float = 90.0) -> None:
+    """Until each server's mooncake tier logged that it reached the restarted master (the
+    connector retries on its own; a small request keeps the engine stepping meanwhile). A fixed
+    sleep was too short on a loaded 2-core machine: B still had the master down when asked."""
+    deadline = time.monotonic() + timeout
+    waiting = dict(servers)
+    while waiting and time.monotonic() < deadline:
+        for name, s in list(waiting.items()):
+            new = s.log_tail(1 << 30)[marks[name]:]
+            if "connected to master" in new or "answers again" in new:
+                del waiting[name]
+            else:
+                s.complete([5, 6, 7], max_tokens=1)
+        time.sleep(1.0)
+    assert not waiting, f"mooncake tier never reconnected in {sorted(waiting)}"
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
     work = tmp_path_factory.mktemp("mooncake-e2e")
@@ -90,8 +108,9 @@ def scenario(tmp_path_factory):
         rec["A2"] = ask(a, prompts["P2"])
         rec["B2"] = ask(b, prompts["P2"])
 
+        marks = {n: len(s.log_tail(1 << 30)) for n, s in servers.items()}
         master.start()
-        time.sleep(8)  # each client notices the new master and re-mounts its segment
+        wait_reconnected({n: servers[n] for n in ("A", "B")}, marks)
         rec["A3"] = ask(a, prompts["P3"])
         rec["B3"] = ask(b, prompts["P3"])
         rec["logs"] = {n: s.log_tail(200_000) for n, s in servers.items()}
