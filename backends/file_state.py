@@ -3,6 +3,9 @@
 * ``acquire_writer_lock`` — the one-writer rule (an ``flock`` on the namespace folder that the
   kernel drops if the writer dies), with the holder's pid in ``writer.lock`` for messages.
 * ``announce`` — who writes this namespace and how (``writer.json``, one log line).
+* ``load_advisor_state`` / ``save_advisor_state`` — what the promotion advisor measured on this
+  tier (``advisor.json``), so that a restarted engine decides its first disk hits as the last
+  one would have.
 
 (The in-memory slot table rebuilt from the index at open is ``slot_table.py``.)
 """
@@ -17,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiering.backends.namespace import NamespaceError, hard_link_problem
+from tiering.backends.namespace import NamespaceError, hard_link_problem, load_json
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +111,49 @@ def writer_alive(folder: Path) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+ADVISOR_FILE = "advisor.json"
+# advisor.json's marker and the most of it read (a few hundred bytes are written)
+ADVISOR_MAGIC = "vllm-tiering advisor state"
+_ADVISOR_MAX_BYTES = 64 << 10
+
+
+def load_advisor_state(folder: Path) -> dict[str, Any] | None:
+    """``advisor.json`` as the last writer saved it, or None: none there, or not one of ours
+    (no marker, unreadable, too large, a link: one warning naming the file). Its values are
+    checked by the advisor (``PromotionAdvisor.restore_tier``)."""
+    path = folder / ADVISOR_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("%s: not read (%s); the promotion advisor measures afresh", path, exc)
+        return None
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            data = fh.read(_ADVISOR_MAX_BYTES + 1)
+        if len(data) > _ADVISOR_MAX_BYTES:
+            raise ValueError(f"larger than {_ADVISOR_MAX_BYTES} bytes")
+        state = load_json(data)
+        if not isinstance(state, dict) or state.get("magic") != ADVISOR_MAGIC:
+            raise ValueError(f"expected an object with \"magic\": \"{ADVISOR_MAGIC}\"")
+    except (OSError, ValueError) as exc:
+        log.warning("%s: ignored (%s); the promotion advisor measures afresh", path, exc)
+        return None
+    return state
+
+
+def save_advisor_state(folder: Path, state: dict[str, Any]) -> None:
+    """Write ``state`` (JSON values) as ``advisor.json``, atomically (never through a link);
+    a failure is logged, never raised: the next engine measures afresh."""
+    from tiering.backends.namespace import write_json
+
+    try:
+        write_json(folder / ADVISOR_FILE, {**state, "magic": ADVISOR_MAGIC})
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("%s: cannot save the promotion advisor's state (%s)", folder, exc)
 
 
 def announce(tier: Any) -> None:

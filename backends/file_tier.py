@@ -46,6 +46,8 @@ from tiering.backends.file_state import (
     NamespaceLocked,  # noqa: F401 - part of this module's interface
     acquire_writer_lock,
     announce,
+    load_advisor_state,
+    save_advisor_state,
 )
 from tiering.backends.index import MAX_KEY_BYTES, Index
 from tiering.backends.io_engines import make_engine
@@ -517,6 +519,13 @@ class FileTier(StoreTier):
         self._submit(job)
         job.done.wait(timeout)
         self.poll()
+
+    def load_advisor_state(self) -> dict[str, Any] | None:
+        return load_advisor_state(self.folder)
+
+    def save_advisor_state(self, state: dict[str, Any]) -> None:
+        if not self.closed:
+            save_advisor_state(self.folder, state)
 
     def close(self) -> None:
         if self.closed:

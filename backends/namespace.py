@@ -162,15 +162,15 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
 # rows are misses, the writer never opens or removes it (``slab.py``).
 SLAB_FILE = re.compile(r"^slab-\d{4,}\.dat$")
 LAYOUT: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"^(meta|writer)\.json$"), "file"),
+    (re.compile(r"^(meta|writer|advisor)\.json$"), "file"),
     (re.compile(r"^writer\.lock$"), "file"),
-    (re.compile(r"^\.(meta|writer)\.json\.\d+\.tmp$"), "file"),  # write_json's, mid-write
+    (re.compile(r"^\.(meta|writer|advisor)\.json\.\d+\.tmp$"), "file"),  # write_json's, mid-write
     (re.compile(r"^index\.lmdb(\.new|\.old|\.tmp-\d+|\.damaged-\d{8}T\d{6}-\d+)?$"), "folder"),
     (SLAB_FILE, "slab"),
     (re.compile(r"^requests$"), "folder"),
 )
-LAYOUT_TEXT = ("meta.json, writer.json, writer.lock, index.lmdb/ (and its .new/.old/.tmp-PID/"
-               ".damaged-TIME-PID siblings), slab-NNNN.dat, requests/")
+LAYOUT_TEXT = ("meta.json, writer.json, advisor.json, writer.lock, index.lmdb/ (and its "
+               ".new/.old/.tmp-PID/.damaged-TIME-PID siblings), slab-NNNN.dat, requests/")
 
 
 def entry_kind(name: str, layout: tuple[tuple[re.Pattern[str], str], ...] = LAYOUT

@@ -11,6 +11,7 @@ from tierutil import facts, key, row_for
 import tiering.backends.staging as staging
 from tiering.advisor import PrefillModel, PromotionAdvisor
 from tiering.backends.file_tier import FileTier
+from tiering.backends.namespace import NamespaceError
 from tiering.backends.staging import StagingRegion
 from tiering.chain import Lookup, TierChain
 from tiering.cpu_tier import CpuTier
@@ -248,7 +249,7 @@ def test_a_run_whose_first_chunk_does_not_pay_can_still_pay_as_a_whole(tmp_path)
     adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1  # attention-bound engine
     # a chunk reads in 0.5 ms; computing one costs ~0.13 ms at token 0, ~1.9 ms at token 112:
     # the 8-chunk run reads in 4 ms and computes in 8.2 ms
-    adv.observe_read_batch(0, ROW, 0.5e-3)
+    adv.observe_read_batch(0, 16 * ROW, 16 * 0.5e-3)
     assert not adv.first_chunk_pays(0, 0)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
     req = RequestScan(c, "r")
@@ -264,7 +265,7 @@ def test_the_decision_depends_on_where_the_run_starts(tmp_path):
     long one, where each token attends to many earlier ones."""
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
     adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-9, 1  # attention-bound engine
-    adv.observe_read_batch(0, 8 * ROW, 8 * 16 * 1e-9 * 3000)  # a chunk reads in 16 x 3 µs
+    adv.observe_read_batch(0, 16 * ROW, 16 * 16 * 1e-9 * 3000)  # a chunk reads in 16 x 3 µs
     assert not adv.loading_pays([0] * 4, first_token=0)
     assert adv.loading_pays([0] * 4, first_token=16 * 1000)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=4)
@@ -391,7 +392,7 @@ def test_surveyed_chunks_that_leave_the_disk_before_the_decision_are_misses(tmp_
     request loads the rest, up to the dropped last chunk, byte-exact."""
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
     adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1  # a run of 8 pays
-    adv.observe_read_batch(0, ROW, 0.5e-3)
+    adv.observe_read_batch(0, 16 * ROW, 16 * 0.5e-3)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
     disk = c.file_tiers[0]
     req = RequestScan(c, "r")
@@ -419,7 +420,7 @@ def test_two_requests_surveying_the_same_prefix_load_it_once_or_both_recompute(t
                                                                                read_s):
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
     adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1
-    adv.observe_read_batch(0, ROW, read_s)
+    adv.observe_read_batch(0, 16 * ROW, 16 * read_s)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
     disk = c.file_tiers[0]
     reqs = {"a": RequestScan(c, "a"), "b": RequestScan(c, "b")}
@@ -461,8 +462,8 @@ def test_a_first_chunk_on_a_fast_tier_does_not_load_a_run_that_goes_on_a_slow_on
     run was loaded at once, reading 4 s for ~0.1 s of compute. Decided as a whole, it is not."""
     adv = PromotionAdvisor(2, ROW, chunk_tokens=16)
     adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1
-    adv.observe_read_batch(0, ROW, 0.5e-3)
-    adv.observe_read_batch(1, ROW, 1.0)
+    adv.observe_read_batch(0, 16 * ROW, 16 * 0.5e-3)
+    adv.observe_read_batch(1, 16 * ROW, 16.0)
     tiers = [FileTier({"path": str(tmp_path / f"d{i}"), "capacity": 64 * ROW, "io": "posix",
                        "policy": "lru"}, facts(ROW, model=f"m{i}")) for i in range(2)]
     c = TierChain(CpuTier(StagingRegion("two", 20, ROW), "lru"), tiers, advisor=adv)
@@ -498,3 +499,158 @@ def test_a_surveyed_run_of_several_kv_groups_is_priced_by_its_tokens_once():
     for i in range(3):
         unknown.note(key(f"u{i}"), 1, None if i else 32)
     assert unknown.token_span(1, 16) == (48, 80)  # positions unknown: one chunk per key
+
+
+# -- measurements that are trusted, and kept across a restart --------------------------------
+def test_a_read_batch_of_few_rows_measures_latency_and_does_not_set_the_rate():
+    """On the H200's RAM disk a 4-row calibration read at 1.14 GB/s, a 32k prompt's 2048 rows at
+    2.9 GB/s: the rate from the small batch made the advisor recompute the 32k disk hit."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    adv.observe_read_batch(0, 16 * ROW, 16 * ROW / 2.9e9)
+    adv.observe_read_batch(0, 4 * ROW, 4 * ROW / 1.14e9)
+    assert adv.read_rate(0) == pytest.approx(2.9e9)
+    adv.observe_read_batch(0, 16 * ROW, 16 * ROW / 2.0e9)
+    assert adv.read_rate(0) < 2.9e9
+    # with no rate yet a small batch is a first one (a tier that holds only a few rows)
+    fresh = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    fresh.observe_read_batch(0, 4 * ROW, 4 * ROW / 1.14e9)
+    assert fresh.read_rate(0) == pytest.approx(1.14e9)
+
+
+def test_a_calibration_reads_enough_rows_to_measure_a_rate(tmp_path):
+    """After a restart the tier holds rows but none were written yet: a calibration with a
+    request's 3 chunks would time latency, so it waits for a run of at least 16; a tier that
+    holds fewer than 16 rows is measured with what it has."""
+    ks = [key(i) for i in range(20)]
+    first = make_chain(tmp_path, rows=40, advisor=PromotionAdvisor(1, ROW, chunk_tokens=16))
+    fill(first, ks)
+    first.wait_idle()
+    first.close()
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    c = make_chain(tmp_path, rows=40, advisor=adv)
+    disk = c.file_tiers[0]
+    assert not c.calibrate(1) and not c.calibrate(1, ks[:3])
+    assert disk.stats["calibration_reads"] == 0
+    assert c.calibrate(1, ks[:18])
+    c.wait_idle()
+    assert disk.stats["calibration_reads"] == 18 and adv.read_rate(0)
+    c.check()
+    c.close()
+    small = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    c = make_chain(tmp_path / "small", rows=40, advisor=small)
+    fill(c, ks[:4])
+    c.wait_idle()
+    assert c.calibrate(1)
+    c.wait_idle()
+    assert c.file_tiers[0].stats["calibration_reads"] == 4 and small.read_rate(0)
+    c.close()
+
+
+def test_a_loaded_run_teaches_the_advisor_what_a_load_costs_beyond_its_reads(tmp_path):
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1.0)  # slow engine
+    adv.observe_read_batch(0, 16 * ROW, 16 * ROW / 1e9)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=6)
+    req = RequestScan(c, "r")
+    assert scan(c, req, ks) is None and req.disk_run.state is RunState.LOAD
+    c.wait_idle()
+    assert scan(c, req, ks) == 6 and req.promoted == 6
+    c.prepare_load(ks)
+    c.complete_load(ks)
+    decided = req._loading[1]
+    req.load_completed(now=decided + 0.25)  # 6 rows read in ~50 µs: the rest is overhead
+    assert adv.load_overhead([0]) == pytest.approx(0.25 - 6 * ROW / 1e9)
+    req.load_completed(now=decided + 9.0)  # once per loaded run
+    assert adv.load_overhead([0]) == pytest.approx(0.25 - 6 * ROW / 1e9)
+    c.close()
+
+
+def test_a_measured_load_overhead_turns_a_close_load_into_a_recompute():
+    """The H200's RAM disk reads an 8k prompt's 1 GiB in ~0.35 s, recomputing takes 0.44 s: with
+    no overhead the advisor loads; measured, a load took ~0.15 s more (499 ms TTFT)."""
+    adv = PromotionAdvisor(1, 2 * MiB, chunk_tokens=16)
+    a, b = 30e-6, 5.8e-9  # 8k: 0.44 s, 32k: 4.1 s
+    for k, n in ((0, 2048), (0, 8192), (8192, 16384), (16384, 32768)):
+        adv.observe_prefill(k, n, cost(a, b, k, n))
+    adv.observe_read_batch(0, 64 * MiB, 64 * MiB / 3.0e9)
+    assert adv.loading_pays([0] * (8192 // 16), first_token=0)
+    adv.observe_load(0, 0.35, 0.50)
+    assert not adv.loading_pays([0] * (8192 // 16), first_token=0)
+    assert adv.loading_pays([0] * (32768 // 16), first_token=0)
+
+
+def measured_advisor() -> PromotionAdvisor:
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    for k, n in ((0, 2048), (0, 8192), (8192, 16384), (16384, 32768)):
+        adv.observe_prefill(k, n, 0.01 + cost(30e-6, 3.2e-9, k, n))
+    adv.observe_read_batch(0, 16 * ROW, 16 * ROW / 2.5e9)
+    adv.observe_load(0, 0.1, 0.22)
+    return adv
+
+
+def test_a_restarted_engine_starts_from_the_costs_the_last_one_measured(tmp_path):
+    """The H200 phases: after a restart the advisor had measured nothing and loaded the 2k and
+    8k disk hits (216 and 499 ms against 98 and 443 to recompute)."""
+    import os
+    import stat
+
+    adv = measured_advisor()
+    c = make_chain(tmp_path, rows=8, advisor=adv)
+    c.close()
+    saved = tmp_path / "disk" / facts(ROW).namespace_id / "advisor.json"
+    assert stat.S_IMODE(os.stat(saved).st_mode) == 0o600
+    again = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    c2 = make_chain(tmp_path, rows=8, advisor=again)
+    assert again.describe() == adv.describe()
+    for n in (2048, 8192, 32768):
+        assert (again.decide([0] * (n // 16), 0).load, again.decide([0] * (n // 16), 0).reason) \
+            == (adv.decide([0] * (n // 16), 0).load, adv.decide([0] * (n // 16), 0).reason)
+    # the fit goes on from the restored sums: one more sample moves it as it would have
+    adv.observe_prefill(0, 4096, 0.01 + cost(30e-6, 3.2e-9, 0, 4096))
+    again.observe_prefill(0, 4096, 0.01 + cost(30e-6, 3.2e-9, 0, 4096))
+    assert again.describe() == pytest.approx(adv.describe())
+    c2.close()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "not_ours", "bad_types", "negative", "huge",
+                                    "symlink", "directory", "bad_prefill"])
+def test_a_damaged_advisor_file_is_ignored_with_one_warning(tmp_path, caplog, damage):
+    import json
+
+    make_chain(tmp_path, rows=8, advisor=measured_advisor()).close()
+    saved = tmp_path / "disk" / facts(ROW).namespace_id / "advisor.json"
+    good = json.loads(saved.read_text())
+    target = tmp_path / "user-file"
+    target.write_text("keep me")
+    saved.unlink()
+    if damage == "garbage":
+        saved.write_bytes(b"\x00{not json")
+    elif damage == "not_ours":
+        saved.write_text(json.dumps({**good, "magic": "someone else"}))
+    elif damage == "bad_types":
+        saved.write_text(json.dumps({**good, "read_bytes_per_s": "fast"}))
+    elif damage == "negative":
+        saved.write_text(json.dumps({**good, "load_overhead_s": -1}))
+    elif damage == "huge":
+        saved.write_text(json.dumps({**good, "pad": "x" * (1 << 17)}))
+    elif damage == "symlink":
+        saved.symlink_to(target)
+    elif damage == "directory":
+        saved.mkdir()
+    elif damage == "bad_prefill":
+        saved.write_text(json.dumps({**good, "prefill": {**good["prefill"], "s": [[1, 2]]}}))
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    if damage in ("symlink", "directory"):  # planted in our folder: refused as any such entry
+        with pytest.raises(NamespaceError, match="advisor.json"):
+            make_chain(tmp_path, rows=8, advisor=adv)
+        assert target.read_text() == "keep me"
+        return
+    with caplog.at_level("WARNING"):
+        c = make_chain(tmp_path, rows=8, advisor=adv)
+    assert adv.read_rate(0) is None and not adv.prefill.known()  # measures afresh
+    assert [r for r in caplog.records if "advisor" in r.getMessage()
+            and r.levelname == "WARNING"], caplog.text
+    fill(c, [key(1)])
+    c.wait_idle()
+    assert c.file_tiers[0].contains(key(1))  # the tier serves on
+    c.close()
+    assert json.loads(saved.read_text())["magic"] == good["magic"]  # rewritten at shutdown

@@ -24,10 +24,24 @@ halves' time; the fit became one per-token cost of 116 µs (true: 24 µs plus at
 put a 2k prompt at 0.24 s (true 0.07 s) and loaded the 2k and 8k disk hits that recomputing
 beat by 4x and 2x (``tests/test_advisor_replay.py``).
 
+* **load overhead** of each file tier: what a loaded run took from its decision until vLLM had
+  its KV on the GPU, less its reads at the tier's rate (``observe_load``, from the request's
+  scan): the reads seen at a step end, the copy to the GPU, the request's next step. On the
+  H200 it was 80-150 ms, while the fitted step cost ``c`` was 0.
+
+The measurements are kept across restarts: each file tier saves its rate, its load overhead and
+the prefill fit at shutdown (``tier_state``, the tier's ``advisor.json``) and a new engine starts
+from them (``restore_tier``). Without that, a restarted H200 engine loaded its first 2k and 8k
+disk hits (216 and 499 ms against 98 and 443 to recompute) while it measured nothing.
+
+A read batch of fewer than ``ADVISOR_RATE_MIN_ROWS`` rows times latency more than a rate: it
+gives a first rate only (on the H200's RAM disk a 4-row calibration read at 1.14 GB/s, a 32k
+prompt's 2048 rows at 2.9 GB/s; with the small batch's rate the 32k disk hit was recomputed).
+
 The decision is per request, for the whole run of chunks it would read from disk (after its
 CPU hits). Loading costs the reads — the run's own bytes **plus the reads queued ahead of it on
-the same tier** (under many requests the disk is a shared queue) — plus ``ADVISOR_LOAD_STEPS``
-extra steps (``c`` each); recomputing costs the run's ``a`` and ``b`` terms **plus the compute
+the same tier** (under many requests the disk is a shared queue) — plus the tier's load
+overhead (at least ``ADVISOR_LOAD_STEPS`` extra steps, ``c`` each); recomputing costs the run's ``a`` and ``b`` terms **plus the compute
 already given to the engine in this step** (requests decided, or missed, before this one). So
 the disk takes runs while its queue is shorter than the engine's, and the two work side by side:
 throughput approaches the engine's rate plus the disk's, and never falls below the engine's
@@ -61,6 +75,7 @@ from tiering.settings import (
     ADVISOR_MIN_SAMPLE_TOKENS,
     ADVISOR_MODEL_WEIGHT,
     ADVISOR_PAYOFF_MARGIN,
+    ADVISOR_RATE_MIN_ROWS,
     ADVISOR_REPROBE_AFTER,
 )
 from tiering.stats import LOAD_REASONS, RECOMPUTE_REASONS  # noqa: F401 (Decision.reason)
@@ -154,6 +169,33 @@ class PrefillModel:
     def known(self) -> bool:
         return bool(self.fixed) or self.samples > 0
 
+    def state(self) -> dict[str, object]:
+        """The fit's decayed sums and coefficients, as JSON values (``restore`` takes them)."""
+        return {"s": self._s.tolist(), "r": self._r.tolist(), "tt": self._tt,
+                "samples": self.samples, "coef": [self.c, self.a, self.b]}
+
+    def restore(self, state: dict[str, object]) -> None:
+        """Continue the fit from ``state`` (a ``state()`` of an earlier engine); ValueError,
+        and nothing changed, if it is not one. A fixed rate keeps its fixed model."""
+        try:
+            s = np.array(state["s"], dtype=float)
+            r = np.array(state["r"], dtype=float)
+            tt = float(state["tt"])  # type: ignore[arg-type]
+            samples = state["samples"]
+            coef = np.array(state["coef"], dtype=float)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"prefill model: expected s, r, tt, samples, coef ({exc})") from None
+        if (s.shape != (3, 3) or r.shape != (3,) or coef.shape != (3,)
+                or not isinstance(samples, int) or isinstance(samples, bool) or samples < 0
+                or not all(np.isfinite(x).all() for x in (s, r, coef)) or not math.isfinite(tt)
+                or (coef < 0).any()):
+            raise ValueError("prefill model: expected 3x3, 3 and 3 finite numbers (coefficients "
+                             ">= 0) and a sample count >= 0")
+        if self.fixed:
+            return
+        self._s, self._r, self._tt, self.samples = s, r, tt, samples
+        self.c, self.a, self.b = (float(x) for x in coef)
+
     def seconds(self, k: int, n: int) -> float:
         """Predicted seconds of the tokens ``[k, n)`` alone (the per-token and attention terms:
         what computing them adds to a step, and so what loading them saves)."""
@@ -224,6 +266,8 @@ class PromotionAdvisor:
         self.prefill = PrefillModel(prefill_tokens_per_s)
         self.clock = StepClock(self.prefill, step_lag)
         self._read = [_Ewma() for _ in range(n_file_tiers)]  # bytes/s per file tier
+        # seconds a load takes beyond its reads (measured: ``observe_load``), per file tier
+        self._overhead = [_Ewma() for _ in range(n_file_tiers)]
         self._declined = [0] * n_file_tiers
         self._remeasure = [False] * n_file_tiers
         self._queued_s = 0.0  # compute given to the engine in the step being scheduled
@@ -231,9 +275,20 @@ class PromotionAdvisor:
     # -- measurements ------------------------------------------------------------------------
     def observe_read_batch(self, tier: int, nbytes: int, seconds: float) -> None:
         """A promotion or calibration batch of file tier ``tier`` (0-based) finished: its bytes
-        and its longest read's seconds since the batch was submitted."""
-        if nbytes > 0 and seconds > 0:
+        and its longest read's seconds since the batch was submitted. A batch of fewer than
+        ``ADVISOR_RATE_MIN_ROWS`` rows measured latency more than a rate: it is only a first
+        rate (a tier holding fewer rows), never one that replaces a measured rate."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        if nbytes >= ADVISOR_RATE_MIN_ROWS * self.row_bytes or self._read[tier].value is None:
             self._read[tier].add(nbytes / seconds)
+
+    def observe_load(self, tier: int, read_s: float, seconds: float) -> None:
+        """A run of file tier ``tier`` decided LOAD with reads priced at ``read_s`` (its own and
+        those queued ahead) reached the GPU ``seconds`` after the decision: the rest is what a
+        load costs beyond its reads."""
+        if 0 <= read_s < math.inf and 0 < seconds < math.inf:
+            self._overhead[tier].add(max(0.0, seconds - read_s))
 
     def observe_prefill(self, first_token: int, end_token: int, seconds: float) -> None:
         """A step computed only tokens ``[first_token, end_token)`` of one request."""
@@ -278,9 +333,14 @@ class PromotionAdvisor:
         self._remeasure[tier] = False
         self._declined[tier] = 0
 
-    def load_overhead(self) -> float:
-        """What a load adds in steps (``ADVISOR_LOAD_STEPS`` times a step's fixed cost)."""
-        return ADVISOR_LOAD_STEPS * self.prefill.c
+    def load_overhead(self, tiers: Sequence[int] = ()) -> float:
+        """What a load from ``tiers`` adds to its reads: ``ADVISOR_LOAD_STEPS`` times a step's
+        fixed cost, or more if this engine's loads from those tiers were measured to take more
+        (``observe_load``; on the H200 80-150 ms beyond the reads, where the fitted step cost
+        was 0: the reads seen at a step end, the copy to the GPU, the request's next step)."""
+        measured = [self._overhead[t].value for t in tiers if t < len(self._overhead)]
+        known = [m for m in measured if m is not None]
+        return max([ADVISOR_LOAD_STEPS * self.prefill.c, *known])
 
     def first_chunk_pays(self, tier: int, first_token: int,
                          backlog_bytes: Sequence[int] = ()) -> bool:
@@ -301,7 +361,7 @@ class PromotionAdvisor:
         queued = backlog_bytes[tier] if tier < len(backlog_bytes) else 0
         m = ADVISOR_PAYOFF_MARGIN
         return (self.row_bytes / slowest <= m * compute
-                and (queued + self.row_bytes) / rate + self.load_overhead()
+                and (queued + self.row_bytes) / rate + self.load_overhead([tier])
                 <= m * max(self._queued_s + compute, self.engine_queue_s))
 
     def decide(self, tiers: Sequence[int], first_token: int, end_token: int | None = None,
@@ -327,7 +387,7 @@ class PromotionAdvisor:
         read = max((queued[t] + own[t]) / rates[t] for t in own)  # type: ignore[operator]
         end = end_token if end_token is not None else first_token + len(tiers) * self.chunk_tokens
         compute = self.prefill.seconds(first_token, end)
-        m, steps = ADVISOR_PAYOFF_MARGIN, self.load_overhead()
+        m, steps = ADVISOR_PAYOFF_MARGIN, self.load_overhead(list(own))
         load_s, recompute_s = read + steps, max(compute + self._queued_s, self.engine_queue_s)
         alone_pays = alone_read + steps <= m * compute
         if load_s <= m * recompute_s:
@@ -347,10 +407,46 @@ class PromotionAdvisor:
                 self._declined[t] = 0
                 self._remeasure[t] = True  # declined for long: measure the tier again
 
+    def measured_load_overhead(self, tier: int) -> float | None:
+        """The measured part of ``load_overhead`` for ``tier``, or None if none was measured."""
+        return self._overhead[tier].value
+
+    # -- across restarts ---------------------------------------------------------------------
+    def tier_state(self, tier: int) -> dict[str, object]:
+        """What a restart of the engine should start from, kept by file tier ``tier``: its read
+        rate and load overhead, and the engine's prefill fit (the namespace fixes the model and
+        its layout, so the costs carry over; new samples replace them at the usual pace)."""
+        return {"read_bytes_per_s": self._read[tier].value,
+                "load_overhead_s": self._overhead[tier].value,
+                "prefill": self.prefill.state() if self.prefill.samples else None}
+
+    def restore_tier(self, tier: int, state: dict[str, object]) -> None:
+        """Start from ``state`` (a ``tier_state`` of an earlier engine). ValueError naming
+        the field, and nothing changed, if it is not one. The prefill fit is taken only while
+        this engine has none."""
+        if not isinstance(state, dict):
+            raise ValueError("advisor state: expected an object")
+        values: dict[str, float | None] = {}
+        for name in ("read_bytes_per_s", "load_overhead_s"):
+            v = state.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not 0 <= v < math.inf
+                                  or (name == "read_bytes_per_s" and v == 0)):
+                raise ValueError(f"advisor state: {name}: expected a number >= 0 or null")
+            values[name] = None if v is None else float(v)
+        prefill = state.get("prefill")
+        if prefill is not None and not isinstance(prefill, dict):
+            raise ValueError("advisor state: prefill: expected an object or null")
+        if prefill is not None and not self.prefill.samples:
+            self.prefill.restore(prefill)
+        self._read[tier].value = values["read_bytes_per_s"]
+        self._overhead[tier].value = values["load_overhead_s"]
+
     def describe(self) -> dict[str, float | None]:
         known = self.prefill.known()
         return {"step_s": self.prefill.c if known else None,
                 "prefill_s_per_token": self.prefill.a if known else None,
                 "prefill_s_per_token_per_context_token": self.prefill.b if known else None,
                 "engine_queue_s": self.engine_queue_s,
-                **{f"read_bytes_per_s[{i}]": r.value for i, r in enumerate(self._read)}}
+                **{f"read_bytes_per_s[{i}]": r.value for i, r in enumerate(self._read)},
+                **{f"load_overhead_s[{i}]": o.value for i, o in enumerate(self._overhead)}}

@@ -117,6 +117,26 @@ class TierChain:
         self._reserve = max(WRITEBACK_RESERVE_MIN,
                             int(self.num_rows * WRITEBACK_RESERVE_FRACTION))
         self._stored_in_step = self._stored_last_step = 0  # rows given to stores, per step
+        if advisor is not None:
+            self._restore_advisor()
+
+    def _restore_advisor(self) -> None:
+        """Start the advisor from what each file tier kept at the last engine's shutdown (a
+        restarted server decides its first disk hits as the last one would have, instead of
+        loading them all while its prefill is unmeasured)."""
+        assert self.advisor is not None
+        for i, tier in enumerate(self.file_tiers):
+            state = tier.load_advisor_state()
+            if state is None:
+                continue
+            label = tier_label(i + 1, tier.medium)
+            try:
+                self.advisor.restore_tier(i, state)
+            except ValueError as exc:
+                log.warning("tier %s: the promotion advisor's saved state is ignored: %s",
+                            label, exc)
+                continue
+            log.info("tier %s: promotion advisor restored: %s", label, self.advisor.describe())
 
     def _event(self, keys: list[bytes], medium: str, removed: bool) -> None:
         if self.events_enabled and keys:
@@ -189,9 +209,13 @@ class TierChain:
         tier = self.file_tiers[i - 1]
         rows = max(ADVISOR_CALIBRATION_MIN_ROWS,
                    min(ADVISOR_CALIBRATION_MAX_ROWS, ADVISOR_CALIBRATION_BYTES // self.row_bytes))
-        pick = ([k for k in keys if tier.contains(k)][:rows]
-                or [k for k in self._written[i - 1] if tier.contains(k)][-rows:])
-        if not pick:
+        pick = [k for k in keys if tier.contains(k)][:rows]
+        if len(pick) < ADVISOR_CALIBRATION_MIN_ROWS:
+            pick = [k for k in self._written[i - 1] if tier.contains(k)][-rows:]
+        if not pick or (len(pick) < ADVISOR_CALIBRATION_MIN_ROWS
+                        and tier.usage()[2] >= ADVISOR_CALIBRATION_MIN_ROWS):
+            # fewer rows measure latency, not a rate: wait until that many were written (a
+            # tier holding fewer is measured with what it has, for a first rate)
             return False
         b = self._next_batch
         self._next_batch += 1
@@ -483,6 +507,13 @@ class TierChain:
             self.wait_idle()
         except Exception:  # never let a stuck tier stop the shutdown of the others
             log.exception("tier chain: waiting for in-flight I/O at shutdown failed")
+        if self.advisor is not None:
+            for i, tier in enumerate(self.file_tiers):
+                try:
+                    tier.save_advisor_state(self.advisor.tier_state(i))
+                except Exception:  # a tier's own failure is logged there; never stop shutdown
+                    log.exception("tier %s: saving the promotion advisor's state failed",
+                                  tier_label(i + 1, tier.medium))
         for tier in self.tiers:
             try:
                 tier.close()

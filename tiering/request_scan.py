@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -116,6 +117,10 @@ class RequestScan:
         self.decision: Decision | None = None
         self.computed_to: int | None = None  # prompt tokens computed so far (offered chunks)
         self.last_offer_step: int | None = None  # the chain's step of its last offer
+        # a run decided LOAD, until its load reaches the GPU: (its first file tier, 0-based;
+        # when it was decided; the bytes of reads queued on that tier then)
+        self._loading: tuple[int, float, int] | None = None
+        self.promoted = 0  # chunks this request had promoted from a file tier
 
     # -- lookups -----------------------------------------------------------------------------
     def lookup(self, key: bytes, first_token: int | None = None) -> Lookup:
@@ -147,7 +152,10 @@ class RequestScan:
         self.counted.add(key)
         if i is None:
             return Lookup.MISS
-        return chain.promote(key, i, self.counted)
+        found = chain.promote(key, i, self.counted)
+        if found is Lookup.PENDING:
+            self.promoted += 1
+        return found
 
     def _disk_decision(self, key: bytes, i: int, first_token: int | None) -> RunState | None:
         """Load the request's run of disk hits, or recompute it? None: still surveying."""
@@ -186,6 +194,8 @@ class RequestScan:
         start, end = run.token_span(j, advisor.chunk_tokens)
         if d.load:
             first_tier.stats.add(f"disk_runs_loaded:{d.reason}")
+            t = run.tiers[j] - 1
+            self._loading = (t, time.perf_counter(), chain.read_backlog_bytes()[t])
         else:
             first_tier.stats.add(f"disk_runs_recomputed:{d.reason}")
             for t in run.tiers[j:]:
@@ -200,6 +210,20 @@ class RequestScan:
                       "recompute %.4f s; read backlog %s B; %s", self.req_id, d.outcome,
                       len(run.keys) - j, start, end, d.reason, d.load_s, d.recompute_s,
                       chain.read_backlog_bytes(), advisor.describe())
+
+    def load_completed(self, now: float | None = None) -> None:
+        """vLLM finished loading the request's hits to the GPU: if a disk run was loaded, the
+        advisor learns what the load cost beyond its reads (its promoted bytes and the reads
+        queued ahead of them, at the tier's read rate now)."""
+        advisor = self.chain.advisor
+        if self._loading is None or advisor is None:
+            return
+        tier, decided, backlog = self._loading
+        self._loading = None
+        rate = advisor.read_rate(tier)
+        if rate and self.promoted:
+            read_s = (backlog + self.promoted * self.chain.row_bytes) / rate
+            advisor.observe_load(tier, read_s, (now or time.perf_counter()) - decided)
 
     # -- computed tokens ---------------------------------------------------------------------
     def offered(self, ends: Sequence[int]) -> None:

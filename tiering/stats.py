@@ -99,6 +99,9 @@ METRICS: tuple[Metric, ...] = (
            "of the engine (no tier label): term=step (c, seconds a step costs whatever it "
            "computes), term=token (a, seconds per prompt token), term=attention (b, seconds per "
            "token per earlier token in its prompt).", ("term",), per_tier=False),
+    Metric("advisor_load_overhead_seconds", "gauge", "What a load from a file tier costs beyond "
+           "its reads, as this engine measured it (decision to KV on the GPU, less the reads; 0 "
+           "until a load was measured or restored from the tier's advisor.json)."),
     Metric("advisor_queued_read_seconds", "gauge", "The reads queued or in flight on a file "
            "tier, in seconds at its measured read rate (what a new promotion waits behind)."),
     Metric("read_bytes_per_second", "gauge", "A file tier's read rate as the promotion "

@@ -344,3 +344,14 @@ class StoreTier(Tier):
         """Assert that the tier's books agree with themselves (every known key in one legal
         state, pins and in-flight counts consistent); tests call it after every scenario,
         faults included. O(entries): never on the scheduler's path."""
+
+    # -- the promotion advisor's measurements across restarts ----------------------------
+    def load_advisor_state(self) -> dict[str, Any] | None:
+        """What ``save_advisor_state`` kept at the last engine's shutdown, or None (nothing
+        kept, or not readable as ours: logged). Called once, when the chain is built, before
+        serving; may block on the tier's storage. Default: a tier that keeps nothing."""
+        return None
+
+    def save_advisor_state(self, state: dict[str, Any]) -> None:
+        """Keep ``state`` (JSON values) for the next engine; called at shutdown, before
+        ``close``, never on the scheduler's path. A failure is logged, never raised."""

@@ -107,7 +107,11 @@ class TieredManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         self.chain.complete_load(_as_bytes(keys))
-        self.load_gate.ended(getattr(req_context, "req_id", ""))
+        req_id = getattr(req_context, "req_id", "")
+        self.load_gate.ended(req_id)
+        scan = self._scans.get(req_id)
+        if scan is not None:
+            scan.load_completed()
 
     def prepare_store(self, keys: Collection[bytes], req_context: ReqContext
                       ) -> PrepareStoreOutput | None:

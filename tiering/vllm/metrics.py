@@ -83,6 +83,8 @@ class TierMetrics:
                 label = tier_label(i + 1, chain.tiers[i + 1].medium)
                 rate = adv.read_rate(i) or 0.0
                 stats.set_gauge(PREFIX + "read_bytes_per_second", rate, (label,))
+                stats.set_gauge(PREFIX + "advisor_load_overhead_seconds",
+                                adv.measured_load_overhead(i) or 0.0, (label,))
                 stats.set_gauge(PREFIX + "read_backlog_bytes", backlog, (label,))
                 stats.set_gauge(PREFIX + "advisor_queued_read_seconds",
                                 backlog / rate if rate else 0.0, (label,))
