@@ -6,8 +6,6 @@ import random
 
 import pytest
 
-import tiering.chain
-
 pytest.importorskip("vllm")
 
 from vllm_harness import Harness  # noqa: E402
@@ -136,14 +134,12 @@ def test_promotion_from_disk_after_connector_reset(model, tmp_path):
     assert h.manager.get_load_source(disk.keys()[0], None).value == "disk"
 
 
-def test_promote_auto_recomputes_when_the_engine_outruns_the_disk(model, tmp_path, monkeypatch):
+def test_promote_auto_recomputes_when_the_engine_outruns_the_disk(model, tmp_path):
     """With promote auto, a disk hit is a miss once recomputing is faster: the advisor learns
     the prefill cost from the steps vLLM schedules and the read rate from a calibration read
     (the first disk hit, its tier unmeasured, is recomputed meanwhile: no request waits to
     measure the disk); then, with an engine far faster than the disk, the run is surveyed and
     recomputed."""
-    # this harness writes 4 chunks a prompt: calibrate with them (16 rows by default)
-    monkeypatch.setattr(tiering.chain, "ADVISOR_CALIBRATION_MIN_ROWS", 2)
     h = Harness(model, extra(tmp_path, promote="auto"), delay=1)
     a = prompt(2)
     h.add("a1", a)
@@ -200,13 +196,11 @@ def test_preemption_flushes_stores_and_leaves_no_row_pinned(model, tmp_path):
     assert all(r.state.name != "WRITING" for r in chain.cpu.rows)
 
 
-def test_promote_auto_loads_the_cpu_prefix_and_recomputes_a_declined_disk_run(model, tmp_path, monkeypatch):
+def test_promote_auto_loads_the_cpu_prefix_and_recomputes_a_declined_disk_run(model, tmp_path):
     """promote auto in vLLM's scheduler: a prompt whose first two chunks are in the CPU tier and
     last two only on disk. The disk run is surveyed (one step pending), then declined (the
     engine is made instant once the advisor has measured it): the request gets exactly its CPU
     prefix, completes, and no row stays pinned."""
-    # this harness writes 4 chunks a prompt: calibrate with them (16 rows by default)
-    monkeypatch.setattr(tiering.chain, "ADVISOR_CALIBRATION_MIN_ROWS", 2)
     h = Harness(model, extra(tmp_path, promote="auto"), delay=1)
     chain = h.manager.chain
     a, tail = prompt(21), prompt(22, 256)

@@ -266,6 +266,8 @@ class PromotionAdvisor:
         self.prefill = PrefillModel(prefill_tokens_per_s)
         self.clock = StepClock(self.prefill, step_lag)
         self._read = [_Ewma() for _ in range(n_file_tiers)]  # bytes/s per file tier
+        # a tier's rate is provisional while it comes from a batch of too few rows only
+        self._provisional = [False] * n_file_tiers
         # seconds a load takes beyond its reads (measured: ``observe_load``), per file tier
         self._overhead = [_Ewma() for _ in range(n_file_tiers)]
         self._declined = [0] * n_file_tiers
@@ -273,15 +275,27 @@ class PromotionAdvisor:
         self._queued_s = 0.0  # compute given to the engine in the step being scheduled
 
     # -- measurements ------------------------------------------------------------------------
-    def observe_read_batch(self, tier: int, nbytes: int, seconds: float) -> None:
+    def observe_read_batch(self, tier: int, nbytes: int, seconds: float,
+                           full: bool | None = None) -> None:
         """A promotion or calibration batch of file tier ``tier`` (0-based) finished: its bytes
         and its longest read's seconds since the batch was submitted. A batch of fewer than
-        ``ADVISOR_RATE_MIN_ROWS`` rows measured latency more than a rate: it is only a first
-        rate (a tier holding fewer rows), never one that replaces a measured rate."""
+        ``ADVISOR_RATE_MIN_ROWS`` rows times latency more than a rate: it gives a provisional
+        first rate only (the tier is measured again as soon as it can be read in a full
+        batch, which then replaces it), never one that moves a measured rate. ``full``: the
+        caller's say (a tier too small to hold that many rows reads full batches of fewer)."""
         if nbytes <= 0 or seconds <= 0:
             return
-        if nbytes >= ADVISOR_RATE_MIN_ROWS * self.row_bytes or self._read[tier].value is None:
-            self._read[tier].add(nbytes / seconds)
+        rate = self._read[tier]
+        if full is None:
+            full = nbytes >= ADVISOR_RATE_MIN_ROWS * self.row_bytes
+        if full:
+            if self._provisional[tier]:
+                rate.value = None  # replaced, not averaged with
+            rate.add(nbytes / seconds)
+            self._provisional[tier] = False
+        elif rate.value is None:
+            rate.add(nbytes / seconds)
+            self._provisional[tier] = True
 
     def observe_load(self, tier: int, read_s: float, seconds: float) -> None:
         """A run of file tier ``tier`` decided LOAD with reads priced at ``read_s`` (its own and
@@ -324,9 +338,15 @@ class PromotionAdvisor:
         return self._read[tier].value
 
     def needs_measuring(self, tier: int) -> bool:
-        """Should the chain issue a calibration read of ``tier`` (0-based)? Its rate is unknown,
-        or its runs were declined ``ADVISOR_REPROBE_AFTER`` times since it was last read."""
-        return self._read[tier].value is None or self._remeasure[tier]
+        """Should the chain issue a calibration read of ``tier`` (0-based)? Its rate is unknown
+        or provisional, or its runs were declined ``ADVISOR_REPROBE_AFTER`` times since it was
+        last read."""
+        return (self._read[tier].value is None or self._provisional[tier]
+                or self._remeasure[tier])
+
+    def rate_is_provisional(self, tier: int) -> bool:
+        """Is ``tier``'s rate a first one from a batch of too few rows?"""
+        return self._provisional[tier]
 
     def measuring(self, tier: int) -> None:
         """A calibration read of ``tier`` was issued."""

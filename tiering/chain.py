@@ -46,6 +46,7 @@ from tiering.settings import (
     ADVISOR_CALIBRATION_BYTES,
     ADVISOR_CALIBRATION_MAX_ROWS,
     ADVISOR_CALIBRATION_MIN_ROWS,
+    ADVISOR_RATE_MIN_ROWS,
     DEMOTION_PIN_FRACTION,
     DEMOTION_PIN_MIN,
     WRITEBACK_RESERVE_FRACTION,
@@ -212,11 +213,14 @@ class TierChain:
         pick = [k for k in keys if tier.contains(k)][:rows]
         if len(pick) < ADVISOR_CALIBRATION_MIN_ROWS:
             pick = [k for k in self._written[i - 1] if tier.contains(k)][-rows:]
-        # fewer rows time latency, not a rate: wait until that many were written (on the H200 a
-        # calibration of the first 4 rows written read at 1.14 GB/s, 2048 rows at 2.9); only a
-        # tier too small to hold that many is measured with what it has
+        # fewer rows time latency, not a rate (on the H200 a calibration of the first 4 rows
+        # written read at 1.14 GB/s, 2048 rows at 2.9): they give a tier with no rate a
+        # provisional one, which the first full batch replaces; a tier too small to hold a full
+        # batch is measured with what it has
         _, capacity, _ = tier.usage()
-        if not pick or len(pick) < min(ADVISOR_CALIBRATION_MIN_ROWS, capacity // self.row_bytes):
+        first = self.advisor is None or self.advisor.read_rate(i - 1) is None
+        need = 1 if first else min(ADVISOR_CALIBRATION_MIN_ROWS, capacity // self.row_bytes)
+        if len(pick) < max(1, need):
             return False
         b = self._next_batch
         self._next_batch += 1
@@ -407,7 +411,9 @@ class TierChain:
             busy = ended - max(submitted, self._reads_ended[tier])
             self._reads_ended[tier] = max(self._reads_ended[tier], ended)
             if self.advisor is not None and busy > 0:
-                self.advisor.observe_read_batch(tier, nbytes, busy)
+                capacity_rows = self.file_tiers[tier].usage()[1] // self.row_bytes
+                full = nbytes >= min(ADVISOR_RATE_MIN_ROWS, capacity_rows) * self.row_bytes
+                self.advisor.observe_read_batch(tier, nbytes, busy, full)
 
     def _finish_demotion(self, i: int, done: Completion) -> None:
         row = self._in_flight.pop((i, "store", done.key), None)

@@ -54,7 +54,9 @@ ADVISOR_REPROBE_AFTER = 32
 ADVISOR_CALIBRATION_BYTES = 64 << 20
 ADVISOR_CALIBRATION_MIN_ROWS = 16
 ADVISOR_CALIBRATION_MAX_ROWS = 64
-# A read batch of fewer rows measures the tier's latency, not its rate: it does not move the rate.
+# A read batch of fewer rows times the tier's latency more than its rate: it gives a tier with no
+# rate a provisional one (calibrated again, and replaced, once this many rows can be read) and
+# never moves a measured rate.
 # On the H200's RAM disk a calibration of 4 rows of 2 MiB (8 I/O threads) read at 1.14 GB/s, a
 # 32k-token prompt's 2048 rows at 2.9 GB/s (fio: 3.09): the advisor then recomputed the 32k
 # disk hit (4.6 s) that loading serves in 1.5 s.
