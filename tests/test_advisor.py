@@ -630,8 +630,17 @@ def test_a_restarted_engine_starts_from_the_costs_the_last_one_measured(tmp_path
     c2.close()
 
 
+def test_a_provisional_rate_stays_provisional_across_a_restart(tmp_path):
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    adv.observe_read_batch(0, 2 * ROW, 2 * ROW / 1e9)
+    make_chain(tmp_path, rows=8, advisor=adv).close()
+    again = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    make_chain(tmp_path, rows=8, advisor=again).close()
+    assert again.read_rate(0) == pytest.approx(1e9) and again.rate_is_provisional(0)
+
+
 @pytest.mark.parametrize("damage", ["garbage", "not_ours", "bad_types", "negative", "huge",
-                                    "symlink", "directory", "bad_prefill"])
+                                    "symlink", "directory", "bad_prefill", "bad_flag"])
 def test_a_damaged_advisor_file_is_ignored_with_one_warning(tmp_path, caplog, damage):
     import json
 
@@ -655,6 +664,8 @@ def test_a_damaged_advisor_file_is_ignored_with_one_warning(tmp_path, caplog, da
         saved.symlink_to(target)
     elif damage == "directory":
         saved.mkdir()
+    elif damage == "bad_flag":
+        saved.write_text(json.dumps({**good, "read_rate_provisional": "yes"}))
     elif damage == "bad_prefill":
         saved.write_text(json.dumps({**good, "prefill": {**good["prefill"], "s": [[1, 2]]}}))
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)

@@ -437,6 +437,7 @@ class PromotionAdvisor:
         rate and load overhead, and the engine's prefill fit (the namespace fixes the model and
         its layout, so the costs carry over; new samples replace them at the usual pace)."""
         return {"read_bytes_per_s": self._read[tier].value,
+                "read_rate_provisional": self._provisional[tier],
                 "load_overhead_s": self._overhead[tier].value,
                 "prefill": self.prefill.state() if self.prefill.samples else None}
 
@@ -454,12 +455,16 @@ class PromotionAdvisor:
                                   or (name == "read_bytes_per_s" and v == 0)):
                 raise ValueError(f"advisor state: {name}: expected a number >= 0 or null")
             values[name] = None if v is None else float(v)
+        provisional = state.get("read_rate_provisional", False)
+        if not isinstance(provisional, bool):
+            raise ValueError("advisor state: read_rate_provisional: expected true or false")
         prefill = state.get("prefill")
         if prefill is not None and not isinstance(prefill, dict):
             raise ValueError("advisor state: prefill: expected an object or null")
         if prefill is not None and not self.prefill.samples:
             self.prefill.restore(prefill)
         self._read[tier].value = values["read_bytes_per_s"]
+        self._provisional[tier] = provisional and values["read_bytes_per_s"] is not None
         self._overhead[tier].value = values["load_overhead_s"]
 
     def describe(self) -> dict[str, float | None]:
