@@ -503,16 +503,6 @@ class FileTier(StoreTier):
                 "engine": self.engine.describe()}
 
     # -- blocking helpers -------------------------------------------------------------------------
-    def wait_idle(self, timeout: float = 30.0) -> list[Completion]:
-        """Block until every accepted write and started read has completed (tests, shutdown)."""
-        deadline = time.monotonic() + timeout
-        done = self.poll()
-        while self.has_pending_work():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"file tier: I/O still in flight after {timeout}s")
-            done += self.poll(wait=0.05)
-        return done
-
     def flush(self, timeout: float = 30.0) -> None:
         """Persist counters and access stats now (blocks until the committer has them)."""
         job = Job(done=threading.Event())

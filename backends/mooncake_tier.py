@@ -467,16 +467,6 @@ class MooncakeTier(StoreTier):
                 "engine": self.engine_name}
 
     # -- blocking helpers -------------------------------------------------------------------------
-    def wait_idle(self, timeout: float = 30.0) -> list[Completion]:
-        """Block until every submitted call has reported back (tests, shutdown)."""
-        deadline = time.monotonic() + timeout
-        done = self.poll()
-        while self.has_pending_work():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"mooncake tier: calls still in flight after {timeout}s")
-            done += self.poll(wait=0.05)
-        return done
-
     def wait_connected(self, timeout: float = 30.0) -> bool:
         """Block until the link is up (tests, tools); False if it is not within ``timeout``."""
         deadline = time.monotonic() + timeout

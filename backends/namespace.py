@@ -138,16 +138,23 @@ def load_json(data: bytes) -> Any:
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
-    """Write a JSON file atomically (tmp file + fsync + rename), mode 0600. The tmp file is
-    created fresh (never through a planted link); the rename replaces a link, never follows it.
-    """
+    """Write a JSON file atomically (``write_atomic``), mode 0600."""
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``text`` atomically (tmp file + fsync + rename), mode ``mode``
+    whatever the umask. The tmp file is created fresh (never through a planted link); the
+    rename replaces a link, never follows it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+            if mode != 0o600:
+                os.fchmod(fh.fileno(), mode)
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

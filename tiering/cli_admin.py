@@ -217,27 +217,16 @@ def _write_private(path: Path, text: str) -> None:
     """Replace ``path`` atomically (node-exporter reads whole files only). A new file is 0600
     whatever the umask; a file being replaced keeps its mode (an operator who let
     node-exporter's user read it keeps that), never anything wider than it had."""
-    import contextlib
     import os
     import stat
+
+    from tiering.backends.namespace import write_atomic
 
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
         mode = 0o600
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            os.fchmod(fh.fileno(), mode)
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, text, mode)
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:

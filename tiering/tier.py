@@ -38,6 +38,7 @@ does not have raises (a bug, never a fault).
 from __future__ import annotations
 
 import enum
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -317,10 +318,16 @@ class StoreTier(Tier):
     def has_pending_work(self) -> bool:
         """True while writes or reads are in flight (their completions still due)."""
 
-    @abstractmethod
     def wait_idle(self, timeout: float = 30.0) -> list[Completion]:
         """Block until every admitted write and started read has completed; returns their
         completions (tests, tools, shutdown). Raises ``TimeoutError`` past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        done = self.poll()
+        while self.has_pending_work():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.medium} tier: I/O still in flight after {timeout}s")
+            done += self.poll(wait=0.05)
+        return done
 
     # -- removal --------------------------------------------------------------------------
     @abstractmethod
