@@ -499,7 +499,7 @@ class FileTier(StoreTier):
         """This process's counters and the tier's size, in one dict (tools, logs)."""
         used, cap, entries = self.usage()
         return {**self.stats.snapshot(), "entries": entries, "capacity_bytes": cap,
-                "used_bytes": used, "slots": self.n_slots, "free_slots": self.slots.free_count(),
+                "usage_bytes": used, "slots": self.n_slots, "free_slots": self.slots.free_count(),
                 "engine": self.engine.describe()}
 
     # -- blocking helpers -------------------------------------------------------------------------

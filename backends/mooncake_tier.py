@@ -462,7 +462,7 @@ class MooncakeTier(StoreTier):
     def describe(self) -> dict[str, Any]:
         used, cap, entries = self.usage()
         return {**self.stats.snapshot(), "entries": entries, "lent_bytes": cap,
-                "used_bytes": used, "link": self.link.state.value, "master": self.cfg.master,
+                "usage_bytes": used, "link": self.link.state.value, "master": self.cfg.master,
                 "client": self.client.hostname, "namespace": self.namespace_id,
                 "engine": self.engine_name}
 

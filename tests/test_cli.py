@@ -44,7 +44,7 @@ def test_every_command_has_help(capsys):
 def test_inspect_json(cache, capsys):
     (ns,) = run_json(capsys, "inspect", str(cache), "--json")["namespaces"]
     assert ns["entries"] == 10 and ns["slots"] == 16 and ns["row_bytes"] == ROW
-    assert ns["used_bytes"] == 10 * ROW and ns["usage_percent"] == 62.5
+    assert ns["usage_bytes"] == 10 * ROW and ns["usage_perc"] == 0.625
     assert ns["hit_histogram"][">=0"] == 8 and ns["hit_histogram"][">=1"] == 1
     assert ns["hit_histogram"][">=2"] == 1  # key 0 was touched twice
     assert ns["age_histogram"]["<60s"] == 10

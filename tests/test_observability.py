@@ -93,7 +93,7 @@ def test_every_dashboard_and_rule_expression_returns_data(live):
 
 def test_recording_rules_are_evaluated_by_prometheus(live):
     assert prom_query(live["prom"], 'tiering:tier_hit_ratio:rate5m{tier="disk"}')
-    assert prom_query(live["prom"], "tiering:tier_usage_ratio")
+    assert prom_query(live["prom"], "tiering:tier_usage_perc")
 
 
 def test_alert_rules_load_and_evaluate(live):

@@ -293,6 +293,7 @@ def test_every_reader_agrees_on_every_counter(tmp_path, capsys):
     t.wait_idle()
     t.evict(1)
     mine = t.stats.snapshot()
+    used, capacity, entries = t.usage()
     folder = t.folder
     t.close()
     assert mine["evictions"] == 3 and mine["hits"] == 4 and mine["promotions"] == 1
@@ -307,7 +308,36 @@ def test_every_reader_agrees_on_every_counter(tmp_path, capsys):
         line = [ln for ln in text.splitlines() if ln.startswith(f"tiering_cache_{name}_total{{")
                 and (not label or f'reason="{label}"' in ln)]
         assert len(line) == 1 and float(line[0].rsplit(" ", 1)[1]) == v, (flat, line)
+    # the gauges too: every fill-level gauge of the registry, with the tier's own numbers
+    from tiering.stats import FILL_GAUGES, fill_gauges
 
+    want = fill_gauges(entries, capacity, ROW)
+    assert entries == 3 and want["usage_bytes"] == used and want["usage_perc"] == 0.75
+    for g in FILL_GAUGES:
+        line = [ln for ln in text.splitlines() if ln.startswith(f"tiering_cache_{g}{{")]
+        assert len(line) == 1 and float(line[0].rsplit(" ", 1)[1]) == want[g], (g, line)
+
+
+
+def test_server_fill_gauges_are_the_registry_computation(tmp_path):
+    """The vLLM metrics report each tier's fill level as ``stats.fill_gauges`` computes it,
+    under every registry fill-gauge name (the same numbers the exporter writes)."""
+    pytest.importorskip("vllm")
+    from tiering.stats import FILL_GAUGES, fill_gauges
+    from tiering.vllm.metrics import PREFIX, TierMetrics
+
+    c = make_chain(tmp_path, rows=4)
+    fill(c, [key(i) for i in range(3)])
+    c.wait_idle()
+    data = TierMetrics().collect(c).data["data"]
+    for label, tier in (("cpu", c.cpu), ("disk", c.file_tiers[0])):
+        _, cap, entries = tier.usage()
+        want = fill_gauges(entries, cap, ROW)
+        assert entries == 3, label
+        for g in FILL_GAUGES:
+            assert data[PREFIX + g][(label,)] == want[g], (label, g)
+    assert data[PREFIX + "usage_perc"][("cpu",)] == 0.75
+    c.close()
 
 def writeback_chain(tmp_path, rows=8, disk_slots=64) -> TierChain:
     tier = FileTier({"path": str(tmp_path / "disk"), "capacity": disk_slots * ROW, "io": "posix",

@@ -31,8 +31,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  model {s['model']}  dtype {s['dtype']}  layout {s['layout']}  "
               f"chunk_tokens {s['chunk_tokens']}  parallel {s['parallel']}")
         print(f"  row {format_size(s['row_bytes'])}  capacity {format_size(s['capacity_bytes'])}"
-              f" ({s['slots']} slots)  used {format_size(s['used_bytes'])} "
-              f"({s['usage_percent']}%)  entries {s['entries']}")
+              f" ({s['slots']} slots)  used {format_size(s['usage_bytes'])} "
+              f"({100 * s['usage_perc']:.2f}%)  entries {s['entries']}")
         print(f"  stored {format_size(s['stored_bytes'])}  compressed entries "
               f"{s['compressed_entries']}  reserved slots {s['reserved_slots']}  "
               f"io engine {s['io_engine']}")

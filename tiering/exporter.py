@@ -3,7 +3,8 @@
 Uses prometheus_client's own renderer over a custom collector, so names, escaping and TYPE/HELP
 lines follow the exposition format exactly. Metric names mirror the server's
 ``vllm:kv_tier_*`` family without the ``vllm:`` prefix (a textfile is not a vLLM process):
-``tiering_cache_*`` with labels ``path`` and ``namespace``.
+``tiering_cache_*`` with labels ``path`` and ``namespace``, every one from the registry
+(``tiering.stats``): the fill-level gauges and the counters the writer persisted.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tiering.backends.reader import NamespaceReader
-from tiering.stats import COUNTER_KEYS, COUNTERS, split_key
+from tiering.stats import COUNTER_KEYS, COUNTERS, FILL_GAUGES, GAUGES, fill_gauges, split_key
 
 
 class CacheCollector:
@@ -24,12 +25,8 @@ class CacheCollector:
 
     def collect(self) -> Iterator:
         labels = ["path", "namespace"]
-        gauges = {k: GaugeMetricFamily(f"tiering_cache_{k}", doc, labels=labels) for k, doc in (
-            ("capacity_bytes", "Capacity of the namespace."),
-            ("used_bytes", "Bytes held (entries x row size)."),
-            ("entries", "Rows held."),
-            ("usage_ratio", "used_bytes / capacity_bytes."),
-            ("row_bytes", "Size of one row."))}
+        gauges = {m.name: GaugeMetricFamily(f"tiering_cache_{m.name}", m.help, labels=labels)
+                  for m in GAUGES if m.name in FILL_GAUGES}
         counters = {m.name: CounterMetricFamily(f"tiering_cache_{m.name}", m.help,
                                                 labels=[*labels, *m.labels])
                     for m in COUNTERS}
@@ -37,9 +34,9 @@ class CacheCollector:
             with NamespaceReader(folder) as r:
                 s = r.summary()
             lv = [str(folder.parent), folder.name]
-            for k in ("capacity_bytes", "used_bytes", "entries", "row_bytes"):
-                gauges[k].add_metric(lv, s[k])
-            gauges["usage_ratio"].add_metric(lv, s["usage_percent"] / 100)
+            for name, value in fill_gauges(s["entries"], s["capacity_bytes"],
+                                           s["row_bytes"]).items():
+                gauges[name].add_metric(lv, value)
             for flat in COUNTER_KEYS:  # persisted by the writer under the registry's names
                 name, value = split_key(flat)
                 counters[name].add_metric([*lv, value] if value else lv, s["stats"][flat])

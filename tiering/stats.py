@@ -90,10 +90,13 @@ METRICS: tuple[Metric, ...] = (
            "the chunk left the store before it was read; checksum, header, short: the value read "
            "was not the chunk stored). Each is a miss or a rejection, never wrong KV.",
            ("reason",), REMOTE_ERROR_REASONS),
-    Metric("usage_bytes", "gauge", "Bytes held by this tier."),
+    # the fill level (``fill_gauges``); ``usage_perc`` is a fraction, as vLLM's own
+    # ``vllm:kv_cache_usage_perc`` of the GPU cache is
+    Metric("usage_bytes", "gauge", "Bytes held by this tier (entries x row size)."),
     Metric("usage_perc", "gauge", "Fraction of this tier's capacity in use (0..1)."),
     Metric("capacity_bytes", "gauge", "Capacity of this tier in bytes."),
     Metric("entries", "gauge", "Chunks held by this tier."),
+    Metric("row_bytes", "gauge", "Size of one chunk's row in this tier."),
     Metric("info", "gauge", "Always 1; labels describe the tier.", ("policy", "io_engine")),
     Metric("advisor_prefill_seconds", "gauge", "The promotion advisor's fitted prefill costs "
            "of the engine (no tier label): term=step (c, seconds a step costs whatever it "
@@ -114,6 +117,18 @@ METRICS: tuple[Metric, ...] = (
 
 COUNTERS: tuple[Metric, ...] = tuple(m for m in METRICS if m.kind == "counter")
 GAUGES: tuple[Metric, ...] = tuple(m for m in METRICS if m.kind == "gauge")
+#: the gauges of a tier's fill level, the ones :func:`fill_gauges` computes
+FILL_GAUGES: tuple[str, ...] = ("usage_bytes", "usage_perc", "capacity_bytes", "entries",
+                                "row_bytes")
+assert set(FILL_GAUGES) <= {m.name for m in GAUGES}, "a fill gauge missing from the registry"
+
+
+def fill_gauges(entries: int, capacity_bytes: int, row_bytes: int) -> dict[str, float]:
+    """A tier's fill-level gauges by registry name, from its entries and sizes: the one
+    computation the vLLM metrics and the exporter of offline caches both report."""
+    usage = entries * row_bytes
+    return {"usage_bytes": usage, "usage_perc": usage / capacity_bytes if capacity_bytes else 0.0,
+            "capacity_bytes": capacity_bytes, "entries": entries, "row_bytes": row_bytes}
 
 
 def counter_keys() -> list[str]:

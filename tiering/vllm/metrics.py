@@ -13,7 +13,7 @@ from typing import Any
 
 from tiering.chain import tier_label
 from tiering.settings import LATENCY_BUCKETS
-from tiering.stats import COUNTER_KEYS, METRICS, split_key
+from tiering.stats import COUNTER_KEYS, METRICS, fill_gauges, split_key
 
 PREFIX = "vllm:kv_tier_"
 
@@ -67,11 +67,9 @@ class TierMetrics:
                 name, value = split_key(flat)
                 labels = (label, value) if value else (label,)
                 self._delta(stats, name, tier.stats[flat], labels)
-            used, cap, entries = tier.usage()
-            stats.set_gauge(PREFIX + "usage_bytes", used, (label,))
-            stats.set_gauge(PREFIX + "usage_perc", used / cap if cap else 0.0, (label,))
-            stats.set_gauge(PREFIX + "capacity_bytes", cap, (label,))
-            stats.set_gauge(PREFIX + "entries", entries, (label,))
+            _, cap, entries = tier.usage()
+            for name, value in fill_gauges(entries, cap, tier.row_bytes).items():
+                stats.set_gauge(PREFIX + name, value, (label,))
             stats.set_gauge(PREFIX + "info", 1, (label, tier.policy_name,
                                                 tier.engine_name or "shm"))
         adv = chain.advisor
