@@ -16,7 +16,7 @@ from tiering.backends.staging import StagingRegion
 from tiering.chain import Lookup, TierChain
 from tiering.cpu_tier import CpuTier
 from tiering.request_scan import DiskRun, IllegalRunTransition, RequestScan, RunState
-from tiering.settings import ADVISOR_REPROBE_AFTER
+from tiering.settings import ADVISOR_CALIBRATION_MIN_ROWS, ADVISOR_REPROBE_AFTER
 
 ROW = 8192
 MiB = 1 << 20
@@ -60,12 +60,12 @@ def test_a_load_pays_its_extra_steps():
     c, a, b = 0.03, 20e-6, 8e-9
     for k, n in ((0, 2048), (0, 8192), (8192, 16384), (0, 4096), (16384, 32768)):
         adv.observe_prefill(k, n, c + cost(a, b, k, n))
-    adv.observe_read_batch(0, 1 << 30, (1 << 30) / 7e9)
-    assert not adv.loading_pays([0] * (2048 // 16), first_token=0)
-    assert not adv.first_chunk_pays(0, 0)
-    assert adv.loading_pays([0] * (32768 // 16), first_token=0)
+    adv.observe_read_batch(1, 1 << 30, (1 << 30) / 7e9)
+    assert not adv.loading_pays([1] * (2048 // 16), first_token=0)
+    assert not adv.first_chunk_pays(1, 0)
+    assert adv.loading_pays([1] * (32768 // 16), first_token=0)
     adv.prefill.c = 0.0  # the same engine without a step cost: the 2k prefix would load
-    assert adv.loading_pays([0] * (2048 // 16), first_token=0)
+    assert adv.loading_pays([1] * (2048 // 16), first_token=0)
 
 
 def test_prefill_model_with_one_length_is_per_token_only():
@@ -105,7 +105,7 @@ def h200_advisor() -> PromotionAdvisor:
     adv = PromotionAdvisor(1, row_bytes=2 * MiB, chunk_tokens=16)
     for n, s in ((2048, 0.072), (8192, 0.440), (32768, 4.530)):
         adv.observe_prefill(0, n, s)
-    adv.observe_read_batch(0, 4 << 30, (4 << 30) / 1.15e9)
+    adv.observe_read_batch(1, 4 << 30, (4 << 30) / 1.15e9)
     return adv
 
 
@@ -115,12 +115,12 @@ def test_long_prompts_load_from_disk_short_ones_recompute():
     The old single-rate advisor, fed these same three samples, rated the engine at ~20k tokens/s
     and declined every run (0.8 ms to compute a chunk against 1.8 ms to read it)."""
     adv = h200_advisor()
-    assert adv.loading_pays([0] * (32768 // 16), first_token=0)  # 3.7 s read vs 4.5 s compute
-    assert not adv.loading_pays([0] * (8192 // 16), first_token=0)  # 0.93 s vs 0.44 s
-    assert not adv.loading_pays([0] * (2048 // 16), first_token=0)  # 0.23 s vs 0.07 s
+    assert adv.loading_pays([1] * (32768 // 16), first_token=0)  # 3.7 s read vs 4.5 s compute
+    assert not adv.loading_pays([1] * (8192 // 16), first_token=0)  # 0.93 s vs 0.44 s
+    assert not adv.loading_pays([1] * (2048 // 16), first_token=0)  # 0.23 s vs 0.07 s
     # the same 8k tokens deep in a long prompt: attention over 24k earlier tokens makes
     # computing them dearer than reading them
-    assert adv.loading_pays([0] * (8192 // 16), first_token=24576)
+    assert adv.loading_pays([1] * (8192 // 16), first_token=24576)
 
 
 def test_unmeasured_costs_and_declines_that_call_for_measuring_the_tier_again():
@@ -129,22 +129,22 @@ def test_unmeasured_costs_and_declines_that_call_for_measuring_the_tier_again():
     loaded to measure the disk, which on the H200 made a 2k-token prompt 4x slower than
     recomputing). A tier declined for long is measured again, never by making a request wait."""
     adv = PromotionAdvisor(1, row_bytes=MiB, chunk_tokens=16)
-    d = adv.decide([0] * 10, first_token=0)
-    assert (d.load, d.reason) == (True, "unmeasured") and adv.first_chunk_pays(0, 0)
+    d = adv.decide([1] * 10, first_token=0)
+    assert (d.load, d.reason) == (True, "unmeasured") and adv.first_chunk_pays(1, 0)
     adv.observe_prefill(0, 4096, 0.001)  # an absurdly fast engine
-    d = adv.decide([0] * 10, first_token=0)
-    assert (d.load, d.reason) == (False, "unmeasured") and not adv.first_chunk_pays(0, 0)
-    assert adv.needs_measuring(0)
-    adv.measuring(0)
-    adv.observe_read_batch(0, 1 << 30, 1.0)
-    assert not adv.needs_measuring(0)
+    d = adv.decide([1] * 10, first_token=0)
+    assert (d.load, d.reason) == (False, "unmeasured") and not adv.first_chunk_pays(1, 0)
+    assert adv.needs_measuring(1)
+    adv.measuring(1)
+    adv.observe_read_batch(1, 1 << 30, 1.0)
+    assert not adv.needs_measuring(1)
     due = []
     for _ in range(3 * ADVISOR_REPROBE_AFTER):
-        d = adv.decide([0] * 16, first_token=0)
+        d = adv.decide([1] * 16, first_token=0)
         assert (d.load, d.reason) == (False, "faster")  # every run declined, none probed
-        due.append(adv.needs_measuring(0))
+        due.append(adv.needs_measuring(1))
         if due[-1]:
-            adv.measuring(0)
+            adv.measuring(1)
     # the tier is due to be measured again once every ADVISOR_REPROBE_AFTER declined runs
     assert due.count(True) == 3 and not due[0]
 
@@ -205,7 +205,7 @@ def on_disk(tmp_path, advisor: PromotionAdvisor, n_cpu: int, n_disk: int):
 
 def test_a_declined_run_is_surveyed_then_recomputed_as_a_whole(tmp_path):
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e12)  # instant engine
-    adv.observe_read_batch(0, 1 << 30, 1.0)
+    adv.observe_read_batch(1, 1 << 30, 1.0)
     c, ks = on_disk(tmp_path, adv, n_cpu=2, n_disk=6)
     disk = c.file_tiers[0]
     req = RequestScan(c, "r")
@@ -224,7 +224,7 @@ def test_a_declined_run_is_surveyed_then_recomputed_as_a_whole(tmp_path):
 
 def test_a_run_that_pays_is_loaded_whole_and_bytes_round_trip(tmp_path):
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1.0)  # slow engine
-    adv.observe_read_batch(0, 1 << 30, 1.0)
+    adv.observe_read_batch(1, 1 << 30, 1.0)
     c, ks = on_disk(tmp_path, adv, n_cpu=1, n_disk=5)
     disk = c.file_tiers[0]
     req = RequestScan(c, "r")
@@ -249,8 +249,8 @@ def test_a_run_whose_first_chunk_does_not_pay_can_still_pay_as_a_whole(tmp_path)
     adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1  # attention-bound engine
     # a chunk reads in 0.5 ms; computing one costs ~0.13 ms at token 0, ~1.9 ms at token 112:
     # the 8-chunk run reads in 4 ms and computes in 8.2 ms
-    adv.observe_read_batch(0, 16 * ROW, 16 * 0.5e-3)
-    assert not adv.first_chunk_pays(0, 0)
+    adv.observe_read_batch(1, 16 * ROW, 16 * 0.5e-3)
+    assert not adv.first_chunk_pays(1, 0)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
     req = RequestScan(c, "r")
     assert scan(c, req, ks) is None and req.disk_run.state is RunState.SURVEY
@@ -265,9 +265,9 @@ def test_the_decision_depends_on_where_the_run_starts(tmp_path):
     long one, where each token attends to many earlier ones."""
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
     adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-9, 1  # attention-bound engine
-    adv.observe_read_batch(0, 16 * ROW, 16 * 16 * 1e-9 * 3000)  # a chunk reads in 16 x 3 µs
-    assert not adv.loading_pays([0] * 4, first_token=0)
-    assert adv.loading_pays([0] * 4, first_token=16 * 1000)
+    adv.observe_read_batch(1, 16 * ROW, 16 * 16 * 1e-9 * 3000)  # a chunk reads in 16 x 3 µs
+    assert not adv.loading_pays([1] * 4, first_token=0)
+    assert adv.loading_pays([1] * 4, first_token=16 * 1000)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=4)
     req = RequestScan(c, "deep")
     for _ in range(2):  # survey, then decide: positions say the run starts at token 16000
@@ -392,7 +392,7 @@ def test_surveyed_chunks_that_leave_the_disk_before_the_decision_are_misses(tmp_
     request loads the rest, up to the dropped last chunk, byte-exact."""
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
     adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1  # a run of 8 pays
-    adv.observe_read_batch(0, 16 * ROW, 16 * 0.5e-3)
+    adv.observe_read_batch(1, 16 * ROW, 16 * 0.5e-3)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
     disk = c.file_tiers[0]
     req = RequestScan(c, "r")
@@ -420,7 +420,7 @@ def test_two_requests_surveying_the_same_prefix_load_it_once_or_both_recompute(t
                                                                                read_s):
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
     adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1
-    adv.observe_read_batch(0, 16 * ROW, 16 * read_s)
+    adv.observe_read_batch(1, 16 * ROW, 16 * read_s)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
     disk = c.file_tiers[0]
     reqs = {"a": RequestScan(c, "a"), "b": RequestScan(c, "b")}
@@ -462,8 +462,8 @@ def test_a_first_chunk_on_a_fast_tier_does_not_load_a_run_that_goes_on_a_slow_on
     run was loaded at once, reading 4 s for ~0.1 s of compute. Decided as a whole, it is not."""
     adv = PromotionAdvisor(2, ROW, chunk_tokens=16)
     adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1
-    adv.observe_read_batch(0, 16 * ROW, 16 * 0.5e-3)
-    adv.observe_read_batch(1, 16 * ROW, 16.0)
+    adv.observe_read_batch(1, 16 * ROW, 16 * 0.5e-3)
+    adv.observe_read_batch(2, 16 * ROW, 16.0)
     tiers = [FileTier({"path": str(tmp_path / f"d{i}"), "capacity": 64 * ROW, "io": "posix",
                        "policy": "lru"}, facts(ROW, model=f"m{i}")) for i in range(2)]
     c = TierChain(CpuTier(StagingRegion("two", 20, ROW), "lru"), tiers, advisor=adv)
@@ -472,8 +472,8 @@ def test_a_first_chunk_on_a_fast_tier_does_not_load_a_run_that_goes_on_a_slow_on
     c.wait_idle()
     c.reset()
     tiers[0].drop(ks[4:])  # chunks 4..7 only on the slow tier
-    assert not adv.first_chunk_pays(0, 1600)  # from the fast tier alone it would pay
-    assert not adv.loading_pays([0] * 4 + [1] * 4, 1600)
+    assert not adv.first_chunk_pays(1, 1600)  # from the fast tier alone it would pay
+    assert not adv.loading_pays([1] * 4 + [2] * 4, 1600)
     req = RequestScan(c, "deep")
     for _ in range(2):  # survey, then decide: the run starts at token 1600
         for i, k in enumerate(ks):
@@ -506,14 +506,14 @@ def test_a_read_batch_of_few_rows_gives_only_a_provisional_rate():
     """On the H200's RAM disk a 4-row calibration read at 1.14 GB/s, a 32k prompt's 2048 rows at
     2.9 GB/s: the rate from the small batch made the advisor recompute the 32k disk hit."""
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
-    adv.observe_read_batch(0, 4 * ROW, 4 * ROW / 1.14e9)
-    assert adv.read_rate(0) == pytest.approx(1.14e9) and adv.needs_measuring(0)
-    adv.observe_read_batch(0, 16 * ROW, 16 * ROW / 2.9e9)  # replaces it, not averaged with
-    assert adv.read_rate(0) == pytest.approx(2.9e9) and not adv.needs_measuring(0)
-    adv.observe_read_batch(0, 4 * ROW, 4 * ROW / 0.5e9)  # a measured rate is not moved
-    assert adv.read_rate(0) == pytest.approx(2.9e9)
-    adv.observe_read_batch(0, 16 * ROW, 16 * ROW / 2.0e9)
-    assert 2.0e9 < adv.read_rate(0) < 2.9e9
+    adv.observe_read_batch(1, 4 * ROW, 4 * ROW / 1.14e9)
+    assert adv.read_rate(1) == pytest.approx(1.14e9) and adv.needs_measuring(1)
+    adv.observe_read_batch(1, 16 * ROW, 16 * ROW / 2.9e9)  # replaces it, not averaged with
+    assert adv.read_rate(1) == pytest.approx(2.9e9) and not adv.needs_measuring(1)
+    adv.observe_read_batch(1, 4 * ROW, 4 * ROW / 0.5e9)  # a measured rate is not moved
+    assert adv.read_rate(1) == pytest.approx(2.9e9)
+    adv.observe_read_batch(1, 16 * ROW, 16 * ROW / 2.0e9)
+    assert 2.0e9 < adv.read_rate(1) < 2.9e9
 
 
 def test_a_calibration_reads_enough_rows_to_measure_a_rate(tmp_path):
@@ -528,21 +528,21 @@ def test_a_calibration_reads_enough_rows_to_measure_a_rate(tmp_path):
     early.wait_idle()
     assert early.calibrate(1)
     early.wait_idle()
-    assert adv.rate_is_provisional(0) and adv.needs_measuring(0)
+    assert adv.rate_is_provisional(1) and adv.needs_measuring(1)
     assert not early.calibrate(1, ks[:4])  # not again with too few
     fill(early, ks[4:16])
     early.wait_idle()
     assert early.calibrate(1)
     early.wait_idle()
     assert early.file_tiers[0].stats["calibration_reads"] == 4 + 16
-    assert not adv.rate_is_provisional(0) and not adv.needs_measuring(0)
+    assert not adv.rate_is_provisional(1) and not adv.needs_measuring(1)
     early.close()
     first = make_chain(tmp_path, rows=40, advisor=PromotionAdvisor(1, ROW, chunk_tokens=16))
     fill(first, ks)
     first.wait_idle()
     first.close()
     restarted = PromotionAdvisor(1, ROW, chunk_tokens=16)
-    restarted.observe_read_batch(0, 16 * ROW, 16 * ROW / 1e9)  # measured (or restored)
+    restarted.observe_read_batch(1, 16 * ROW, 16 * ROW / 1e9)  # measured (or restored)
     restarted._remeasure[0] = True  # due to be measured again
     c = make_chain(tmp_path, rows=40, advisor=restarted)
     disk = c.file_tiers[0]
@@ -554,20 +554,20 @@ def test_a_calibration_reads_enough_rows_to_measure_a_rate(tmp_path):
     c.check()
     c.close()
     small = PromotionAdvisor(1, ROW, chunk_tokens=16)
-    small.observe_read_batch(0, 2 * ROW, 2 * ROW / 1e9)
+    small.observe_read_batch(1, 2 * ROW, 2 * ROW / 1e9)
     c = make_chain(tmp_path / "small", rows=40, advisor=small, disk_rows=4)
     fill(c, ks[:4])
     c.wait_idle()
     assert c.calibrate(1)
     c.wait_idle()
     assert c.file_tiers[0].stats["calibration_reads"] == 4
-    assert not small.rate_is_provisional(0) and not small.needs_measuring(0)  # a full batch
+    assert not small.rate_is_provisional(1) and not small.needs_measuring(1)  # a full batch
     c.close()
 
 
 def test_a_loaded_run_teaches_the_advisor_what_a_load_costs_beyond_its_reads(tmp_path):
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1.0)  # slow engine
-    adv.observe_read_batch(0, 16 * ROW, 16 * ROW / 1e9)
+    adv.observe_read_batch(1, 16 * ROW, 16 * ROW / 1e9)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=6)
     req = RequestScan(c, "r")
     assert scan(c, req, ks) is None and req.disk_run.state is RunState.LOAD
@@ -577,9 +577,9 @@ def test_a_loaded_run_teaches_the_advisor_what_a_load_costs_beyond_its_reads(tmp
     c.complete_load(ks)
     decided = req._loading[1]
     req.load_completed(now=decided + 0.25)  # 6 rows read in ~50 µs: the rest is overhead
-    assert adv.load_overhead([0]) == pytest.approx(0.25 - 6 * ROW / 1e9)
+    assert adv.load_overhead([1]) == pytest.approx(0.25 - 6 * ROW / 1e9)
     req.load_completed(now=decided + 9.0)  # once per loaded run
-    assert adv.load_overhead([0]) == pytest.approx(0.25 - 6 * ROW / 1e9)
+    assert adv.load_overhead([1]) == pytest.approx(0.25 - 6 * ROW / 1e9)
     c.close()
 
 
@@ -590,19 +590,19 @@ def test_a_measured_load_overhead_turns_a_close_load_into_a_recompute():
     a, b = 30e-6, 5.8e-9  # 8k: 0.44 s, 32k: 4.1 s
     for k, n in ((0, 2048), (0, 8192), (8192, 16384), (16384, 32768)):
         adv.observe_prefill(k, n, cost(a, b, k, n))
-    adv.observe_read_batch(0, 64 * MiB, 64 * MiB / 3.0e9)
-    assert adv.loading_pays([0] * (8192 // 16), first_token=0)
-    adv.observe_load(0, 0.35, 0.50)
-    assert not adv.loading_pays([0] * (8192 // 16), first_token=0)
-    assert adv.loading_pays([0] * (32768 // 16), first_token=0)
+    adv.observe_read_batch(1, 64 * MiB, 64 * MiB / 3.0e9)
+    assert adv.loading_pays([1] * (8192 // 16), first_token=0)
+    adv.observe_load(1, 0.35, 0.50)
+    assert not adv.loading_pays([1] * (8192 // 16), first_token=0)
+    assert adv.loading_pays([1] * (32768 // 16), first_token=0)
 
 
 def measured_advisor() -> PromotionAdvisor:
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
     for k, n in ((0, 2048), (0, 8192), (8192, 16384), (16384, 32768)):
         adv.observe_prefill(k, n, 0.01 + cost(30e-6, 3.2e-9, k, n))
-    adv.observe_read_batch(0, 16 * ROW, 16 * ROW / 2.5e9)
-    adv.observe_load(0, 0.1, 0.22)
+    adv.observe_read_batch(1, 16 * ROW, 16 * ROW / 2.5e9)
+    adv.observe_load(1, 0.1, 0.22)
     return adv
 
 
@@ -621,8 +621,8 @@ def test_a_restarted_engine_starts_from_the_costs_the_last_one_measured(tmp_path
     c2 = make_chain(tmp_path, rows=8, advisor=again)
     assert again.describe() == adv.describe()
     for n in (2048, 8192, 32768):
-        assert (again.decide([0] * (n // 16), 0).load, again.decide([0] * (n // 16), 0).reason) \
-            == (adv.decide([0] * (n // 16), 0).load, adv.decide([0] * (n // 16), 0).reason)
+        assert (again.decide([1] * (n // 16), 0).load, again.decide([1] * (n // 16), 0).reason) \
+            == (adv.decide([1] * (n // 16), 0).load, adv.decide([1] * (n // 16), 0).reason)
     # the fit goes on from the restored sums: one more sample moves it as it would have
     adv.observe_prefill(0, 4096, 0.01 + cost(30e-6, 3.2e-9, 0, 4096))
     again.observe_prefill(0, 4096, 0.01 + cost(30e-6, 3.2e-9, 0, 4096))
@@ -632,11 +632,11 @@ def test_a_restarted_engine_starts_from_the_costs_the_last_one_measured(tmp_path
 
 def test_a_provisional_rate_stays_provisional_across_a_restart(tmp_path):
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
-    adv.observe_read_batch(0, 2 * ROW, 2 * ROW / 1e9)
+    adv.observe_read_batch(1, 2 * ROW, 2 * ROW / 1e9)
     make_chain(tmp_path, rows=8, advisor=adv).close()
     again = PromotionAdvisor(1, ROW, chunk_tokens=16)
     make_chain(tmp_path, rows=8, advisor=again).close()
-    assert again.read_rate(0) == pytest.approx(1e9) and again.rate_is_provisional(0)
+    assert again.read_rate(1) == pytest.approx(1e9) and again.rate_is_provisional(1)
 
 
 @pytest.mark.parametrize("damage", ["garbage", "not_ours", "bad_types", "negative", "huge",
@@ -676,7 +676,7 @@ def test_a_damaged_advisor_file_is_ignored_with_one_warning(tmp_path, caplog, da
         return
     with caplog.at_level("WARNING"):
         c = make_chain(tmp_path, rows=8, advisor=adv)
-    assert adv.read_rate(0) is None and not adv.prefill.known()  # measures afresh
+    assert adv.read_rate(1) is None and not adv.prefill.known()  # measures afresh
     assert [r for r in caplog.records if "advisor" in r.getMessage()
             and r.levelname == "WARNING"], caplog.text
     fill(c, [key(1)])
@@ -684,3 +684,31 @@ def test_a_damaged_advisor_file_is_ignored_with_one_warning(tmp_path, caplog, da
     assert c.file_tiers[0].contains(key(1))  # the tier serves on
     c.close()
     assert json.loads(saved.read_text())["magic"] == good["magic"]  # rewritten at shutdown
+
+
+def test_the_advisor_knows_each_tier_by_its_chain_id(tmp_path):
+    """One tier id everywhere: a calibration of the chain's tier 2 (the second file tier)
+    measures the advisor's tier 2, and its read-rate and backlog gauges carry that tier's
+    label (disk2); tier 1, never read, stays unmeasured."""
+    adv = PromotionAdvisor(2, ROW, chunk_tokens=16)
+    tiers = [FileTier({"path": str(tmp_path / f"d{i}"), "capacity": 64 * ROW, "io": "posix",
+                       "policy": "lru"}, facts(ROW, model=f"m{i}")) for i in range(2)]
+    c = TierChain(CpuTier(StagingRegion("ids", 8, ROW), "lru"), tiers, advisor=adv)
+    ks = [key(i) for i in range(ADVISOR_CALIBRATION_MIN_ROWS)]  # enough rows for a rate
+    assert tiers[1].put(ks, [row_for(k) for k in ks]).admitted == ks
+    tiers[1].wait_idle()
+    assert c.read_backlog_bytes() == {1: 0, 2: 0}
+    assert c.calibrate(2, ks)
+    assert c.read_backlog_bytes() == {1: 0, 2: len(ks) * ROW}
+    c.wait_idle()
+    assert adv.read_rate(2) and adv.read_rate(1) is None
+    assert not adv.needs_measuring(2) and adv.needs_measuring(1)
+    assert set(adv.describe()) >= {"read_bytes_per_s[1]", "read_bytes_per_s[2]"}
+    pytest.importorskip("vllm")
+    from tiering.vllm.metrics import PREFIX, TierMetrics
+
+    data = TierMetrics().collect(c).data["data"]
+    assert data[PREFIX + "read_bytes_per_second"][("disk2",)] == adv.read_rate(2)
+    assert data[PREFIX + "read_bytes_per_second"][("disk",)] == 0.0
+    c.check()
+    c.close()

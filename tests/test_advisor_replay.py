@@ -99,13 +99,13 @@ def advisor_for(shape: str, rate: float, c: float = STEP_S) -> tuple[PromotionAd
     adv = PromotionAdvisor(1, eng.row_bytes, CHUNK, step_lag=1)
     lengths = sorted(int(n) for n in DATA["shapes"][shape]["ttft_s"])
     replay_steps(adv, eng, phases(lengths))
-    adv.observe_read_batch(0, ADVISOR_CALIBRATION_BYTES, ADVISOR_CALIBRATION_BYTES / rate)
+    adv.observe_read_batch(1, ADVISOR_CALIBRATION_BYTES, ADVISOR_CALIBRATION_BYTES / rate)
     return adv, eng
 
 
 def disk_phase(adv: PromotionAdvisor, n: int) -> bool:
     """The disk phase of an ``n``-token prompt: its whole prefix only on the file tier."""
-    return adv.decide([0] * (n // CHUNK), 0, n).load
+    return adv.decide([1] * (n // CHUNK), 0, n).load
 
 
 @pytest.mark.parametrize("rate", VIRTUAL_DISK)
@@ -121,7 +121,7 @@ def test_8b_on_the_virtual_disk_recomputes_2k_and_8k_and_loads_32k(rate):
     # 2k: 256 MiB, ~0.17 s of reads against ~0.07 s of prefill; 8k: 1 GiB against 0.43 s
     assert not disk_phase(adv, 2048) and not disk_phase(adv, 8192)
     # 32k: 4 GiB, 2.3-3.7 s of reads against 4.5 s of prefill
-    d = adv.decide([0] * (32768 // CHUNK), 0, 32768)
+    d = adv.decide([1] * (32768 // CHUNK), 0, 32768)
     assert d.load and d.reason == "faster"
     # what a load costs: its reads and the steps it adds
     assert d.load_s == pytest.approx(32768 * eng.kv_bytes_per_token / rate
@@ -176,8 +176,8 @@ def test_the_first_disk_hit_of_an_engine_is_recomputed_while_the_disk_is_measure
     eng = Engine("8b")
     adv = PromotionAdvisor(1, eng.row_bytes, CHUNK, step_lag=1)
     replay_steps(adv, eng, phases([2048, 8192, 32768]))
-    d = adv.decide([0] * (2048 // CHUNK), 0, 2048)
-    assert (d.load, d.reason) == (False, "unmeasured") and adv.needs_measuring(0)
+    d = adv.decide([1] * (2048 // CHUNK), 0, 2048)
+    assert (d.load, d.reason) == (False, "unmeasured") and adv.needs_measuring(1)
 
 
 def test_timed_by_store_completions_the_same_engine_looked_slower_and_the_advisor_loaded():
@@ -196,7 +196,7 @@ def test_timed_by_store_completions_the_same_engine_looked_slower_and_the_adviso
     assert old.b == 0.0 and old.seconds(0, 2048) > 3 * true_2k
     adv = PromotionAdvisor(1, eng.row_bytes, CHUNK)
     adv.prefill = old
-    adv.observe_read_batch(0, 1 << 30, (1 << 30) / 1.5e9)
+    adv.observe_read_batch(1, 1 << 30, (1 << 30) / 1.5e9)
     assert disk_phase(adv, 2048) and disk_phase(adv, 8192)  # what the H200 run did
     assert not eng.loading_wins(2048, 1.5e9) and not eng.loading_wins(8192, 1.5e9)
 
@@ -240,7 +240,7 @@ def serve(policy: str, hit_rate: float, n: int = 400, tokens: int = 512, rate: f
                     load = True
                 else:
                     backlog = max(0.0, disk_free - t) * rate
-                    d = adv.decide([0] * run, 0, tokens, [int(backlog)])
+                    d = adv.decide([1] * run, 0, tokens, {1: int(backlog)})
                     reasons[f"{d.outcome}:{d.reason}"] = reasons.get(f"{d.outcome}:{d.reason}",
                                                                      0) + 1
                     load = d.load

@@ -164,7 +164,7 @@ def test_events_report_cpu_and_disk(tmp_path):
     settle(c)
     ev = [(e.medium, e.removed, e.keys) for e in c.take_events()]
     assert ("cpu", False, [key(0)]) in ev
-    assert ("disk", False, [key(0)]) in ev
+    assert ("file", False, [key(0)]) in ev
     assert ("cpu", True, [key(0)]) in ev  # evicted from the CPU row by key(1)
     c.close()
 

@@ -186,7 +186,7 @@ def test_random_operations_on_a_full_disk_with_the_advisor(tmp_path, mount_tmpfs
             writing.clear()
             loading.clear()
         elif op < 0.8:  # measurements that move the advisor's decisions both ways
-            adv.observe_read_batch(rng.randrange(2), 16 * ROW, 16 * rng.choice([1e-6, 1.0]))
+            adv.observe_read_batch(rng.randrange(1, 3), 16 * ROW, 16 * rng.choice([1e-6, 1.0]))
             adv.observe_prefill(0, 1024, rng.choice([1e-6, 10.0]))
         elif op < 0.95:
             c.on_schedule_end()

@@ -261,7 +261,7 @@ def test_file_tier_evictions_are_events(tmp_path):
     for i in range(0, 20, 4):
         fill(c, ks[i:i + 4])
         c.wait_idle()
-    removed = [k for e in c.take_events() if e.medium == "disk" and e.removed for k in e.keys]
+    removed = [k for e in c.take_events() if e.medium == "file" and e.removed for k in e.keys]
     assert len(removed) == 4 and not any(c.file_tiers[0].contains(k) for k in removed)
     c.close()
 

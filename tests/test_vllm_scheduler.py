@@ -145,13 +145,13 @@ def test_promote_auto_recomputes_when_the_engine_outruns_the_disk(model, tmp_pat
     h.add("a1", a)
     h.run()
     advisor = h.manager.chain.advisor
-    assert advisor.prefill.known() and advisor.read_rate(0) is None
+    assert advisor.prefill.known() and advisor.read_rate(1) is None
     h.reset_gpu_prefix_cache(connector=True)
     h.add("a2", a)  # the read rate is not known yet: recomputed while a calibration measures it
     h.run()
     disk = h.manager.chain.tiers[1].stats
     assert h.cached.get("a2", 0) == 0 and disk["disk_runs_recomputed:unmeasured"] == 1
-    assert disk["calibration_reads"] >= 3 and advisor.read_rate(0)
+    assert disk["calibration_reads"] >= 3 and advisor.read_rate(1)
     h.reset_gpu_prefix_cache(connector=True)
     advisor.prefill.a, advisor.prefill.b = 1e-12, 0.0  # this harness computes in no time
     h.add("a3", a)
@@ -209,7 +209,7 @@ def test_promote_auto_loads_the_cpu_prefix_and_recomputes_a_declined_disk_run(mo
     h.reset_gpu_prefix_cache(connector=True)
     h.add("a2", a)  # read rate unknown: recomputed while a calibration read measures it
     h.run()
-    assert chain.advisor.read_rate(0) and chain.advisor.prefill.known()
+    assert chain.advisor.read_rate(1) and chain.advisor.prefill.known()
     assert chain.tiers[1].stats["calibration_reads"] >= 1
     # what the advisor measured depends on this machine's speed: make the engine instant
     prefill = chain.advisor.prefill

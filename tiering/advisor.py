@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -265,20 +265,21 @@ class PromotionAdvisor:
         self.row_bytes, self.chunk_tokens = row_bytes, max(1, chunk_tokens)
         self.prefill = PrefillModel(prefill_tokens_per_s)
         self.clock = StepClock(self.prefill, step_lag)
-        self._read = [_Ewma() for _ in range(n_file_tiers)]  # bytes/s per file tier
+        # per file tier, by the chain's tier id (1 = the first file tier; 0 is the CPU tier)
+        self._read = {t: _Ewma() for t in range(1, n_file_tiers + 1)}  # bytes/s
         # a tier's rate is provisional while it comes from a batch of too few rows only
-        self._provisional = [False] * n_file_tiers
+        self._provisional = dict.fromkeys(self._read, False)
         # seconds a load takes beyond its reads (measured: ``observe_load``), per file tier
-        self._overhead = [_Ewma() for _ in range(n_file_tiers)]
-        self._declined = [0] * n_file_tiers
-        self._remeasure = [False] * n_file_tiers
+        self._overhead = {t: _Ewma() for t in self._read}
+        self._declined = dict.fromkeys(self._read, 0)
+        self._remeasure = dict.fromkeys(self._read, False)
         self._queued_s = 0.0  # compute given to the engine in the step being scheduled
 
     # -- measurements ------------------------------------------------------------------------
     def observe_read_batch(self, tier: int, nbytes: int, seconds: float,
                            full: bool | None = None) -> None:
-        """A promotion or calibration batch of file tier ``tier`` (0-based) finished: its bytes
-        and its longest read's seconds since the batch was submitted. A batch of fewer than
+        """A promotion or calibration batch of file tier ``tier`` (the chain's tier id) finished:
+        its bytes and its longest read's seconds since the batch was submitted. A batch of fewer than
         ``ADVISOR_RATE_MIN_ROWS`` rows times latency more than a rate: it gives a provisional
         first rate only (the tier is measured again as soon as it can be read in a full
         batch, which then replaces it), never one that moves a measured rate. ``full``: the
@@ -338,8 +339,8 @@ class PromotionAdvisor:
         return self._read[tier].value
 
     def needs_measuring(self, tier: int) -> bool:
-        """Should the chain issue a calibration read of ``tier`` (0-based)? Its rate is unknown
-        or provisional, or its runs were declined ``ADVISOR_REPROBE_AFTER`` times since it was
+        """Should the chain issue a calibration read of ``tier`` (the chain's tier id)? Its rate
+        is unknown or provisional, or its runs were declined ``ADVISOR_REPROBE_AFTER`` times since it was
         last read."""
         return (self._read[tier].value is None or self._provisional[tier]
                 or self._remeasure[tier])
@@ -358,12 +359,12 @@ class PromotionAdvisor:
         fixed cost, or more if this engine's loads from those tiers were measured to take more
         (``observe_load``; on the H200 80-150 ms beyond the reads, where the fitted step cost
         was 0: the reads seen at a step end, the copy to the GPU, the request's next step)."""
-        measured = [self._overhead[t].value for t in tiers if t < len(self._overhead)]
+        measured = [self._overhead[t].value for t in tiers if t in self._overhead]
         known = [m for m in measured if m is not None]
         return max([ADVISOR_LOAD_STEPS * self.prefill.c, *known])
 
     def first_chunk_pays(self, tier: int, first_token: int,
-                         backlog_bytes: Sequence[int] = ()) -> bool:
+                         backlog_bytes: Mapping[int, int] | None = None) -> bool:
         """Would reading the chunk at ``first_token``, with a load's extra steps and the reads
         queued ahead on ``tier``, beat computing it there — and does each chunk read from the
         slowest measured file tier beat computing it alone? If so, loading pays for any run that
@@ -376,17 +377,17 @@ class PromotionAdvisor:
         rate = self.read_rate(tier)
         if not rate:
             return False
-        slowest = min(r.value for r in self._read if r.value)
+        slowest = min(r.value for r in self._read.values() if r.value)
         compute = self.prefill.seconds(first_token, first_token + self.chunk_tokens)
-        queued = backlog_bytes[tier] if tier < len(backlog_bytes) else 0
+        queued = (backlog_bytes or {}).get(tier, 0)
         m = ADVISOR_PAYOFF_MARGIN
         return (self.row_bytes / slowest <= m * compute
                 and (queued + self.row_bytes) / rate + self.load_overhead([tier])
                 <= m * max(self._queued_s + compute, self.engine_queue_s))
 
     def decide(self, tiers: Sequence[int], first_token: int, end_token: int | None = None,
-               backlog_bytes: Sequence[int] = ()) -> Decision:
-        """Load one row from each of ``tiers`` (0-based file tier per row, in prompt order)
+               backlog_bytes: Mapping[int, int] | None = None) -> Decision:
+        """Load one row from each of ``tiers`` (the file tier's id per row, in prompt order)
         covering tokens ``[first_token, end_token)`` (default: one chunk's tokens per row), or
         recompute them? ``backlog_bytes[t]``: the bytes of reads queued or in flight on tier
         ``t`` ahead of this run."""
@@ -401,7 +402,7 @@ class PromotionAdvisor:
         own: dict[int, int] = {}
         for t in tiers:
             own[t] = own.get(t, 0) + self.row_bytes
-        queued = {t: backlog_bytes[t] if t < len(backlog_bytes) else 0 for t in own}
+        queued = {t: (backlog_bytes or {}).get(t, 0) for t in own}
         # tiers read in parallel: the run is in when the last of its tiers has read its part
         alone_read = max(own[t] / rates[t] for t in own)  # type: ignore[operator]
         read = max((queued[t] + own[t]) / rates[t] for t in own)  # type: ignore[operator]
@@ -416,7 +417,8 @@ class PromotionAdvisor:
         return Decision(False, "disk_busy" if alone_pays else "faster", load_s, recompute_s)
 
     def loading_pays(self, tiers: Sequence[int], first_token: int,
-                     end_token: int | None = None, backlog_bytes: Sequence[int] = ()) -> bool:
+                     end_token: int | None = None,
+                     backlog_bytes: Mapping[int, int] | None = None) -> bool:
         """``decide(...).load``."""
         return self.decide(tiers, first_token, end_token, backlog_bytes).load
 
@@ -473,5 +475,5 @@ class PromotionAdvisor:
                 "prefill_s_per_token": self.prefill.a if known else None,
                 "prefill_s_per_token_per_context_token": self.prefill.b if known else None,
                 "engine_queue_s": self.engine_queue_s,
-                **{f"read_bytes_per_s[{i}]": r.value for i, r in enumerate(self._read)},
-                **{f"load_overhead_s[{i}]": o.value for i, o in enumerate(self._overhead)}}
+                **{f"read_bytes_per_s[{i}]": r.value for i, r in self._read.items()},
+                **{f"load_overhead_s[{i}]": o.value for i, o in self._overhead.items()}}

@@ -62,13 +62,15 @@ __all__ = ["Event", "Lookup", "TierChain"]
 @dataclass
 class Event:
     keys: list[bytes]
-    medium: str  # "cpu" or "disk"
+    medium: str  # the tier's ``medium``: "cpu", "file" or "mooncake"
     removed: bool
 
 
 def tier_label(i: int, medium: str = "file") -> str:
-    """The ``tier`` label of tier ``i`` in metrics and hit sources (the shared store below the
-    file tiers is ``mooncake``)."""
+    """The ``tier`` label (metrics, ``Row.source``) of tier id ``i``: the tier's index in the
+    chain, 0 for the CPU tier and 1, 2, … for the tiers below it (the advisor's tier ids too).
+    A file tier's label is ``disk``, ``disk2``, …, the shared store's ``mooncake``; a label
+    names the tier, its ``medium`` what the tier keeps rows in."""
     if medium == "mooncake":
         return "mooncake"
     return "cpu" if i == 0 else ("disk" if i == 1 else f"disk{i}")
@@ -85,7 +87,7 @@ class TierChain:
         self.events_enabled = events
         self._events: list[Event] = []
         for tier in self.file_tiers:  # every key leaving a file tier, whatever the cause
-            tier.on_removed(lambda keys: self._event(list(keys), "disk", True))
+            tier.on_removed(lambda keys, m=tier.medium: self._event(list(keys), m, True))
         self._promote: list[list[tuple[bytes, int]]] = [[] for _ in self.file_tiers]
         # (tier, "store" | "promotion", key) -> its CPU row
         self._in_flight: dict[tuple[int, str, bytes], int] = {}
@@ -126,11 +128,11 @@ class TierChain:
         restarted server decides its first disk hits as the last one would have, instead of
         loading them all while its prefill is unmeasured)."""
         assert self.advisor is not None
-        for i, tier in enumerate(self.file_tiers):
+        for i, tier in enumerate(self.file_tiers, start=1):
             state = tier.load_advisor_state()
             if state is None:
                 continue
-            label = tier_label(i + 1, tier.medium)
+            label = tier_label(i, tier.medium)
             try:
                 self.advisor.restore_tier(i, state)
             except ValueError as exc:
@@ -196,10 +198,10 @@ class TierChain:
         found, i = self.find_file(key, count)
         return found if found is not Lookup.HIT else self.promote(key, i, protect)
 
-    def read_backlog_bytes(self) -> list[int]:
-        """Per file tier (0-based), the bytes of reads queued or in flight: what a new
-        promotion waits behind."""
-        return [n * self.row_bytes for n in self._reads_queued]
+    def read_backlog_bytes(self) -> dict[int, int]:
+        """Per file tier, by tier id (1 = the first), the bytes of reads queued or in flight:
+        what a new promotion waits behind."""
+        return {i: n * self.row_bytes for i, n in enumerate(self._reads_queued, start=1)}
 
     def calibrate(self, i: int, keys: Sequence[bytes] = ()) -> bool:
         """Measure file tier ``i``'s read rate with one batch of reads into scratch memory (no
@@ -218,7 +220,7 @@ class TierChain:
         # provisional one, which the first full batch replaces; a tier too small to hold a full
         # batch is measured with what it has
         _, capacity, _ = tier.usage()
-        first = self.advisor is None or self.advisor.read_rate(i - 1) is None
+        first = self.advisor is None or self.advisor.read_rate(i) is None
         need = 1 if first else min(ADVISOR_CALIBRATION_MIN_ROWS, capacity // self.row_bytes)
         if len(pick) < max(1, need):
             return False
@@ -236,11 +238,13 @@ class TierChain:
         tier.stats.add("calibration_reads", n)
         self._reads_queued[i - 1] += n
         if self.advisor is not None:
-            self.advisor.measuring(i - 1)
+            self.advisor.measuring(i)
         log.debug("tier %s: calibration read of %d rows", tier_label(i, tier.medium), n)
         return True
 
     def hit_source(self, key: bytes) -> str:
+        """vLLM's hit source of a CPU-resident chunk (its ``CacheHitSource`` words): "cpu" if
+        the GPU stored it, "disk" if it was promoted from any tier below (vLLM has no other)."""
         if not self.file_tiers:  # nothing is promoted: every row came from the GPU
             return "cpu"
         return "disk" if self.cpu.source_of(key) != "cpu" else "cpu"
@@ -350,7 +354,7 @@ class TierChain:
             self.advisor.step_end(time.perf_counter())
             for i, tier in enumerate(self.file_tiers, start=1):
                 # measured while the tier writes nothing: a read rate, not a share of the disk
-                if (self.advisor.needs_measuring(i - 1) and self._written[i - 1]
+                if (self.advisor.needs_measuring(i) and self._written[i - 1]
                         and not tier.has_pending_work()):
                     self.calibrate(i)
         if self._batches:
@@ -406,12 +410,12 @@ class TierChain:
         entry[3] = max(entry[3], done.seconds)
         if entry[1] == 0:
             del self._batches[batch]
-            tier, nbytes, longest, submitted = entry[0] - 1, entry[2], entry[3], entry[4]
+            tier, nbytes, longest, submitted = entry[0], entry[2], entry[3], entry[4]
             ended = submitted + longest
-            busy = ended - max(submitted, self._reads_ended[tier])
-            self._reads_ended[tier] = max(self._reads_ended[tier], ended)
+            busy = ended - max(submitted, self._reads_ended[tier - 1])
+            self._reads_ended[tier - 1] = max(self._reads_ended[tier - 1], ended)
             if self.advisor is not None and busy > 0:
-                capacity_rows = self.file_tiers[tier].usage()[1] // self.row_bytes
+                capacity_rows = self.file_tiers[tier - 1].usage()[1] // self.row_bytes
                 full = nbytes >= min(ADVISOR_RATE_MIN_ROWS, capacity_rows) * self.row_bytes
                 self.advisor.observe_read_batch(tier, nbytes, busy, full)
 
@@ -419,7 +423,7 @@ class TierChain:
         row = self._in_flight.pop((i, "store", done.key), None)
         if done.ok:
             self.transfer_samples.append((i, "store", done.seconds))
-            self._event([done.key], "disk", False)
+            self._event([done.key], self.tiers[i].medium, False)
             self._written[i - 1].append(done.key)
         if row is not None:
             self.cpu.unpin_row(row, io=True)
@@ -515,12 +519,12 @@ class TierChain:
         except Exception:  # never let a stuck tier stop the shutdown of the others
             log.exception("tier chain: waiting for in-flight I/O at shutdown failed")
         if self.advisor is not None:
-            for i, tier in enumerate(self.file_tiers):
+            for i, tier in enumerate(self.file_tiers, start=1):
                 try:
                     tier.save_advisor_state(self.advisor.tier_state(i))
                 except Exception:  # a tier's own failure is logged there; never stop shutdown
                     log.exception("tier %s: saving the promotion advisor's state failed",
-                                  tier_label(i + 1, tier.medium))
+                                  tier_label(i, tier.medium))
         for tier in self.tiers:
             try:
                 tier.close()

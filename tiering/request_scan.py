@@ -117,7 +117,7 @@ class RequestScan:
         self.decision: Decision | None = None
         self.computed_to: int | None = None  # prompt tokens computed so far (offered chunks)
         self.last_offer_step: int | None = None  # the chain's step of its last offer
-        # a run decided LOAD, until its load reaches the GPU: (its first file tier, 0-based;
+        # a run decided LOAD, until its load reaches the GPU: (its first file tier's id;
         # when it was decided; the bytes of reads queued on that tier then)
         self._loading: tuple[int, float, int] | None = None
         self.promoted = 0  # chunks this request had promoted from a file tier
@@ -170,8 +170,8 @@ class RequestScan:
             if first and first_token is None:  # position unknown: count chunks
                 first_token = len(self.counted) * advisor.chunk_tokens
             run.note(key, i, first_token)
-            if first and advisor.first_chunk_pays(i - 1, first_token,
-                                                  chain.read_backlog_bytes()):
+            if first and advisor.first_chunk_pays(i, first_token,
+                                              chain.read_backlog_bytes()):
                 # pays at its start, so for any length (or the engine is not measured yet)
                 self._decided(Decision(True, "faster" if advisor.prefill.known()
                                        else "unmeasured"), 0)
@@ -179,8 +179,7 @@ class RequestScan:
             self.counted.add(key)
             return None
         start, end = run.token_span(j, advisor.chunk_tokens)
-        tiers = [t - 1 for t in run.tiers[j:]]
-        self._decided(advisor.decide(tiers, start, end, chain.read_backlog_bytes()), j)
+        self._decided(advisor.decide(run.tiers[j:], start, end, chain.read_backlog_bytes()), j)
         return run.state
 
     def _decided(self, d: Decision, j: int) -> None:
@@ -194,7 +193,7 @@ class RequestScan:
         start, end = run.token_span(j, advisor.chunk_tokens)
         if d.load:
             first_tier.stats.add(f"disk_runs_loaded:{d.reason}")
-            t = run.tiers[j] - 1
+            t = run.tiers[j]
             self._loading = (t, time.perf_counter(), chain.read_backlog_bytes()[t])
         else:
             first_tier.stats.add(f"disk_runs_recomputed:{d.reason}")

@@ -93,11 +93,14 @@ class Tier(ABC):
     """What every tier has: fixed-size rows keyed by chunk hash, its own counters, lookups.
 
     Each tier owns its keys' state, its eviction policy and admission rule, and its counters
-    (``stats``): nobody else counts on its behalf. Readers of every tier (vLLM's metrics, the
+    (``stats``); the chain and a request's scan add only what they decide about the tier
+    (``promotions_declined``, ``disk_runs_*``, ``writeback_misses``, ``demotions_deferred``). Readers of every tier (vLLM's metrics, the
     exporter) use only what this class declares.
     """
 
-    #: "cpu", "file" or "mooncake" (a word for logs and the ``tiering`` tools)
+    #: what the tier keeps rows in: "cpu" (the staging region), "file" (a file tier) or
+    #: "mooncake" (the shared store); the same word as the config's ``medium``. Its metrics
+    #: label is its tier id's (``chain.tier_label``: "cpu", "disk", "disk2", …, "mooncake").
     medium: str
     row_bytes: int
     stats: TierStats

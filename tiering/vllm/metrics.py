@@ -77,8 +77,8 @@ class TierMetrics:
             for term, value in (("step", adv.prefill.c), ("token", adv.prefill.a),
                                 ("attention", adv.prefill.b)):
                 stats.set_gauge(PREFIX + "advisor_prefill_seconds", value, (term,))
-            for i, backlog in enumerate(chain.read_backlog_bytes()):
-                label = tier_label(i + 1, chain.tiers[i + 1].medium)
+            for i, backlog in chain.read_backlog_bytes().items():
+                label = tier_label(i, chain.tiers[i].medium)
                 rate = adv.read_rate(i) or 0.0
                 stats.set_gauge(PREFIX + "read_bytes_per_second", rate, (label,))
                 stats.set_gauge(PREFIX + "advisor_load_overhead_seconds",
