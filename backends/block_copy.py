@@ -21,8 +21,12 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +45,40 @@ class Finished:
     seconds: float
 
 
+class DescriptorCopier(Protocol):
+    """What the descriptor path needs of a copy engine: enqueue one job's copies, each
+    ``size[i]`` bytes from address ``src[i]`` to ``dst[i]``. Called from vLLM's worker thread."""
+
+    def submit(self, job_id: int, src: np.ndarray, dst: np.ndarray, size: np.ndarray,
+               direction: str = "store") -> None: ...
+
+
+class BlockCopier(Protocol):
+    """A copy engine between the GPU's KV blocks and the staging rows (``MemcpyEngine`` here,
+    ``CudaCopyEngine`` on CUDA), as ``TieredWorker`` drives it from vLLM's worker thread:
+    ``submit_job`` enqueues and returns, ``get_finished`` polls (each submitted job is reported
+    once), ``wait`` blocks on the named jobs, ``shutdown`` releases what the engine holds."""
+
+    name: str
+
+    def submit_job(self, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
+                   group_sizes: Sequence[int], block_indices: Sequence[int], rows: np.ndarray,
+                   direction: str) -> None: ...
+
+    def get_finished(self) -> list[Finished]: ...
+
+    def wait(self, job_ids: set[int]) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
 class CopyLayout:
     """Where each KV tensor's pages live on the device and in a staging row."""
 
     def __init__(self, tensors: Sequence[TensorInfo], group_refs: Sequence[Sequence[tuple[int, int]]],
                  row_base: int, row_bytes: int, rank: int, cell_bytes: int,
-                 blocks_per_chunk: int, torch_tensors: Sequence | None = None) -> None:
+                 blocks_per_chunk: int, torch_tensors: Sequence[torch.Tensor] | None = None
+                 ) -> None:
         self.tensors, self.refs, self.bpc = list(tensors), group_refs, blocks_per_chunk
         self.torch_tensors = list(torch_tensors) if torch_tensors is not None else None
         self.cell_bytes = cell_bytes
@@ -130,7 +162,7 @@ def merge_runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray, by: str = "sr
     return src[idx], dst[idx], np.add.reduceat(size, idx)
 
 
-def submit_descriptors(engine, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
+def submit_descriptors(engine: DescriptorCopier, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
                        group_sizes: Sequence[int], block_indices: Sequence[int],
                        rows: np.ndarray, direction: str) -> None:
     """The descriptor path of any engine: build the job's copies, source to destination."""

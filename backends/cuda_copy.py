@@ -38,12 +38,16 @@ import ctypes
 import logging
 from collections import deque
 from collections.abc import Sequence
-from typing import NamedTuple
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from tiering.backends.block_copy import CopyLayout, Finished, merge_runs
 from tiering.settings import CUDA_BATCH_MAX
+
+if TYPE_CHECKING:  # never at run time: torch comes with the engine (see above)
+    import torch
 
 log = logging.getLogger(__name__)
 BATCH_MAX = CUDA_BATCH_MAX  # descriptors per cudaMemcpyBatchAsync call (tiering.settings)
@@ -117,9 +121,9 @@ def plan_staged(layout: CopyLayout, dev: np.ndarray, host: np.ndarray, size: np.
             src.append(s)
             dst.append(d)
             n.append(k)
-        pieces.append((lo, hi, int(buf_of_piece[p]),
-                       tuple(np.ascontiguousarray(np.concatenate(a), dtype=np.uint64)
-                             for a in (src, dst, n))))
+        a_src, a_dst, a_n = (np.ascontiguousarray(np.concatenate(a), dtype=np.uint64)
+                             for a in (src, dst, n))
+        pieces.append((lo, hi, int(buf_of_piece[p]), (a_src, a_dst, a_n)))
     return StagedPlan(dev, staged, size, pieces)
 
 
@@ -158,7 +162,7 @@ class _CudartBatch:
                 ctypes.c_size_t(1)]
         if self.has_fail_idx:
             args.append(ctypes.byref(ctypes.c_size_t(0)))
-        return self.fn(*args, p(stream))
+        return int(self.fn(*args, p(stream)))
 
 
 class CudaCopyEngine:
@@ -230,15 +234,17 @@ class CudaCopyEngine:
         # in-flight jobs per direction, in submission order: every job's end event is recorded
         # on its direction's stream, so they complete in this order and polling may stop at
         # the first one still running (one event query per direction and step, not per job)
-        self._jobs: dict[str, deque] = {d: deque() for d in self.streams}
+        # (job id, bytes, start event, end event)
+        self._jobs: dict[str, deque[tuple[int, int, torch.cuda.Event, torch.cuda.Event]]] = {
+            d: deque() for d in self.streams}
         # kernel paths: per direction, a second stream for the row copies, two device buffers
         # and the events after which each buffer may be refilled (kept across jobs)
-        self._kernels = None
+        self._kernels: ModuleType | None = None  # tiering.backends.gpu_kernels, once loaded
         self._kernel_hints = True
         self.copy = self._choose_copy(copy)
-        self._copy_streams: dict[str, object] = {}
-        self._buffers: dict[str, list] = {}
-        self._free: dict[str, list] = {}
+        self._copy_streams: dict[str, torch.cuda.Stream] = {}
+        self._buffers: dict[str, list[torch.Tensor]] = {}
+        self._free: dict[str, list[torch.cuda.Event | None]] = {}
         self._next_buffer: dict[str, int] = {}
         self.jobs_by_path = {"dma": 0, "staged": 0, "direct": 0}
 
@@ -277,7 +283,7 @@ class CudaCopyEngine:
             if not torch.equal(src[o:o + n], dst[o:o + n]) or dst[o + n:o + 8192].any():
                 raise _KernelUnavailable("the copy kernel's self-check moved wrong bytes")
 
-    def _make_attrs(self):
+    def _make_attrs(self) -> Any:  # a cuda-bindings cudaMemcpyAttributes
         rt = self.rt
         attr = rt.cudaMemcpyAttributes()
         attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
@@ -357,10 +363,11 @@ class CudaCopyEngine:
             self.submit(job_id, host, dev, size, direction)
 
     # -- kernel paths ------------------------------------------------------------------------------
-    def _launch(self, table, n: int, first: int, count: int, max_bytes: int) -> None:
+    def _launch(self, table: torch.Tensor, n: int, first: int, count: int, max_bytes: int) -> None:
         """Launch the page-copy kernel on the current stream; the first launch compiles it (with
         alignment hints, without them if that fails); a kernel that cannot be built at all
         raises ``_KernelUnavailable`` before anything of the job was enqueued."""
+        assert self._kernels is not None, "kernel paths need gpu_kernels loaded"
         while True:
             try:
                 self._kernels.launch(table, n, first, count, max_bytes, self._kernel_hints)
@@ -373,7 +380,7 @@ class CudaCopyEngine:
                     continue
                 raise _KernelUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
-    def _upload(self, columns: Sequence[np.ndarray]):
+    def _upload(self, columns: Sequence[np.ndarray]) -> torch.Tensor:
         """The kernel's page table (int64 columns, side by side) on the device, copied on the
         current stream from pinned memory (the host allocator keeps it until the copy ran)."""
         torch = self.torch
@@ -457,14 +464,14 @@ class CudaCopyEngine:
         self._next_buffer[direction] = (b0 + n_pieces) % 2
         self._jobs[direction].append((job_id, int(size.sum()), start, end))
 
-    def _copy_stream(self, direction: str):
+    def _copy_stream(self, direction: str) -> torch.cuda.Stream:
         s = self._copy_streams.get(direction)
         if s is None:
             s = self.torch.cuda.Stream(self.device)
             self._copy_streams[direction] = s
         return s
 
-    def _staging_buffers(self, direction: str):
+    def _staging_buffers(self, direction: str) -> list[torch.Tensor] | None:
         """Two device buffers of ``staging_bytes / 2`` for this direction, made on first use;
         None if the device has no room (the job then takes the descriptor path)."""
         bufs = self._buffers.get(direction)

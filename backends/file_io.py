@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -97,7 +98,7 @@ class Job:
     records: list[tuple[bytes, bytes]] = field(default_factory=list)  # refreshed access stats
     stats: dict[str, int] = field(default_factory=dict)
     done: threading.Event | None = None
-    reply: tuple[str, dict] | None = None  # admin reply written once this job is committed
+    reply: tuple[str, dict[str, Any]] | None = None  # admin reply written once this job is committed
 
 
 @dataclass(slots=True)
@@ -129,7 +130,7 @@ class AdminRequest:
     """An operation a tool left in ``requests/`` (see ``admin.py``); applied by the owner."""
 
     reply_path: str
-    op: dict
+    op: dict[str, Any]
 
 
 class PendingMeta:
@@ -181,13 +182,13 @@ class _Flight:
     writes: list[WriteItem]
     drop: list[bytes]
     slots: list[int]
-    futures: list[Future]
+    futures: list[Future[list[WriteResult]]]
 
 
 class Committer(threading.Thread):
     """Single thread that owns every write transaction of one namespace."""
 
-    def __init__(self, index: Index, slabs: SlabSet, engine: IoEngine, out: queue.SimpleQueue,
+    def __init__(self, index: Index, slabs: SlabSet, engine: IoEngine, out: queue.SimpleQueue[object],
                  codec: ZstdCodec | None, max_batch: int, pending: PendingMeta) -> None:
         super().__init__(name="tier-committer", daemon=True)
         self.index, self.slabs, self.engine, self.out = index, slabs, engine, out
@@ -335,7 +336,7 @@ class Committer(threading.Thread):
                 continue
             self.out.put(AdminRequest(str(path.with_suffix(".done")), op))
 
-    def _reply(self, path: str, payload: dict) -> None:
+    def _reply(self, path: str, payload: dict[str, Any]) -> None:
         from tiering.backends.namespace import write_json
 
         try:
@@ -357,7 +358,7 @@ class Committer(threading.Thread):
         per_run = run_rows(len(writes), self.engine.threads, self.slabs.slot_bytes, 0,
                            MIN_WRITE_RUN_BYTES)
         runs = adjacent_runs(writes, self.slabs, per_run, lambda w: w.slot)
-        futures: list[Future] = [self.engine.submit(self._write_run, run) for run in runs]
+        futures: list[Future[list[WriteResult]]] = [self.engine.submit(self._write_run, run) for run in runs]
         return _Flight(batch, writes, drop, slots, futures)
 
     def _complete(self, flight: _Flight, later_drops: set[bytes]) -> None:

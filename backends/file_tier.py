@@ -80,10 +80,10 @@ class FileTier(StoreTier):
     ``tiering.tier.StoreTier``; slot states: ``slot_table.SlotTable``)."""
 
     medium = "file"
-    policy: EvictionPolicy
+    policy: EvictionPolicy[bytes]
     _removed_listener: Callable[[list[bytes]], None] | None = None  # see on_removed
 
-    def __init__(self, cfg: FileTierConfig | dict, facts: NamespaceFacts,
+    def __init__(self, cfg: FileTierConfig | dict[str, Any], facts: NamespaceFacts,
                  info: dict[str, Any] | None = None) -> None:
         cfg = FileTierConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
         self.cfg, self.facts = cfg, facts
@@ -114,9 +114,11 @@ class FileTier(StoreTier):
         if committer is not None and committer.is_alive():
             committer.jobs.put(None)
             committer.join(timeout=30)
-        for name, undo in (("engine", lambda e: e.shutdown()),
-                           ("slabs", lambda s: hasattr(self, "engine") and s.close(self.engine)),
-                           ("index", lambda i: i.close())):
+        undos: tuple[tuple[str, Callable[[Any], object]], ...] = (
+            ("engine", lambda e: e.shutdown()),
+            ("slabs", lambda s: hasattr(self, "engine") and s.close(self.engine)),
+            ("index", lambda i: i.close()))
+        for name, undo in undos:
             part = getattr(self, name, None)
             if part is not None:
                 try:
@@ -126,7 +128,8 @@ class FileTier(StoreTier):
                                   name)
         os.close(self._lock_fd)
 
-    def _open(self, cfg, facts, info, nums) -> None:
+    def _open(self, cfg: FileTierConfig, facts: NamespaceFacts, info: dict[str, Any],
+              nums: dict[str, int]) -> None:
         # no planted links, nothing of another user under our names; names the tier never
         # writes (a .nfsXXXX file, an editor's backup) stay as they are, never opened
         foreign = check_folder(self.folder, allow_foreign=True)
@@ -151,7 +154,7 @@ class FileTier(StoreTier):
         self.policy = create(cfg.policy, self.n_slots)
         self.admission = StoreThreshold(cfg.store_threshold, cfg.tracker_size)
         self._rebuild()
-        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.pending = PendingMeta()  # access stats and counters not yet in LMDB
         self.committer = Committer(self.index, self.slabs, self.engine, self._results,
                                    self.codec if cfg.compression == "zstd" else None,
@@ -505,9 +508,9 @@ class FileTier(StoreTier):
     # -- blocking helpers -------------------------------------------------------------------------
     def flush(self, timeout: float = 30.0) -> None:
         """Persist counters and access stats now (blocks until the committer has them)."""
-        job = Job(done=threading.Event())
-        self._submit(job)
-        job.done.wait(timeout)
+        done = threading.Event()
+        self._submit(Job(done=done))
+        done.wait(timeout)
         self.poll()
 
     def load_advisor_state(self) -> dict[str, Any] | None:

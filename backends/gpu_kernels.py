@@ -21,15 +21,21 @@ starts on a 16-byte boundary, so loads and stores are 16 bytes wide.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 16
 CHUNK_WORDS = 4096  # 16 KiB per program: 32 words per thread with 4 warps
 
 
-@triton.jit
-def _copy_pages(table, n, first, CHUNK: tl.constexpr, HINTS: tl.constexpr):
+# Triton reads a kernel's annotations (tl.constexpr), so its arguments carry no Python types
+@triton.jit  # type: ignore[untyped-decorator]
+def _copy_pages(table, n, first, CHUNK: tl.constexpr, HINTS: tl.constexpr):  # type: ignore[no-untyped-def]
     """Program (i, c) copies words [c*CHUNK, (c+1)*CHUNK) of page ``first + i``.
 
     ``table`` holds three int64 columns of ``n`` entries each: source address, destination
@@ -52,7 +58,7 @@ def _copy_pages(table, n, first, CHUNK: tl.constexpr, HINTS: tl.constexpr):
         tl.store(dp + offs, tl.load(sp + offs, mask=mask), mask=mask)
 
 
-def launch(table, n: int, first: int, count: int, max_bytes: int, hints: bool = True) -> None:
+def launch(table: torch.Tensor, n: int, first: int, count: int, max_bytes: int, hints: bool = True) -> None:
     """Copy pages ``first .. first+count-1`` of ``table`` (a device int64 tensor of 3×n) on
     the current stream. ``max_bytes``: the longest of those pages."""
     if count <= 0:

@@ -78,7 +78,7 @@ def _fallocate_keep_size(fd: int, offset: int, length: int) -> int:
     except (OSError, AttributeError):
         return -1
     fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    return fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length)
+    return int(fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length))
 
 
 def pack_record(slot: int, length: int, codec: int, checksum: int, created: float,
@@ -86,7 +86,11 @@ def pack_record(slot: int, length: int, codec: int, checksum: int, created: floa
     return _RECORD.pack(slot, length, codec, flags, 0, checksum, created, last_access, hits)
 
 
-def unpack_record(value: bytes) -> tuple:
+#: an index record: (slot, length, codec, flags, checksum, created, last_access, hits)
+Record = tuple[int, int, int, int, int, float, float, int]
+
+
+def unpack_record(value: bytes) -> Record:
     """(slot, length, codec, flags, checksum, created, last_access, hits)."""
     slot, length, codec, flags, _, checksum, created, last_access, hits = _RECORD.unpack(value)
     return slot, length, codec, flags, checksum, created, last_access, hits
@@ -365,14 +369,14 @@ class Index:
             return [], np.empty(0, RECORD)
         return keys, np.frombuffer(b"".join(values), dtype=RECORD)
 
-    def get(self, key: bytes) -> tuple | None:
+    def get(self, key: bytes) -> Record | None:
         with self._reading(), self.env.begin(db=self.records) as txn:
             v = txn.get(key)
             if v is not None and len(v) != RECORD_SIZE:
                 raise IndexDamaged(f"{self.path}: a record of the wrong size")
             return unpack_record(v) if v is not None else None
 
-    def iter_records(self) -> Iterator[tuple[bytes, tuple]]:
+    def iter_records(self) -> Iterator[tuple[bytes, Record]]:
         with self._reading(), self.env.begin(db=self.records) as txn:
             for k, v in txn.cursor():
                 if len(v) != RECORD_SIZE:

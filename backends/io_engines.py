@@ -26,11 +26,12 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 ALIGN = 4096
 ENGINES = ("auto", "posix", "kvikio", "gds")
 
@@ -63,7 +64,9 @@ class IoEngine(ABC):
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        # (function, its arguments) per task; None tells a worker to stop
+        self._tasks: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue())
         self._workers = [threading.Thread(target=self._work, name=f"tier-{self.name}-{i}",
                                           daemon=True) for i in range(threads)]
         for t in self._workers:
@@ -85,8 +88,8 @@ class IoEngine(ABC):
         """Run ``fn(*args)`` on a worker thread; it must report its own result."""
         self._tasks.put((fn, args))
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        fut: Future = Future()
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        fut: Future[T] = Future()
 
         def run() -> None:
             if not fut.set_running_or_notify_cancel():
@@ -201,7 +204,7 @@ class PosixEngine(IoEngine):
         return f"posix ({mode}, {self.threads} threads)"
 
 
-def _full_io(op, fd: int, bufs: list[memoryview], offset: int) -> int:
+def _full_io(op: Callable[[int, list[memoryview], int], int], fd: int, bufs: list[memoryview], offset: int) -> int:
     """Run preadv/pwritev until every buffer is done or (reads) end of file is reached."""
     total = sum(len(b) for b in bufs)
     done = 0

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tiering.backends.checksum import checksum_of, namespace_seed
-from tiering.backends.index import Index
+from tiering.backends.index import Index, Record
 from tiering.backends.namespace import (
     check_folder,
     is_candidate,
@@ -150,11 +150,12 @@ class NamespaceReader:
         now = self.index.get(key)
         return now is not None and now[0] == int(r["slot"]) and now[4] == int(r["checksum"])
 
-    def iter_records(self) -> Iterator[tuple[bytes, tuple]]:
+    def iter_records(self) -> Iterator[tuple[bytes, Record]]:
         return self.index.iter_records()
 
 
-def _histogram(values: np.ndarray, bounds: tuple, label, first: str | None = None) -> dict:
+def _histogram(values: np.ndarray, bounds: tuple[float, ...], label: Callable[[float], str],
+               first: str | None = None) -> dict[str, int]:
     edges = list(bounds) + [np.inf]
     out = {}
     if first is not None:

@@ -20,8 +20,9 @@ import errno
 import logging
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tiering.backends.checksum import namespace_seed
 from tiering.backends.io_engines import IoEngine
@@ -29,6 +30,7 @@ from tiering.backends.namespace import SLAB_FILE, NamespaceError, hard_link_prob
 from tiering.settings import MIN_RUN_BYTES
 
 log = logging.getLogger(__name__)
+Item = TypeVar("Item")
 
 
 def slab_name(i: int) -> str:
@@ -180,9 +182,10 @@ def run_rows(n: int, threads: int, row_bytes: int, max_bytes: int,
     return max(1, rows)
 
 
-def adjacent_runs(items: list, slabs: SlabSet, max_rows: int, slot_of) -> list[list]:
+def adjacent_runs(items: list[Item], slabs: SlabSet, max_rows: int,
+                  slot_of: Callable[[Item], int]) -> list[list[Item]]:
     """Split items into runs of consecutive slots in one slab file, at most max_rows each."""
-    runs: list[list] = []
+    runs: list[list[Item]] = []
     for item in sorted(items, key=slot_of):
         slot = slot_of(item)
         if runs:

@@ -43,7 +43,7 @@ class ReadsDone:
 
 
 def start_reads(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, items: list[ReadItem],
-                verify: bool, out: queue.SimpleQueue) -> None:
+                verify: bool, out: queue.SimpleQueue[object]) -> None:
     """Read ``items`` on the engine's threads; each run's outcome reaches ``out`` as one
     ``ReadsDone``. Runs of adjacent slots become one vectored read each (see ``run_rows``)."""
     t0 = time.perf_counter()
@@ -53,7 +53,7 @@ def start_reads(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, items: list[
 
 
 def _read_and_report(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, run: list[ReadItem],
-                     verify: bool, out: queue.SimpleQueue, t0: float) -> None:
+                     verify: bool, out: queue.SimpleQueue[object], t0: float) -> None:
     try:
         outcomes = read_run(engine, slabs, codec, run, verify)
     except Exception:  # never lose a run: its keys are pinned until reported

@@ -259,7 +259,7 @@ def transfer_config(name: str, scratch: Path, cpu_bytes: int, disk_gib: float,
 class Engine:
     """One ``LLM`` (its own engine-core process) and the phase measurements taken on it."""
 
-    def __init__(self, a, model: Path, config: str, kvt: dict | None, gpu_blocks: int,
+    def __init__(self, a, model: Path, config: str, kvt: dict | None, gpu_blocks: int | None,
                  max_len: int, warm_tokens: int | list[int] = 64, max_num_seqs: int | None = 64,
                  prefix_caching: bool = True, engine_kw: dict | None = None) -> None:
         from vllm import LLM
@@ -875,6 +875,8 @@ def _engine_core_pid() -> int | None:
 class SweepEngine(Engine):
     """An engine of the sweep: prefix caching off, one output token, throughput per batch."""
 
+    gpu_block_tokens: int  # set by sweep_setup
+
     def run_batch(self, prompts: list[list[int]]) -> dict:
         from vllm import SamplingParams
 
@@ -1102,7 +1104,7 @@ def sweep_main(a: argparse.Namespace, t0: float) -> None:
     for shape in a.sweep_shapes:
         n = a.sweep_prompts or SWEEP_PROMPTS.get(shape, 64)
         model = write_model(scratch / f"model-{shape}", shape, max(4096, 2 * tokens))
-        steps = [("none", None)] if "none" in a.sweep_configs else []
+        steps: list[tuple[str, int | None]] = [("none", None)] if "none" in a.sweep_configs else []
         steps += [(c, ch) for ch in chunks for c in a.sweep_configs if c != "none"]
         for config, chunk in steps:
             key = f"{shape}/{config}" + ("" if chunk is None else f"@{chunk}")

@@ -15,7 +15,7 @@ from tiering.policies.base import EvictionPolicy, Key, evict_or_none
 from tiering.policies.lru import LruPolicy
 from tiering.policies.s3fifo import S3FifoPolicy
 
-REGISTRY: dict[str, type[EvictionPolicy]] = {
+REGISTRY: dict[str, type[EvictionPolicy[Any]]] = {
     cls.name: cls for cls in (LruPolicy, ArcPolicy, S3FifoPolicy)
 }
 
@@ -23,13 +23,13 @@ __all__ = ["REGISTRY", "ArcPolicy", "EvictionPolicy", "Key", "LruPolicy", "S3Fif
            "StoreThreshold", "create", "evict_or_none", "resolve", "register"]
 
 
-def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+def register(cls: type[EvictionPolicy[Any]]) -> type[EvictionPolicy[Any]]:
     """Add a policy class to the registry under ``cls.name`` (usable as a decorator)."""
     REGISTRY[cls.name.lower()] = cls
     return cls
 
 
-def resolve(name: str) -> type[EvictionPolicy]:
+def resolve(name: str) -> type[EvictionPolicy[Any]]:
     """The policy class for a registered name or a ``module:Class`` path; ValueError if none."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy must be a non-empty string, got {name!r}")
@@ -52,6 +52,6 @@ def resolve(name: str) -> type[EvictionPolicy]:
     return cls
 
 
-def create(name: str, capacity: int, **kwargs: Any) -> EvictionPolicy:
+def create(name: str, capacity: int, **kwargs: Any) -> EvictionPolicy[Any]:
     """Build a policy by name for a tier of ``capacity`` keys."""
     return resolve(name)(capacity, **kwargs)

@@ -22,7 +22,7 @@ from itertools import compress
 from tiering.policies.base import EvictionPolicy, Key
 
 
-class ArcPolicy(EvictionPolicy):
+class ArcPolicy(EvictionPolicy[Key]):
     name = "arc"
 
     def __init__(self, capacity: int) -> None:
@@ -92,14 +92,15 @@ class ArcPolicy(EvictionPolicy):
             return True
         return False
 
-    def _first_evictable(self, lst: OrderedDict, protected: Collection[Key]) -> Key | None:
+    def _first_evictable(self, lst: OrderedDict[Key, None], protected: Collection[Key]
+                         ) -> Key | None:
         for key in lst:
             if not self._blocked(key, protected):
                 return key
         return None
 
     def _pick_victims(self, n: int, protected: Collection[Key]) -> list[Key]:
-        victims = []
+        victims: list[Key] = []
         while len(victims) < n:
             prefer_t1 = len(self.t1) > 0 and len(self.t1) >= max(1, int(self.p))
             order = (self.t1, self.t2) if prefer_t1 else (self.t2, self.t1)

@@ -30,13 +30,14 @@ import itertools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Hashable, Iterable, Iterator
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar
 
-Key = Hashable
+#: a policy's key type: bytes in the tiers (chunk hashes), anything hashable in the simulator
+Key = TypeVar("Key", bound=Hashable)
 log = logging.getLogger(__name__)
 
 
-class EvictionPolicy(ABC):
+class EvictionPolicy(ABC, Generic[Key]):
     """Orders the resident keys of one tier and chooses eviction victims.
 
     ``capacity`` is the number of keys the tier can hold; policies use it to size internal
@@ -218,7 +219,7 @@ class EvictionPolicy(ABC):
         return {"resident": len(self), "pinned": len(self._pins)}
 
 
-def evict_or_none(policy: EvictionPolicy, n: int, protected: Collection[Key] = ()
+def evict_or_none(policy: EvictionPolicy[Key], n: int, protected: Collection[Key] = ()
                   ) -> list[Key] | None:
     """``policy.evict`` for code running on vLLM's scheduler thread: a policy that raises (an
     out-of-tree one, a bug) is logged and treated as "no victim", which the tier counts as a

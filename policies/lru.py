@@ -9,7 +9,7 @@ from collections.abc import Collection, Iterator
 from tiering.policies.base import EvictionPolicy, Key
 
 
-class LruPolicy(EvictionPolicy):
+class LruPolicy(EvictionPolicy[Key]):
     """One ordered dict, oldest first. Pinned keys keep their place and are stepped over."""
 
     name = "lru"

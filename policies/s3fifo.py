@@ -25,7 +25,7 @@ from tiering.policies.base import EvictionPolicy, Key
 _MAX_FREQ = 3
 
 
-class S3FifoPolicy(EvictionPolicy):
+class S3FifoPolicy(EvictionPolicy[Key]):
     name = "s3fifo"
 
     def __init__(self, capacity: int, small_ratio: float = 0.1, promote_hits: int = 1) -> None:

@@ -67,7 +67,7 @@ class Setup:
     def expected_cell(self, blocks_of_chunk, skip=0):
         """The cell a chunk's blocks make: tensor after tensor, block by block (positions
         before ``skip`` not part of the job: None)."""
-        parts = []
+        parts: list[np.ndarray | None] = []
         for t in self.tensors:
             for k in range(self.bpc):
                 if k < skip:

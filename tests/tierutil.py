@@ -44,8 +44,8 @@ class CheckedFileTier(FileTier):
         finally:  # closed even when the check fails: later tests need the lock and threads gone
             super().close()
 
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is not None:  # the test already failed: keep its error, skip the check
+    def __exit__(self, *exc: object) -> None:
+        if exc and exc[0] is not None:  # the test already failed: keep its error, skip the check
             FileTier.close(self)
         else:
             self.close()

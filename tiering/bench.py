@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,13 +159,13 @@ def run_python_io(folder: Path, pool: Pool, n_rows: int, threads: int,
                 for i, buf in zip(range(a, b), bufs, strict=True):
                     failed[k] += checksum_of(0, keys[i], buf) != sums[i]
 
-    def guarded(fn, k: int) -> None:
+    def guarded(fn: Callable[[int], None], k: int) -> None:
         try:
             fn(k)
         except BaseException as exc:  # raised in the caller's thread below, never lost
             errors.append(exc)
 
-    def timed(fn) -> tuple[float, float]:
+    def timed(fn: Callable[[int], None]) -> tuple[float, float]:
         workers = [threading.Thread(target=guarded, args=(fn, k)) for k in range(threads)]
         cpu0, t0 = cpu_seconds(), time.perf_counter()
         for w in workers:
@@ -300,13 +301,14 @@ def bench(path: str, row_bytes: int, total: int, threads: int, repeat: int,
     total = n_rows * row_bytes
     pool = Pool(row_bytes, max(1, min(n_rows, (256 << 20) // row_bytes)))
     parts = ["tier"] if only == "tier" else list(parts or PARTS)
-    runs: dict[str, list | None] = {p: [] for p in parts}
+    runs: dict[str, list[dict[str, Any]] | None] = {p: [] for p in parts}
     notes: list[str] = []
     root = Path(path)
     make_dirs(root)  # 0700 whatever the umask
     for _ in range(repeat):
         for part in parts:
             folder = Path(tempfile.mkdtemp(prefix=f"bench-{part}-", dir=root))
+            r: dict[str, Any] | str
             try:
                 if part == "tier":
                     r = run_tier(folder, pool, n_rows, threads, io)
@@ -321,8 +323,8 @@ def bench(path: str, row_bytes: int, total: int, threads: int, repeat: int,
             if isinstance(r, str):
                 notes.append(f"{part}: {r}")
                 runs[part] = None
-            elif runs[part] is not None:
-                runs[part].append(r)
+            elif (kept := runs[part]) is not None:
+                kept.append(r)
         parts = [p for p in parts if runs[p] is not None]
 
     def med(part: str, field: str) -> float | None:
@@ -334,11 +336,11 @@ def bench(path: str, row_bytes: int, total: int, threads: int, repeat: int,
     for part in PARTS:
         for f in FIELDS:
             out[f"{part}_{f}"] = med(part, f)
-        if runs.get(part):
-            out[f"{part}_bad_rows"] = sum(r["bad_rows"] for r in runs[part])
-            out[f"{part}_runs"] = runs[part]
-    if runs.get("tier"):
-        out["io_engine"] = runs["tier"][0]["engine"]
+        if rs := runs.get(part):
+            out[f"{part}_bad_rows"] = sum(r["bad_rows"] for r in rs)
+            out[f"{part}_runs"] = rs
+    if tier_runs := runs.get("tier"):
+        out["io_engine"] = tier_runs[0]["engine"]
     colds = {r.get("cold") for rs in runs.values() if rs for r in rs} - {None}
     out["cold_reads"] = sorted(colds)
     if "fadvise" in colds:
@@ -404,7 +406,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def add_bench_command(sub: argparse._SubParsersAction) -> None:
+def add_bench_command(sub: argparse._SubParsersAction[cli_args.Parser]) -> None:
     p = sub.add_parser("bench", help="file tier vs fio vs vLLM's fs tier on the same disk",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", type=cli_args.cache_path,

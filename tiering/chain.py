@@ -37,6 +37,8 @@ import time
 from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 from tiering.advisor import PromotionAdvisor
 from tiering.backends.io_engines import aligned_buffer
@@ -87,7 +89,7 @@ class TierChain:
         self.events_enabled = events
         self._events: list[Event] = []
         for tier in self.file_tiers:  # every key leaving a file tier, whatever the cause
-            tier.on_removed(lambda keys, m=tier.medium: self._event(list(keys), m, True))
+            tier.on_removed(partial(self._removed, tier.medium))
         self._promote: list[list[tuple[bytes, int]]] = [[] for _ in self.file_tiers]
         # (tier, "store" | "promotion", key) -> its CPU row
         self._in_flight: dict[tuple[int, str, bytes], int] = {}
@@ -114,7 +116,7 @@ class TierChain:
         self.advisor = advisor  # None: every disk hit is loaded
         # read batches in flight: id -> [tier, reads left, bytes, longest read's seconds,
         # submitted at]; and when each tier's last finished batch ended
-        self._batches: dict[int, list] = {}
+        self._batches: dict[int, list[Any]] = {}
         self._reads_ended = [0.0] * len(self.file_tiers)
         self._next_batch = 0
         self._reserve = max(WRITEBACK_RESERVE_MIN,
@@ -140,6 +142,9 @@ class TierChain:
                             label, exc)
                 continue
             log.info("tier %s: promotion advisor restored: %s", label, self.advisor.describe())
+
+    def _removed(self, medium: str, keys: Iterable[bytes]) -> None:
+        self._event(list(keys), medium, True)
 
     def _event(self, keys: list[bytes], medium: str, removed: bool) -> None:
         if self.events_enabled and keys:
@@ -334,7 +339,7 @@ class TierChain:
         room = len(keys) if force else max(0, self._demote_budget - self._demoting)
         keys, later = keys[:room], keys[room:]
         if keys:
-            out = self.tiers[i].put(keys, [self.cpu.view(k) for k in keys])
+            out = self.file_tiers[i - 1].put(keys, [self.cpu.view(k) for k in keys])
             for k in out.admitted:
                 self.cpu.pin(k, io=True)
                 self._in_flight[(i, "store", k)] = self.cpu.row_of(k)
@@ -519,12 +524,12 @@ class TierChain:
         except Exception:  # never let a stuck tier stop the shutdown of the others
             log.exception("tier chain: waiting for in-flight I/O at shutdown failed")
         if self.advisor is not None:
-            for i, tier in enumerate(self.file_tiers, start=1):
+            for i, below in enumerate(self.file_tiers, start=1):
                 try:
-                    tier.save_advisor_state(self.advisor.tier_state(i))
+                    below.save_advisor_state(self.advisor.tier_state(i))
                 except Exception:  # a tier's own failure is logged there; never stop shutdown
                     log.exception("tier %s: saving the promotion advisor's state failed",
-                                  tier_label(i, tier.medium))
+                                  tier_label(i, below.medium))
         for tier in self.tiers:
             try:
                 tier.close()

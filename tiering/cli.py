@@ -12,10 +12,13 @@ import errno
 import json
 import logging
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 from tiering import cli_args
+
+if TYPE_CHECKING:
+    from tiering.workloads import Request
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +32,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if capacity is None:
             raise ValueError("--capacity: required with --trace (tier capacity in chunks)")
 
-        def requests():  # re-read per run: a trace may not fit in memory twice
+        def requests() -> Iterator[Request]:  # re-read per run: a trace may not fit twice
             return from_trace(args.trace)
     else:
         wl = BUILTIN[args.workload]
         source, capacity = wl.name, args.capacity or wl.default_capacity
         cached = list(wl.make(args.seed))
 
-        def requests():
+        def requests() -> Iterator[Request]:
             return iter(cached)
 
     if args.cpu_capacity is not None:
@@ -52,7 +55,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate_demotion(args, requests, source, capacity) -> int:
+def _simulate_demotion(args: argparse.Namespace, requests: Callable[[], Iterator[Request]],
+                       source: str, capacity: int) -> int:
     from tiering.simulate import format_demotion_table, simulate_demotion
 
     results = [simulate_demotion(requests(), p, args.cpu_capacity, capacity, t, mode)

@@ -95,7 +95,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         from tiering.cli_cache import mooncake_view
 
         return mooncake_view(args)
-    out = []
+    out: list[dict[str, Any]] = []
     for folder in _namespaces(args):
         with NamespaceReader(folder) as r:
             s = r.index.read_stats()
@@ -249,7 +249,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction[cli_args.Parser]) -> None:
     def with_path(name: str, help_: str, desc: str, store_ok: bool = False
                   ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=desc)

@@ -13,9 +13,12 @@ import math
 import os
 import re
 from collections.abc import Callable
+from typing import TypeVar
 
 from tiering.backends.sizes import MAX_SIZE, parse_size
 
+#: the parser class of the command table the modules add their commands to (the CLI's own)
+Parser = TypeVar("Parser", bound=argparse.ArgumentParser)
 _NAMESPACE = re.compile(r"^[0-9a-f]{16}$")
 
 

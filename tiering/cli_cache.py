@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from tiering import cli_args
 from tiering.backends.sizes import format_size
@@ -69,7 +70,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end="",
                   file=sys.stderr, flush=True)
 
-    report, corrupt_total = [], 0
+    report: list[dict[str, Any]] = []
+    corrupt_total = 0
     for folder in find_namespaces(args.path):
         with NamespaceReader(folder) as r:
             n = r.index.count()
@@ -99,7 +101,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1 if corrupt_total else 0
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction[cli_args.Parser]) -> None:
     p = sub.add_parser("inspect", help="namespaces, capacity, usage, entries, histograms",
                        description="Summarise every namespace under PATH (read-only). PATH "
                        "mooncake://HOST:PORT (a Mooncake master's HTTP admin port): its view "

@@ -83,7 +83,7 @@ class CpuTier(RowTier):
     ``tiering.tier.RowTier``)."""
 
     medium = "cpu"
-    policy: EvictionPolicy
+    policy: EvictionPolicy[bytes]
 
     def __init__(self, region: StagingRegion, policy: str = "lru", store_threshold: int = 0,
                  tracker_size: int = 64_000) -> None:
@@ -339,9 +339,10 @@ class CpuTier(RowTier):
             else:
                 assert row.index not in free, row
             if row.state is RowState.DETACHED:
-                assert row.pins > 0 and self.key_row.get(row.key) is not row, row
+                assert row.key is not None and row.pins > 0, row
+                assert self.key_row.get(row.key) is not row, row
             elif row.state is not RowState.FREE:
-                assert self.key_row.get(row.key) is row, row
+                assert row.key is not None and self.key_row.get(row.key) is row, row
         assert len(self.key_row) == len(self.policy), (len(self.key_row), len(self.policy))
         # the policy's pins mirror the rows' (detached rows' keys are out of the policy)
         pins = {k: r.pins for k, r in self.key_row.items() if r.pins}

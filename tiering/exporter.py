@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tiering.backends.reader import NamespaceReader
 from tiering.stats import COUNTER_KEYS, COUNTERS, FILL_GAUGES, GAUGES, fill_gauges, split_key
@@ -23,7 +23,7 @@ class CacheCollector:
     def __init__(self, folders: list[Path]) -> None:
         self.folders = folders
 
-    def collect(self) -> Iterator:
+    def collect(self) -> Iterator[Metric]:
         labels = ["path", "namespace"]
         gauges = {m.name: GaugeMetricFamily(f"tiering_cache_{m.name}", m.help, labels=labels)
                   for m in GAUGES if m.name in FILL_GAUGES}
@@ -34,9 +34,9 @@ class CacheCollector:
             with NamespaceReader(folder) as r:
                 s = r.summary()
             lv = [str(folder.parent), folder.name]
-            for name, value in fill_gauges(s["entries"], s["capacity_bytes"],
-                                           s["row_bytes"]).items():
-                gauges[name].add_metric(lv, value)
+            for gauge, level in fill_gauges(s["entries"], s["capacity_bytes"],
+                                            s["row_bytes"]).items():
+                gauges[gauge].add_metric(lv, level)
             for flat in COUNTER_KEYS:  # persisted by the writer under the registry's names
                 name, value = split_key(flat)
                 counters[name].add_metric([*lv, value] if value else lv, s["stats"][flat])

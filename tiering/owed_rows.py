@@ -46,7 +46,7 @@ class OwedRows:
         return taken
 
     def oldest_behind(self, n: int) -> list[bytes]:
-        out = []
+        out: list[bytes] = []
         for k in self.behind:
             if len(out) >= n:
                 break

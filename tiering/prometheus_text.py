@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import re
 
+#: parsed samples: (name, its label items) -> value
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+([0-9.eE+-]+|NaN|[+-]Inf)$')
 
 
-def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
+def parse_metrics(text: str) -> Samples:
     """Prometheus text format -> {(name, frozenset(label items)): value}."""
-    out: dict[tuple[str, frozenset], float] = {}
+    out: Samples = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -22,7 +25,7 @@ def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
     return out
 
 
-def metric(samples: dict, name: str, **labels: str) -> float:
+def metric(samples: Samples, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
     want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+    return float(sum(v for (n, ls), v in samples.items() if n == name and want <= ls))

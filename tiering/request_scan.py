@@ -88,8 +88,9 @@ class DiskRun:
         """The prompt tokens the keys from index ``j`` on cover. A model with several KV groups
         has one key per group for each chunk: positions, where known, count each chunk once."""
         starts = self.starts[j:]
-        if starts and all(t is not None for t in starts):
-            return min(starts), max(starts) + chunk_tokens
+        known = [t for t in starts if t is not None]
+        if starts and len(known) == len(starts):
+            return min(known), max(known) + chunk_tokens
         first = (self.first_token or 0) + j * chunk_tokens
         return first, first + (len(self.keys) - j) * chunk_tokens
 
@@ -170,8 +171,8 @@ class RequestScan:
             if first and first_token is None:  # position unknown: count chunks
                 first_token = len(self.counted) * advisor.chunk_tokens
             run.note(key, i, first_token)
-            if first and advisor.first_chunk_pays(i, first_token,
-                                              chain.read_backlog_bytes()):
+            if first and first_token is not None and advisor.first_chunk_pays(
+                    i, first_token, chain.read_backlog_bytes()):
                 # pays at its start, so for any length (or the engine is not measured yet)
                 self._decided(Decision(True, "faster" if advisor.prefill.known()
                                        else "unmeasured"), 0)

@@ -22,8 +22,9 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass
+from typing import Any
 
-from tiering.policies import StoreThreshold, create
+from tiering.policies import EvictionPolicy, StoreThreshold, create
 from tiering.workloads import Request
 
 
@@ -54,7 +55,7 @@ class SimResult:
     def ops_per_s(self) -> float:
         return self.policy_ops / self.policy_seconds if self.policy_seconds else 0.0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(hit_ratio=self.hit_ratio, prefix_hit_ratio=self.prefix_hit_ratio,
                  ops_per_s=self.ops_per_s)
@@ -63,7 +64,7 @@ class SimResult:
 
 def simulate(requests: Iterable[Request], policy: str, capacity: int, threshold: int = 0,
              tracker_size: int = 64_000) -> SimResult:
-    pol = create(policy, capacity)
+    pol: EvictionPolicy[str] = create(policy, capacity)
     adm = StoreThreshold(threshold, tracker_size)
     clock = time.perf_counter
     n_req = lookups = hits = prefix_hits = writes = evictions = ops = 0
@@ -143,7 +144,7 @@ class DemotionResult:
         """Chunks written to disk per chunk served from either tier (x chunk bytes = bytes)."""
         return self.disk_writes / self.served_hits if self.served_hits else float("inf")
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(hit_ratio=self.hit_ratio, disk_writes_per_hit=self.disk_writes_per_hit)
         return d
@@ -162,7 +163,8 @@ def simulate_demotion(requests: Iterable[Request], policy: str, cpu_capacity: in
     """
     if demote not in ("on_store", "on_evict"):
         raise ValueError(f"demote: expected on_store or on_evict, got {demote!r}")
-    cpu, disk = create(policy, cpu_capacity), create(policy, disk_capacity)
+    cpu: EvictionPolicy[str] = create(policy, cpu_capacity)
+    disk: EvictionPolicy[str] = create(policy, disk_capacity)
     adm = StoreThreshold(threshold, tracker_size)
     lookups = cpu_hits = disk_hits = writes = 0
 

@@ -133,7 +133,7 @@ def fill_gauges(entries: int, capacity_bytes: int, row_bytes: int) -> dict[str, 
 
 def counter_keys() -> list[str]:
     """Every flat counter name, labelled ones expanded (``rejections:full``)."""
-    out = []
+    out: list[str] = []
     for m in COUNTERS:
         out.extend(f"{m.name}:{v}" for v in m.values) if m.values else out.append(m.name)
     return out

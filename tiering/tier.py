@@ -105,7 +105,7 @@ class Tier(ABC):
     row_bytes: int
     stats: TierStats
     #: the tier's eviction order; None for a tier whose medium evicts on its own
-    policy: EvictionPolicy | None = None
+    policy: EvictionPolicy[bytes] | None = None
 
     def count_lookup(self, key: bytes, hit: bool) -> None:
         """Count one lookup of ``key`` (the first ask of a request: repeated asks pass

@@ -7,21 +7,21 @@ import time
 import urllib.request
 from typing import Any, TextIO
 
-from tiering.prometheus_text import metric, parse_metrics
+from tiering.prometheus_text import Samples, metric, parse_metrics
 
 
-def _snapshot(url: str) -> dict:
+def _snapshot(url: str) -> Samples:
     with urllib.request.urlopen(url, timeout=5) as r:
         return parse_metrics(r.read().decode())
 
 
-def rows(prev: dict, cur: dict, dt: float) -> dict[str, Any]:
+def rows(prev: Samples, cur: Samples, dt: float) -> dict[str, Any]:
     """Per-tier numbers between two scrapes ``dt`` seconds apart."""
-    tiers = sorted({dict(ls).get("tier") for (n, ls) in cur if n.startswith("vllm:kv_tier_")}
-                   - {None}, key=lambda t: (t != "cpu", t))
+    tiers = sorted({t for (n, ls) in cur if n.startswith("vllm:kv_tier_")
+                    for k, t in ls if k == "tier"}, key=lambda t: (t != "cpu", t))
     out: dict[str, Any] = {"tiers": {}}
     for t in tiers:
-        def m(name, snap=cur, t=t):
+        def m(name: str, snap: Samples = cur, t: str = t) -> float:
             return metric(snap, f"vllm:kv_tier_{name}", tier=t)
         lk, ht = m("lookups_total"), m("hits_total")
         dl, dh = lk - m("lookups_total", prev), ht - m("hits_total", prev)

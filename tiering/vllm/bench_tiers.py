@@ -68,7 +68,7 @@ def make_tier(kind: str, folder: Path, primary: np.ndarray, threads: int, capaci
                 "n_write_threads": max(1, threads // 2)}
     else:
         raise ValueError(f"unknown tier kind {kind!r}")
-    return SecondaryTierFactory.create_secondary_tier(conf, memoryview(primary),
+    return SecondaryTierFactory.create_secondary_tier(conf, primary.data,
                                                       _spec(rb, kind))
 
 

@@ -25,12 +25,13 @@ hit; vLLM 0.32 gets the cross-batch order there.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
-from tiering.policies import create
+from tiering.policies import EvictionPolicy, create
+from tiering.vllm.compat import ReqContext
 
 
 @dataclass
@@ -43,7 +44,7 @@ class _RequestChunks:
     keys: dict[bytes, int | None] = field(default_factory=dict)  # in arrival order
     batches: int = 0
 
-    def learn(self, keys: list, ctx) -> list[int | None]:
+    def learn(self, keys: list[bytes], ctx: ReqContext) -> list[int | None]:
         known = self.keys
         for k in keys:
             if k not in known:
@@ -52,11 +53,12 @@ class _RequestChunks:
         return [known[k] for k in keys]
 
 
-def _by_position(keys: list, positions) -> list:
+def _by_position(keys: list[bytes], positions: list[int] | Mapping[bytes, int | None]
+                 ) -> list[bytes]:
     """Head to tail; ``positions`` maps each key (or parallels ``keys`` if a list)."""
     if isinstance(positions, list):
         return [k for _, k in sorted(zip(positions, keys, strict=True), key=lambda p: p[0])]
-    return sorted(keys, key=positions.__getitem__)
+    return sorted(keys, key=lambda k: positions[k] or 0)  # the caller checked: all known
 
 
 class _AdaptedPolicy(CachePolicy):
@@ -64,13 +66,13 @@ class _AdaptedPolicy(CachePolicy):
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self._policy = create(self.policy_name, max(1, cache_capacity))
+        self._policy: EvictionPolicy[bytes] = create(self.policy_name, max(1, cache_capacity))
         self._chunks: dict[bytes, ChunkStatus] = {}
-        self._pending: list[tuple[bytes, object]] = []  # inserted, not yet given to the policy
+        self._pending: list[tuple[bytes, ReqContext | None]] = []  # inserted, not yet given to the policy
         self._generation = 0  # bumped by clear(): request state from before is stale
 
     @property
-    def policy(self):
+    def policy(self) -> EvictionPolicy[bytes]:
         """The tiering policy that orders the chunks (for inspection: ``policy.stats()``)."""
         return self._policy
 
@@ -93,11 +95,12 @@ class _AdaptedPolicy(CachePolicy):
                 self._policy.insert_many(keys)
             else:
                 positions = self._request_chunks(ctx).learn(keys, ctx)
-                if None in positions:  # as vLLM 0.33's LRU: unpositioned chunks by arrival
+                known = [p for p in positions if p is not None]
+                if len(known) < len(positions):  # as vLLM 0.33's LRU: unpositioned by arrival
                     for k in keys:
                         self._policy.insert(k)
                 else:
-                    self._policy.insert_many(_by_position(keys, positions))
+                    self._policy.insert_many(_by_position(keys, known))
             for k in keys:
                 if self._chunks[k].ref_cnt != 0:  # being written: evictable once marked so
                     self._policy.pin(k)
@@ -105,14 +108,14 @@ class _AdaptedPolicy(CachePolicy):
                 self._restamp(ctx)
             start = end
 
-    def _request_chunks(self, ctx) -> _RequestChunks:
-        state = ctx.get_state(_RequestChunks)
+    def _request_chunks(self, ctx: ReqContext) -> _RequestChunks:
+        state: _RequestChunks | None = ctx.get_state(_RequestChunks)
         if state is None or state.owner is not self or state.generation != self._generation:
             state = _RequestChunks(self, self._generation)
             ctx.set_state(state)
         return state
 
-    def _restamp(self, ctx) -> None:
+    def _restamp(self, ctx: ReqContext) -> None:
         """Re-stamp the request's resident chunks in prefix order, so its newest batch (its
         tail) stays first to go. Costs one policy move per resident chunk of the request."""
         state = self._request_chunks(ctx)
@@ -122,29 +125,30 @@ class _AdaptedPolicy(CachePolicy):
         self._policy.refresh_many(_by_position(resident, state.keys))
 
     # -- CachePolicy ---------------------------------------------------------------------------
-    def get(self, key) -> ChunkStatus | None:
+    def get(self, key: bytes) -> ChunkStatus | None:
         return self._chunks.get(key)
 
-    def insert(self, key, chunk: ChunkStatus, req_context=None) -> None:
+    def insert(self, key: bytes, chunk: ChunkStatus, req_context: ReqContext | None = None
+               ) -> None:
         # vLLM 0.33 passes the storing request's context; 0.32 does not
         self._chunks[key] = chunk
         self._pending.append((key, req_context))
 
-    def remove(self, key) -> None:
+    def remove(self, key: bytes) -> None:
         self._flush()
         self._chunks.pop(key, None)
         self._policy.remove(key)
 
-    def touch(self, keys: Iterable, req_context) -> None:
+    def touch(self, keys: Iterable[bytes], req_context: ReqContext) -> None:
         self._flush()
         self._policy.access_many([k for k in keys if k in self._chunks])
 
-    def on_store_miss(self, keys: Iterable, req_context) -> None:
+    def on_store_miss(self, keys: Iterable[bytes], req_context: ReqContext) -> None:
         self._flush()
         for k in keys:
             self._policy.on_miss(k)
 
-    def on_request_access(self, keys: Iterable, req_context) -> None:
+    def on_request_access(self, keys: Iterable[bytes], req_context: ReqContext) -> None:
         # vLLM 0.33: chunks a running request loads or finds resident belong to its prefix
         self._flush()
         resident = [k for k in keys if k in self._chunks]
@@ -152,8 +156,9 @@ class _AdaptedPolicy(CachePolicy):
             self._request_chunks(req_context).learn(resident, req_context)
             self._restamp(req_context)
 
-    def on_request_finished(self, key_groups: Sequence[Sequence], insertion_only_keys: set,
-                            reused_keys: set, req_context) -> None:
+    def on_request_finished(self, key_groups: Sequence[Sequence[bytes]],
+                            insertion_only_keys: set[bytes], reused_keys: set[bytes],
+                            req_context: ReqContext) -> None:
         # Tail to head, so the head ends most recent. Only real reuse counts as a hit (a store
         # is not a frequency signal for ARC/S3-FIFO); the other chunks are re-stamped.
         self._flush()
@@ -168,7 +173,7 @@ class _AdaptedPolicy(CachePolicy):
         state.keys.clear()
         state.batches = 0
 
-    def evict(self, n: int, protected: set) -> list[tuple[object, ChunkStatus]] | None:
+    def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
         self._flush()
         victims = self._policy.evict(n, protected)
         if victims is None:
@@ -181,12 +186,12 @@ class _AdaptedPolicy(CachePolicy):
         self._policy.clear()
         self._generation += 1
 
-    def mark_evictable(self, key) -> None:
+    def mark_evictable(self, key: bytes) -> None:
         self._flush()
         if self._policy.is_pinned(key):
             self._policy.unpin(key)
 
-    def mark_non_evictable(self, key) -> None:
+    def mark_non_evictable(self, key: bytes) -> None:
         self._flush()
         if key in self._chunks and not self._policy.is_pinned(key):
             self._policy.pin(key)

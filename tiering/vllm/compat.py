@@ -18,7 +18,7 @@ import logging
 from typing import Any
 
 import vllm
-from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for the adapter
+from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -36,13 +36,20 @@ from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for the adapte
     TransferResult,
 )
 
+__all__ = ["BlockIDsLoadStoreSpec", "CanonicalKVCaches", "GPULoadStoreSpec", "LoadStoreSpec",
+           "Locality", "LookupResult", "Medium", "OffloadingEvent", "OffloadingManager",
+           "OffloadingSpec", "OffloadingWorker", "PrepareStoreOutput", "ReqContext",
+           "RequestOffloadingContext", "TransferResult", "VLLM_VERSION", "CacheHitSource",
+           "hit_source", "async_scheduling", "prefix_hash_algo", "is_cpu_platform",
+           "share_vllm_logging"]
+
 log = logging.getLogger(__name__)
 VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2] if x.isdigit())
 
 try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # pragma: no cover - older releases report no hit source
-    CacheHitSource = None  # type: ignore[assignment,misc]
+    CacheHitSource = None
 
 
 def hit_source(name: str) -> Any:
@@ -105,7 +112,7 @@ def _vllm_config_in_callers(cls: type, max_depth: int = 40) -> Any:
 def is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
-    return current_platform.is_cpu()
+    return bool(current_platform.is_cpu())
 
 
 def share_vllm_logging() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiering.chain import Lookup, TierChain
 from tiering.request_scan import RequestScan
@@ -29,6 +29,11 @@ from tiering.vllm.compat import (
 from tiering.vllm.load_gate import LoadGate
 from tiering.vllm.metrics import TierMetrics
 from tiering.vllm.worker import RowsSpec
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +72,7 @@ class TieredManager(OffloadingManager):
             scan = self._scans[req_id] = RequestScan(self.chain, req_id)
         return scan
 
-    def _end_token(self, key, req_context: ReqContext) -> int | None:
+    def _end_token(self, key: bytes, req_context: ReqContext) -> int | None:
         """Where chunk ``key`` ends in the request's prompt (vLLM records it), or None."""
         get = getattr(req_context, "get_offload_key_position", None)
         return get(key) if get is not None else None
@@ -119,8 +124,9 @@ class TieredManager(OffloadingManager):
             # vLLM offers a step's chunks for storing when it schedules their compute: this
             # step computes them (the advisor's step clock times it)
             ends = [self._end_token(k, req_context) for k in keys]
-            if all(e is not None for e in ends):
-                self._scan(req_context).offered(ends)
+            known = [e for e in ends if e is not None]
+            if len(known) == len(ends):
+                self._scan(req_context).offered(known)
         out = self.chain.prepare_store(_as_bytes(keys))
         if out is None:
             return None
@@ -152,7 +158,7 @@ class TieredManager(OffloadingManager):
         self.chain.reset()
         self.load_gate.reset()  # vLLM drops its in-flight jobs: their completions never come
 
-    def get_stats(self):
+    def get_stats(self) -> OffloadingConnectorStats | None:
         return self.metrics.collect(self.chain) if self.metrics is not None else None
 
     def shutdown(self) -> None:

@@ -9,11 +9,16 @@ engine labels; ``get_stats`` ships per-step deltas (counters), snapshots (gauges
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tiering.chain import tier_label
+from tiering.chain import TierChain, tier_label
 from tiering.settings import LATENCY_BUCKETS
 from tiering.stats import COUNTER_KEYS, METRICS, fill_gauges, split_key
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
 
 PREFIX = "vllm:kv_tier_"
 
@@ -45,9 +50,9 @@ class TierMetrics:
     """Turns each tier's monotonic counters into per-call deltas for vLLM."""
 
     def __init__(self) -> None:
-        self._last: dict[tuple, float] = {}
+        self._last: dict[tuple[str, tuple[str, ...]], float] = {}
 
-    def _delta(self, stats, name: str, value: float, labels: tuple[str, ...]) -> None:
+    def _delta(self, stats: OffloadingConnectorStats, name: str, value: float, labels: tuple[str, ...]) -> None:
         key = (name, labels)
         first = key not in self._last
         d = value - self._last.get(key, 0)
@@ -55,7 +60,7 @@ class TierMetrics:
         if d or first:  # report zeros once, so every series exists from the start
             stats.increase_counter(PREFIX + name, d, labels)
 
-    def collect(self, chain) -> Any:
+    def collect(self, chain: TierChain) -> OffloadingConnectorStats:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
             OffloadingConnectorStats,
         )
@@ -68,15 +73,15 @@ class TierMetrics:
                 labels = (label, value) if value else (label,)
                 self._delta(stats, name, tier.stats[flat], labels)
             _, cap, entries = tier.usage()
-            for name, value in fill_gauges(entries, cap, tier.row_bytes).items():
-                stats.set_gauge(PREFIX + name, value, (label,))
+            for gauge, level in fill_gauges(entries, cap, tier.row_bytes).items():
+                stats.set_gauge(PREFIX + gauge, level, (label,))
             stats.set_gauge(PREFIX + "info", 1, (label, tier.policy_name,
                                                 tier.engine_name or "shm"))
         adv = chain.advisor
         if adv is not None:  # the fitted costs and each file tier's rate and queue
-            for term, value in (("step", adv.prefill.c), ("token", adv.prefill.a),
-                                ("attention", adv.prefill.b)):
-                stats.set_gauge(PREFIX + "advisor_prefill_seconds", value, (term,))
+            for term, cost in (("step", adv.prefill.c), ("token", adv.prefill.a),
+                               ("attention", adv.prefill.b)):
+                stats.set_gauge(PREFIX + "advisor_prefill_seconds", cost, (term,))
             for i, backlog in chain.read_backlog_bytes().items():
                 label = tier_label(i, chain.tiers[i].medium)
                 rate = adv.read_rate(i) or 0.0

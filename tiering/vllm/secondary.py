@@ -110,7 +110,7 @@ class FileSecondaryTier(SecondaryTierManager):
         self._events.append(OffloadingEvent(keys=list(keys), medium=Medium.STORAGE, removed=True,
                                             locality=self.locality))
 
-    def lookup(self, key, req_context: ReqContext) -> LookupResult:
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         # vLLM's tiering manager already skips tiers a request excludes; kept here too so the
         # tier never serves a request that asked for other tiers, whoever calls it.
         tier_filter = getattr(req_context, "load_tier_filter", None)
@@ -157,12 +157,9 @@ class FileSecondaryTier(SecondaryTierManager):
 
     def _poll(self, wait: float = 0.0) -> None:
         for r in self.tier.poll(wait=wait):
-            if r.kind == "store":
-                job_id = self._owner.pop(r.key, None)
-            else:
-                job_id = r.token
-            job = self._jobs.get(job_id)
-            if job is None:
+            job_id = self._owner.pop(r.key, None) if r.kind == "store" else r.token
+            job = self._jobs.get(job_id) if job_id is not None else None
+            if job is None or job_id is None:
                 continue
             job.keys.discard(r.key)
             if r.ok:
@@ -196,7 +193,7 @@ class FileSecondaryTier(SecondaryTierManager):
         events, self._events = self._events, []
         return events
 
-    def touch(self, keys: Collection, req_context: ReqContext) -> None:
+    def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         self.tier.touch([bytes(k) for k in keys])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

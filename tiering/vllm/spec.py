@@ -16,10 +16,10 @@ on rank 0 only, and every rank's worker reads and writes the one cell of the sha
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiering.advisor import PromotionAdvisor
-from tiering.backends.block_copy import MemcpyEngine
+from tiering.backends.block_copy import BlockCopier, MemcpyEngine
 from tiering.backends.file_tier import FileTier
 from tiering.backends.mooncake_tier import MooncakeTier
 from tiering.backends.staging import StagingRegion, remove_stale
@@ -37,6 +37,9 @@ from tiering.vllm.manager import TieredManager
 from tiering.vllm.metrics import TierMetrics, definitions
 from tiering.vllm.worker import TieredWorker, make_layout
 
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.config import OffloadingConfig
+
 log = logging.getLogger(__name__)
 PAGE = 4096
 
@@ -46,7 +49,7 @@ class TieredOffloadingSpec(OffloadingSpec):
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
         return definitions()
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         share_vllm_logging()
         self.cfg = parse(dict(self.extra_config))
@@ -130,7 +133,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         if on_device:
             from tiering.backends.cuda_copy import CudaCopyEngine
 
-            engine = CudaCopyEngine(region.base_address, region.num_rows * region.row_bytes,
+            engine: BlockCopier = CudaCopyEngine(region.base_address, region.num_rows * region.row_bytes,
                                     device=kv_caches.tensors[0].tensor.device,
                                     copy=self.cfg.gpu_copy)
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from tiering.backends.block_copy import CopyLayout, TensorInfo
+from tiering.backends.block_copy import BlockCopier, CopyLayout, TensorInfo
 from tiering.backends.staging import StagingRegion
 from tiering.vllm.compat import (
     BlockIDsLoadStoreSpec,
@@ -39,7 +39,7 @@ def make_layout(kv_caches: CanonicalKVCaches, region: StagingRegion, rank: int,
 
 
 class TieredWorker(OffloadingWorker):
-    def __init__(self, layout: CopyLayout, engine, region: StagingRegion) -> None:
+    def __init__(self, layout: CopyLayout, engine: BlockCopier, region: StagingRegion) -> None:
         self.layout, self.engine, self.region = layout, engine, region
 
     def _submit(self, job_id: int, gpu: GPULoadStoreSpec, rows: LoadStoreSpec,
