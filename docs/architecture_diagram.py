@@ -53,23 +53,37 @@ BOXES = {
     "prom": (530, 690, 480, 50, "Prometheus / Grafana", "examples/"),
 }
 
-# Arrows: (from, to, label, kind) — kind: call | store | load | data
-EDGES = [
+# Arrows: (from, to, label, kind[, shift[, points]]) — kind: call | store | load | data; shift
+# moves a straight arrow sideways (px) so the two directions of a path pair do not overlap;
+# points draws a bent arrow through them instead (first on from's border, last on to's, the
+# label on its second leg). Store path 1-4 red, disk-hit (read) path a-c blue.
+EDGES: list[tuple] = [
     ("sched", "manager", "lookup / prepare_store / complete_*", "call"),
     ("manager", "chain", "", "call"),
-    ("chain", "cpu", "1 reserve_store (rows)", "store"),
-    ("chain", "file", "3 put (demote)  b get (promote)", "store"),
-    ("chain", "advisor", "run pays?", "load"),
+    ("chain", "cpu", "1 reserve_store", "store", -130),
+    ("chain", "cpu", "a lookup, b reserve", "load", -30),
+    ("chain", "file", "3 put (demote)", "store", 0, [(290, 260), (290, 274), (440, 274),
+                                                     (440, 300)]),
+    ("chain", "file", "a lookup, b get", "load", 0, [(310, 260), (310, 287), (480, 287),
+                                                     (480, 300)]),
+    ("chain", "advisor", "a run pays?", "load"),
     ("cpu", "policies", "", "call"),
     ("stats", "metrics", "", "call"),
     ("file", "committer", "jobs", "store"),
     ("committer", "io", "", "store"),
+    ("file", "io", "b reads", "load", 0, [(690, 330), (705, 330), (705, 520), (680, 520)]),
+    # b done: the results queue, which FileTier.poll() applies
+    ("io", "file", "", "load", 0, [(390, 525), (378, 525), (378, 345), (370, 345)]),
     ("sched", "worker", "transfer specs", "call"),
     ("worker", "copy", "", "call"),
-    ("gpu", "copy", "2 store, c load", "data"),
-    ("copy", "staging", "rows", "data"),
+    ("gpu", "copy", "2 store", "data", -40),
+    ("copy", "gpu", "c load", "load", 40),
+    ("copy", "staging", "2 rows", "data", -100),
+    ("staging", "copy", "c rows", "load", 100),
     ("cpu", "staging", "owns rows", "data"),
-    ("io", "slabs", "4 write, b read", "data"),
+    ("io", "slabs", "4 write", "data", -10),
+    ("slabs", "io", "b read + checksum", "load", 10),
+    ("io", "staging", "b into CPU rows", "load"),
     ("index", "lmdb", "", "data"),
     ("metrics", "prom", "/metrics", "call"),
     ("cli", "lmdb", "read-only / admin requests", "call"),
@@ -87,6 +101,19 @@ def _anchor(box: tuple, other: tuple) -> tuple[float, float]:
     if abs(dx) * h > abs(dy) * w:
         return (x + w if dx > 0 else x, cy)
     return (cx, y + h if dy > 0 else y)
+
+
+def _shifted(p: tuple[float, float], q: tuple[float, float], shift: float
+             ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The segment p-q moved ``shift`` px along its normal (same side for both directions)."""
+    (x1, y1), (x2, y2) = p, q
+    if (x1, y1) > (x2, y2):  # one normal per pair of boxes, whichever way the arrow points
+        nx, ny = y1 - y2, x2 - x1
+    else:
+        nx, ny = y2 - y1, x1 - x2
+    n = (nx * nx + ny * ny) ** 0.5 or 1.0
+    dx, dy = shift * nx / n, shift * ny / n
+    return (x1 + dx, y1 + dy), (x2 + dx, y2 + dy)
 
 
 def render() -> str:
@@ -111,13 +138,22 @@ def render() -> str:
                    f'font-weight="bold">{escape(title)}</text>')
         out.append(f'<text x="{x + w / 2}" y="{y + h / 2 + 13}" text-anchor="middle" '
                    f'fill="#666" font-family="monospace" font-size="11">{escape(module)}</text>')
-    for a, b, label, kind in EDGES:
-        x1, y1 = _anchor(BOXES[a], BOXES[b])
-        x2, y2 = _anchor(BOXES[b], BOXES[a])
+    for a, b, label, kind, *extra in EDGES:
+        shift = extra[0] if extra else 0
+        via = extra[1] if len(extra) > 1 else []
         color = COLORS[kind]
         dash = ' stroke-dasharray="5 3"' if kind == "data" else ""
-        out.append(f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{color}" '
-                   f'stroke-width="1.6"{dash} marker-end="url(#arrow-{kind})"/>')
+        if via:  # a bent arrow through the given points
+            points = via
+            path = " ".join(f"{x},{y}" for x, y in points)
+            out.append(f'<polyline points="{path}" fill="none" stroke="{color}" '
+                       f'stroke-width="1.6"{dash} marker-end="url(#arrow-{kind})"/>')
+            (x1, y1), (x2, y2) = points[1], points[2]
+        else:
+            (x1, y1), (x2, y2) = _shifted(_anchor(BOXES[a], BOXES[b]),
+                                          _anchor(BOXES[b], BOXES[a]), shift)
+            out.append(f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{color}" '
+                       f'stroke-width="1.6"{dash} marker-end="url(#arrow-{kind})"/>')
         if label:
             out.append(f'<text x="{(x1 + x2) / 2 + 4}" y="{(y1 + y2) / 2 - 4}" fill="{color}" '
                        f'font-size="11">{escape(label)}</text>')
