@@ -56,6 +56,9 @@ def test_store_then_hit_from_cpu(tmp_path):
     assert c.region.rows[rows[0]].tobytes() == data[ks[0]]
     c.complete_load(ks)
     assert c.hit_source(ks[0]) == "cpu"
+    # a copy to the GPU is a load, not a promotion (that word is a read from a tier below)
+    assert (c.cpu.stats["loads"], c.cpu.stats["load_bytes"]) == (2, 2 * ROW)
+    assert c.cpu.stats["promotions"] == 0
     c.close()
 
 

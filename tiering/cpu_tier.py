@@ -296,8 +296,8 @@ class CpuTier(RowTier):
         self.policy.pin_many(keys)
         for row in rows:
             row.pins += 1
-        self.stats.add("promotions", len(rows))
-        self.stats.add("promotion_bytes", len(rows) * self.row_bytes)
+        self.stats.add("loads", len(rows))
+        self.stats.add("load_bytes", len(rows) * self.row_bytes)
         return [row.index for row in rows]
 
     def complete_load(self, keys: Iterable[bytes]) -> None:

@@ -45,9 +45,13 @@ METRICS: tuple[Metric, ...] = (
     Metric("hit_bytes", "counter", "Bytes of the chunks this tier hit."),
     Metric("stores", "counter", "Chunks written into this tier."),
     Metric("store_bytes", "counter", "Bytes written into this tier."),
-    Metric("promotions", "counter", "Chunks read out of this tier for use above it (file "
-           "tier: into the CPU tier, calibration reads included; CPU tier: to the GPU)."),
-    Metric("promotion_bytes", "counter", "Bytes read out of this tier for use above it."),
+    # a promotion: a chunk of a tier below read into a CPU row; a load: a CPU row copied to
+    # the GPU (vLLM's prepare_load/complete_load)
+    Metric("promotions", "counter", "Chunks read out of this file tier into the CPU tier "
+           "(calibration reads included)."),
+    Metric("promotion_bytes", "counter", "Bytes read out of this file tier into the CPU tier."),
+    Metric("loads", "counter", "Chunks of this CPU tier vLLM loaded to the GPU."),
+    Metric("load_bytes", "counter", "Bytes of this CPU tier vLLM loaded to the GPU."),
     Metric("promotion_failures", "counter", "Reads that ended as a miss (I/O error, checksum "
            "mismatch, chunk gone, no CPU row free)."),
     Metric("promotions_declined", "counter", "Hits of this file tier not loaded because "
