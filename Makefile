@@ -38,7 +38,7 @@ lint: env
 gpu-check:
 	bash scripts/gpu_check.sh
 
-# The GPU tests (pytest -m gpu): copy engine paths, kvikio, our spec inside CUDA vLLM.
+# The GPU tests (pytest -m gpu): copier paths, kvikio, our spec inside CUDA vLLM.
 gpu-test:
 	bash scripts/gpu_tests.sh
 

@@ -1,16 +1,16 @@
-"""Copies between KV-cache blocks and staging rows (no DMA of its own): descriptors and the host copy engine.
+"""Copies between KV-cache blocks and staging rows (no DMA of its own): descriptors and the host copier.
 
 vLLM-agnostic on purpose, so the GPU benchmark runs where vLLM is not installed: the caller
 passes each KV tensor's base address, block stride and page size, and which tensors each KV
 group uses. ``CopyLayout.descriptors`` turns one job (block ids, group sizes, first logical
 block per group, row ids) into three int64 arrays (device address, row address, bytes), one
 entry per (block, tensor ref); ``merge_runs`` joins entries that continue each other on both
-sides. Both engines take those arrays:
+sides. Both copiers take those arrays:
 
-* ``MemcpyEngine`` (here) — host-only (vLLM's CPU platform and CI): ``ctypes.memmove`` per run.
-* ``CudaCopyEngine`` (``cuda_copy.py``) — pinned rows, batched asynchronous CUDA copies.
+* ``MemcpyCopier`` (here) — host-only (vLLM's CPU platform and CI): ``ctypes.memmove`` per run.
+* ``CudaCopier`` (``cuda_copy.py``) — pinned rows, batched asynchronous CUDA copies.
 
-Engines never report a failed job (vLLM asserts on failures): a copy API error raises at once,
+Copiers never report a failed job (vLLM asserts on failures): a copy API error raises at once,
 which vLLM treats as a fatal worker error rather than silently serving wrong KV.
 """
 
@@ -46,7 +46,7 @@ class Finished:
 
 
 class DescriptorCopier(Protocol):
-    """What the descriptor path needs of a copy engine: enqueue one job's copies, each
+    """What the descriptor path needs of a copier: enqueue one job's copies, each
     ``size[i]`` bytes from address ``src[i]`` to ``dst[i]``. Called from vLLM's worker thread."""
 
     def submit(self, job_id: int, src: np.ndarray, dst: np.ndarray, size: np.ndarray,
@@ -54,10 +54,10 @@ class DescriptorCopier(Protocol):
 
 
 class BlockCopier(Protocol):
-    """A copy engine between the GPU's KV blocks and the staging rows (``MemcpyEngine`` here,
-    ``CudaCopyEngine`` on CUDA), as ``TieredWorker`` drives it from vLLM's worker thread:
+    """A copier between the GPU's KV blocks and the staging rows (``MemcpyCopier`` here,
+    ``CudaCopier`` on CUDA), as ``TieredWorker`` drives it from vLLM's worker thread:
     ``submit_job`` enqueues and returns, ``get_finished`` polls (each submitted job is reported
-    once), ``wait`` blocks on the named jobs, ``shutdown`` releases what the engine holds."""
+    once), ``wait`` blocks on the named jobs, ``shutdown`` releases what the copier holds."""
 
     name: str
 
@@ -162,18 +162,18 @@ def merge_runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray, by: str = "sr
     return src[idx], dst[idx], np.add.reduceat(size, idx)
 
 
-def submit_descriptors(engine: DescriptorCopier, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
+def submit_descriptors(copier: DescriptorCopier, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
                        group_sizes: Sequence[int], block_indices: Sequence[int],
                        rows: np.ndarray, direction: str) -> None:
-    """The descriptor path of any engine: build the job's copies, source to destination."""
+    """The descriptor path of any copier: build the job's copies, source to destination."""
     dev, host, size = layout.descriptors(block_ids, group_sizes, block_indices, rows)
     if direction == "store":
-        engine.submit(job_id, dev, host, size, direction)
+        copier.submit(job_id, dev, host, size, direction)
     else:
-        engine.submit(job_id, host, dev, size, direction)
+        copier.submit(job_id, host, dev, size, direction)
 
 
-class MemcpyEngine:
+class MemcpyCopier:
     """Host copies done at submission (the 'device' blocks are host memory)."""
 
     name = "memcpy"

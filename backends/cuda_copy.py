@@ -1,4 +1,4 @@
-"""``CudaCopyEngine``: copies between GPU KV blocks and pinned staging rows.
+"""``CudaCopier``: copies between GPU KV blocks and pinned staging rows.
 
 The rows are registered with CUDA as pinned memory (in segments: one registration of tens of
 GiB can fail; failures are counted and those rows copy as pageable memory), one stream per
@@ -23,8 +23,8 @@ How a job's bytes move (``copy``; chosen per job by page size):
   smaller than ``small_page_bytes`` and 16-byte aligned (others take ``dma``); when Triton is
   missing or its kernel fails its self-check, asking for them is an error.
 
-Torch, Triton and cuda-bindings are imported when the engine is built, never at module import.
-The engine never reports a failed job (vLLM asserts on failures): a copy API error raises at
+Torch, Triton and cuda-bindings are imported when the copier is built, never at module import.
+The copier never reports a failed job (vLLM asserts on failures): a copy API error raises at
 once, which vLLM treats as a fatal worker error rather than silently serving wrong KV.
 Ordering: every job's first operation waits for the work already queued on the submitting
 thread's current stream (the forward pass that wrote the blocks a store reads); a job is
@@ -46,7 +46,7 @@ import numpy as np
 from tiering.backends.block_copy import CopyLayout, Finished, merge_runs
 from tiering.settings import CUDA_BATCH_MAX
 
-if TYPE_CHECKING:  # never at run time: torch comes with the engine (see above)
+if TYPE_CHECKING:  # never at run time: torch comes with the copier (see above)
     import torch
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class _CudartBatch:
         return int(self.fn(*args, p(stream)))
 
 
-class CudaCopyEngine:
+class CudaCopier:
     """Batched async copies and copy kernels on CUDA streams (see module doc).
 
     Called from one thread (vLLM's worker thread): ``submit``/``submit_job`` enqueue and

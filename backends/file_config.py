@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from tiering.backends.codec import check_codec
-from tiering.backends.io_engines import ALIGN, ENGINES
 from tiering.backends.namespace import SLAB_FILE as SLAB_NAME
 from tiering.backends.paths import check_path
 from tiering.backends.sizes import parse_size
+from tiering.backends.slab_io import ALIGN, IO_KINDS
 from tiering.policies import resolve
 
 DEMOTE_MODES = ("on_store", "on_evict")
@@ -122,8 +122,8 @@ def validate(cfg: FileTierConfig, row_bytes: int, namespace_id: str | None = Non
     if slab_file_bytes < row_bytes:
         raise ValueError(f"slab_file_bytes: {slab_file_bytes} is smaller than one row "
                          f"({row_bytes} bytes)")
-    if cfg.io not in ENGINES:
-        raise ValueError(f"io: unknown I/O engine {cfg.io!r}; expected one of {', '.join(ENGINES)}")
+    if cfg.io not in IO_KINDS:
+        raise ValueError(f"io: unknown I/O kind {cfg.io!r}; expected one of {', '.join(IO_KINDS)}")
     check_codec(cfg.compression)
     if cfg.demote not in DEMOTE_MODES:
         raise ValueError(f"demote: expected one of {', '.join(DEMOTE_MODES)}, got {cfg.demote!r}")

@@ -7,7 +7,7 @@ Write protocol (one batch = all jobs queued since the last one, up to ``max_batc
    old key must be gone from the index before its slot holds other bytes.
 2. **write** — each row is encoded (optional zstd), checksummed (xxh3-64 seeded by its key and
    namespace, so a record pointing at another key's slot fails the check) and written to its slot
-   on the engine's worker threads, in parallel.
+   on the slab I/O's worker threads, in parallel.
 3. **sync** — one ``fdatasync`` per slab file the batch touched.
 4. **publish** — one LMDB txn adds the records of the rows that were written, clears the
    reservations and adds the batch's counters.
@@ -42,9 +42,9 @@ import lmdb
 from tiering.backends.checksum import checksum_of
 from tiering.backends.codec import ZstdCodec
 from tiering.backends.index import Index, pack_record
-from tiering.backends.io_engines import ALIGN, IoEngine
 from tiering.backends.namespace import load_json
 from tiering.backends.slab import SlabSet, adjacent_runs, run_rows
+from tiering.backends.slab_io import ALIGN, SlabIo
 from tiering.settings import (
     HOUSEKEEPING_SECONDS,
     MIN_RUN_BYTES,
@@ -188,17 +188,17 @@ class _Flight:
 class Committer(threading.Thread):
     """Single thread that owns every write transaction of one namespace."""
 
-    def __init__(self, index: Index, slabs: SlabSet, engine: IoEngine, out: queue.SimpleQueue[object],
+    def __init__(self, index: Index, slabs: SlabSet, io: SlabIo, out: queue.SimpleQueue[object],
                  codec: ZstdCodec | None, max_batch: int, pending: PendingMeta) -> None:
         super().__init__(name="tier-committer", daemon=True)
-        self.index, self.slabs, self.engine, self.out = index, slabs, engine, out
+        self.index, self.slabs, self.io, self.out = index, slabs, io, out
         self.codec = codec
         self.max_batch = max_batch
         self.pending = pending
         self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.pid = os.getpid()
         # overlap only batches that give every I/O thread at least one full-size run
-        self._overlap_rows = engine.threads * -(-MIN_RUN_BYTES // slabs.slot_bytes)
+        self._overlap_rows = io.threads * -(-MIN_RUN_BYTES // slabs.slot_bytes)
 
     def run(self) -> None:
         # Two batches overlap when enough work is queued: once a batch's rows are written, the
@@ -354,11 +354,11 @@ class Committer(threading.Thread):
         if writes or drop:
             self.index.reserve(slots, drop, self.pid, durable)
         # Adjacent slots are written with one vectored call; runs are sized so that every
-        # engine thread gets work (the device sees as many I/Os in flight as there are threads).
-        per_run = run_rows(len(writes), self.engine.threads, self.slabs.slot_bytes, 0,
+        # slab I/O thread gets work (the device sees as many I/Os in flight as there are threads).
+        per_run = run_rows(len(writes), self.io.threads, self.slabs.slot_bytes, 0,
                            MIN_WRITE_RUN_BYTES)
         runs = adjacent_runs(writes, self.slabs, per_run, lambda w: w.slot)
-        futures: list[Future[list[WriteResult]]] = [self.engine.submit(self._write_run, run) for run in runs]
+        futures: list[Future[list[WriteResult]]] = [self.io.submit(self._write_run, run) for run in runs]
         return _Flight(batch, writes, drop, slots, futures)
 
     def _complete(self, flight: _Flight, later_drops: set[bytes]) -> None:
@@ -373,7 +373,7 @@ class Committer(threading.Thread):
         touched = {self.slabs.locate(r.slot)[2] for r in results if r.ok}
         for f in touched:
             try:
-                self.engine.sync(self.slabs.handle(f))
+                self.io.sync(self.slabs.handle(f))
             except OSError as exc:  # data may not be durable: publish none of this file
                 log.error("file tier: fdatasync of slab %d failed: %s", f, exc)
                 for r in results:
@@ -414,7 +414,7 @@ class Committer(threading.Thread):
             group = staged[i:j]
             handle, offset, _ = self.slabs.locate(group[0][0].slot)
             try:
-                self.engine.writev(handle, [g[2] for g in group], offset)
+                self.io.writev(handle, [g[2] for g in group], offset)
                 ok, reason = True, ""
             except OSError as exc:
                 log.warning("file tier: write of slots %d..%d failed: %s", group[0][0].slot,

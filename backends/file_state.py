@@ -164,12 +164,12 @@ def announce(tier: Any) -> None:
     cfg = tier.cfg
     try:
         write_json(tier.folder / "writer.json", {
-            "pid": os.getpid(), "opened": time.time(), "engine": tier.engine.describe(),
+            "pid": os.getpid(), "opened": time.time(), "engine": tier.io.describe(),
             "capacity_bytes": tier.capacity, "slots": tier.n_slots, "policy": cfg.policy,
             "store_threshold": cfg.store_threshold, "compression": cfg.compression,
             "verify": cfg.verify, "sparse_slabs": tier.slabs.sparse})
     except OSError as exc:  # a full disk must not stop a restart: it is only for display
         log.warning("%s: cannot write writer.json (%s)", tier.folder, exc)
-    log.info("file tier %s: %d slots of %d bytes, %d resident, engine %s, policy %s, "
+    log.info("file tier %s: %d slots of %d bytes, %d resident, I/O %s, policy %s, "
              "store_threshold %d", tier.folder, tier.n_slots, tier.row_bytes,
-             len(tier), tier.engine.describe(), cfg.policy, cfg.store_threshold)
+             len(tier), tier.io.describe(), cfg.policy, cfg.store_threshold)

@@ -4,7 +4,7 @@ On disk: ``<path>/<namespace>/`` holds ``meta.json``, ``writer.lock``, ``index.l
 ``slab-NNNN.dat`` files (see ``namespace.py``, ``index.py``, ``slab.py``, docs/file-tier.md).
 
 Threading contract: every public method is called from one thread (the owner: vLLM's scheduler
-thread) and none of them blocks on I/O. Writes and reads run on the I/O engine's threads and the
+thread) and none of them blocks on I/O. Writes and reads run on the slab I/O's threads and the
 committer thread; their results come back through a queue that ``poll()`` drains, and only then
 does the in-memory state change. ``wait_idle`` and ``close`` are the only blocking calls.
 
@@ -50,7 +50,6 @@ from tiering.backends.file_state import (
     save_advisor_state,
 )
 from tiering.backends.index import MAX_KEY_BYTES, Index
-from tiering.backends.io_engines import make_engine
 from tiering.backends.namespace import (
     NamespaceFacts,
     check_folder,
@@ -59,6 +58,7 @@ from tiering.backends.namespace import (
     open_meta,
 )
 from tiering.backends.slab import SlabSet
+from tiering.backends.slab_io import make_slab_io
 from tiering.backends.slot_reads import ReadItem, ReadsDone, start_reads
 from tiering.backends.slot_table import READABLE, WRITING, Entry, SlotState, SlotTable
 from tiering.policies import EvictionPolicy, StoreThreshold, create, evict_or_none
@@ -115,8 +115,8 @@ class FileTier(StoreTier):
             committer.jobs.put(None)
             committer.join(timeout=30)
         undos: tuple[tuple[str, Callable[[Any], object]], ...] = (
-            ("engine", lambda e: e.shutdown()),
-            ("slabs", lambda s: hasattr(self, "engine") and s.close(self.engine)),
+            ("io", lambda e: e.shutdown()),
+            ("slabs", lambda s: hasattr(self, "io") and s.close(self.io)),
             ("index", lambda i: i.close()))
         for name, undo in undos:
             part = getattr(self, name, None)
@@ -148,15 +148,15 @@ class FileTier(StoreTier):
         self.slabs = SlabSet(self.folder, self.row_bytes, self.n_slots, self.meta["slab_file_bytes"])
         self.slabs.create_or_resize(cfg.preallocate)
         self.index.reserve_headroom()  # after the slabs: they have the first claim on space
-        self.engine = make_engine(cfg.io, cfg.io_threads, direct=cfg.direct)
-        self.slabs.open(self.engine)
+        self.io = make_slab_io(cfg.io, cfg.io_threads, direct=cfg.direct)
+        self.slabs.open(self.io)
         self.codec = ZstdCodec(cfg.compression_level, int(self.meta.get("element_bytes", 2)))
         self.policy = create(cfg.policy, self.n_slots)
         self.admission = StoreThreshold(cfg.store_threshold, cfg.tracker_size)
         self._rebuild()
         self._results: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.pending = PendingMeta()  # access stats and counters not yet in LMDB
-        self.committer = Committer(self.index, self.slabs, self.engine, self._results,
+        self.committer = Committer(self.index, self.slabs, self.io, self._results,
                                    self.codec if cfg.compression == "zstd" else None,
                                    cfg.max_batch or max(COMMIT_BATCH_MIN_ROWS, min(
                                        COMMIT_BATCH_MAX_ROWS, COMMIT_BATCH_BYTES // self.row_bytes)),
@@ -215,8 +215,8 @@ class FileTier(StoreTier):
         return n * self.row_bytes, self.capacity, n
 
     @property
-    def engine_name(self) -> str:
-        return self.engine.describe()
+    def io_name(self) -> str:
+        return self.io.describe()
 
     def has_pending_work(self) -> bool:
         return bool(self.slots.reads or self.slots.writing)
@@ -310,7 +310,7 @@ class FileTier(StoreTier):
             answers.append(True)
         if not started:
             return answers
-        start_reads(self.engine, self.slabs, self.codec, started, self.cfg.verify, self._results)
+        start_reads(self.io, self.slabs, self.codec, started, self.cfg.verify, self._results)
         return answers
 
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -503,7 +503,7 @@ class FileTier(StoreTier):
         used, cap, entries = self.usage()
         return {**self.stats.snapshot(), "entries": entries, "capacity_bytes": cap,
                 "usage_bytes": used, "slots": self.n_slots, "free_slots": self.slots.free_count(),
-                "engine": self.engine.describe()}
+                "io": self.io.describe()}
 
     # -- blocking helpers -------------------------------------------------------------------------
     def flush(self, timeout: float = 30.0) -> None:
@@ -530,8 +530,8 @@ class FileTier(StoreTier):
         finally:
             self.committer.jobs.put(None)
             self.committer.join(timeout=30)
-            self.engine.shutdown()
-            self.slabs.close(self.engine)
+            self.io.shutdown()
+            self.slabs.close(self.io)
             self.index.close()
             os.close(self._lock_fd)
 

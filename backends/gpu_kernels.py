@@ -1,20 +1,20 @@
 """One Triton kernel that copies a list of pages, each given by (source address, destination
 address, length), in a single launch.
 
-Imported only by ``CudaCopyEngine`` (``cuda_copy.py``) on a CUDA machine, when a job takes one
+Imported only by ``CudaCopier`` (``cuda_copy.py``) on a CUDA machine, when a job takes one
 of its kernel paths; nothing else imports this module, so the core never needs Triton (it comes
 with every GPU install of PyTorch and vLLM).
 
 Why a kernel: a per-layer KV layout splits a 1 GiB job into 16k pages of 64 KiB. As separate
 DMA descriptors they reach ~90% of one large copy in one direction and overlap badly when both
-directions run at once. The engine uses this kernel two ways:
+directions run at once. The copier uses this kernel two ways:
 
 * *staged*: gather the pages into a device buffer laid out like the staging rows (store), or
   scatter them out of it (load), so that PCIe sees a few large row copies;
 * *direct*: read or write the pinned, CUDA-registered host rows straight from the kernel (the
   device may use a registered host pointer as is), so small pages never become descriptors.
 
-Addresses and lengths must be multiples of ``ALIGN`` bytes (the engine checks; other jobs take
+Addresses and lengths must be multiples of ``ALIGN`` bytes (the copier checks; other jobs take
 the descriptor path): the kernel moves 4-byte words and tells the compiler that every page
 starts on a 16-byte boundary, so loads and stores are 16 bytes wide.
 """

@@ -215,7 +215,7 @@ class MooncakeTier(StoreTier):
         return n * self.row_bytes, self.cfg.segment_bytes, n
 
     @property
-    def engine_name(self) -> str:
+    def io_name(self) -> str:
         return f"mooncake-{self.cfg.protocol}"
 
     def has_pending_work(self) -> bool:
@@ -464,7 +464,7 @@ class MooncakeTier(StoreTier):
         return {**self.stats.snapshot(), "entries": entries, "lent_bytes": cap,
                 "usage_bytes": used, "link": self.link.state.value, "master": self.cfg.master,
                 "client": self.client.hostname, "namespace": self.namespace_id,
-                "engine": self.engine_name}
+                "io": self.io_name}
 
     # -- blocking helpers -------------------------------------------------------------------------
     def wait_connected(self, timeout: float = 30.0) -> bool:

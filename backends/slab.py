@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tiering.backends.checksum import namespace_seed
-from tiering.backends.io_engines import IoEngine
 from tiering.backends.namespace import SLAB_FILE, NamespaceError, hard_link_problem
+from tiering.backends.slab_io import SlabIo
 from tiering.settings import MIN_RUN_BYTES
 
 log = logging.getLogger(__name__)
@@ -138,19 +138,19 @@ class SlabSet:
         self.sparse = True
         os.ftruncate(fd, size)
 
-    def open(self, engine: IoEngine) -> None:
+    def open(self, io: SlabIo) -> None:
         """Open every slab file but the damaged ones (their handle is None: no slot of theirs
         is ever read or written, ``unusable_slots``)."""
-        self._handles = [None if i in self.damaged else engine.open(str(self.folder / slab_name(i)))
+        self._handles = [None if i in self.damaged else io.open(str(self.folder / slab_name(i)))
                          for i in range(self.n_files)]
 
     def unusable_slots(self) -> list[range]:
         return [self.slots_of_file(i) for i in sorted(self.damaged)]
 
-    def close(self, engine: IoEngine) -> None:
+    def close(self, io: SlabIo) -> None:
         for h in self._handles:
             if h is not None:
-                engine.close(h)
+                io.close(h)
         self._handles = []
 
     def locate(self, slot: int) -> tuple[Any, int, int]:

@@ -1,4 +1,4 @@
-"""Reading slots: the file tier's read path, on the I/O engine's threads.
+"""Reading slots: the file tier's read path, on the slab I/O's threads.
 
 ``FileTier.get`` builds one ``ReadItem`` per key and calls ``start_reads``: runs of adjacent slots
 become one vectored read each (``slab.run_rows``/``adjacent_runs``), every row's checksum (seeded
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from tiering.backends.checksum import checksum_of
 from tiering.backends.codec import ZstdCodec
-from tiering.backends.io_engines import ALIGN, IoEngine, aligned_buffer
 from tiering.backends.slab import SlabSet, adjacent_runs, run_rows
+from tiering.backends.slab_io import ALIGN, SlabIo, aligned_buffer
 from tiering.settings import MAX_READ_RUN_BYTES
 
 log = logging.getLogger(__name__)
@@ -42,20 +42,20 @@ class ReadsDone:
     seconds: float
 
 
-def start_reads(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, items: list[ReadItem],
+def start_reads(io: SlabIo, slabs: SlabSet, codec: ZstdCodec, items: list[ReadItem],
                 verify: bool, out: queue.SimpleQueue[object]) -> None:
-    """Read ``items`` on the engine's threads; each run's outcome reaches ``out`` as one
+    """Read ``items`` on the slab I/O's threads; each run's outcome reaches ``out`` as one
     ``ReadsDone``. Runs of adjacent slots become one vectored read each (see ``run_rows``)."""
     t0 = time.perf_counter()
-    per_run = run_rows(len(items), engine.threads, slabs.slot_bytes, MAX_READ_RUN_BYTES)
+    per_run = run_rows(len(items), io.threads, slabs.slot_bytes, MAX_READ_RUN_BYTES)
     for run in adjacent_runs(items, slabs, per_run, _slot_of):
-        engine.post(_read_and_report, engine, slabs, codec, run, verify, out, t0)
+        io.post(_read_and_report, io, slabs, codec, run, verify, out, t0)
 
 
-def _read_and_report(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, run: list[ReadItem],
+def _read_and_report(io: SlabIo, slabs: SlabSet, codec: ZstdCodec, run: list[ReadItem],
                      verify: bool, out: queue.SimpleQueue[object], t0: float) -> None:
     try:
-        outcomes = read_run(engine, slabs, codec, run, verify)
+        outcomes = read_run(io, slabs, codec, run, verify)
     except Exception:  # never lose a run: its keys are pinned until reported
         log.exception("file tier: read of slots %d..%d failed", run[0].slot, run[-1].slot)
         outcomes = [(it, "error") for it in run]
@@ -66,7 +66,7 @@ def _slot_of(item: ReadItem) -> int:
     return item.slot
 
 
-def read_slot(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec | None, it: ReadItem,
+def read_slot(io: SlabIo, slabs: SlabSet, codec: ZstdCodec | None, it: ReadItem,
               verify: bool) -> str:
     """Read one slot into ``it.out``; returns '' on success or the miss reason."""
     handle, offset, _ = slabs.locate(it.slot)
@@ -77,7 +77,7 @@ def read_slot(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec | None, it: Rea
         if it.codec == 0:
             if length != len(out):
                 return "corrupt"
-            n = engine.read_into(handle, out, offset)
+            n = io.read_into(handle, out, offset)
             if n < length:
                 return "short_read"
             if verify and checksum_of(slabs.seed, it.key, out) != it.checksum:
@@ -87,7 +87,7 @@ def read_slot(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec | None, it: Rea
             return "corrupt"
         padded = -(-length // ALIGN) * ALIGN
         buf = aligned_buffer(padded)
-        n = engine.read_into(handle, buf, offset)
+        n = io.read_into(handle, buf, offset)
         if n < length:
             return "short_read"
         payload = buf[:length]
@@ -105,14 +105,14 @@ def read_slot(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec | None, it: Rea
         return "corrupt"
 
 
-def read_run(engine: IoEngine, slabs: SlabSet, codec: ZstdCodec, run: list[ReadItem],
+def read_run(io: SlabIo, slabs: SlabSet, codec: ZstdCodec, run: list[ReadItem],
              verify: bool) -> list[tuple[ReadItem, str]]:
     """Read a run of consecutive slots (one vectored call when all are raw rows)."""
     if len(run) == 1 or any(it.codec or it.length != len(it.out) for it in run):
-        return [(it, read_slot(engine, slabs, codec, it, verify)) for it in run]
+        return [(it, read_slot(io, slabs, codec, it, verify)) for it in run]
     handle, offset, _ = slabs.locate(run[0].slot)
     try:
-        n = engine.readv(handle, [it.out for it in run], offset)
+        n = io.readv(handle, [it.out for it in run], offset)
     except OSError as exc:
         log.warning("file tier: read of slots %d..%d failed: %s", run[0].slot, run[-1].slot, exc)
         return [(it, "error") for it in run]

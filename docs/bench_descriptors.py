@@ -2,7 +2,7 @@
 
     python docs/bench_descriptors.py
 
-What ``CudaCopyEngine.submit_job`` computes before its first CUDA call, for the prefill
+What ``CudaCopier.submit_job`` computes before its first CUDA call, for the prefill
 sweep's jobs: one request's 31 blocks (a 512-token prompt served from the CPU tier) and a
 16-request step's 496 blocks, at the 1b (16 layers, 32 KiB pages), 8b (32 layers, 64 KiB) and
 32b (64 layers, 64 KiB) shapes' per-layer layouts: ``CopyLayout.descriptors`` (one entry per

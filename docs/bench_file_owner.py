@@ -22,8 +22,8 @@ from typing import Any
 
 def main() -> None:
     from tiering.backends.file_tier import FileTier
-    from tiering.backends.io_engines import aligned_buffer
     from tiering.backends.namespace import NamespaceFacts
+    from tiering.backends.slab_io import aligned_buffer
 
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 40_000
     row_bytes = 4096

@@ -2,7 +2,7 @@
 
 Run on a machine with an NVIDIA GPU: ``bash scripts/gpu_check.sh [OUT_DIR]``.
 
-1. GPU <-> CPU copies (``backends/cuda_copy.py`` CudaCopyEngine, each ``copy`` path) for a
+1. GPU <-> CPU copies (``backends/cuda_copy.py`` CudaCopier, each ``copy`` path) for a
    Llama-3.1-8B-shaped cache: 32 layers, 8 KV heads, head 128, bf16, 16-token blocks → 64 KiB
    per-layer pages (per-layer layout, 32 tensors) and 2 MiB per block (packed layout, one
    tensor). 512 random non-contiguous blocks (1 GiB) per job into random rows of a pinned
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build-gpu"))
 import torch  # noqa: E402
 
 from tiering.backends.block_copy import CopyLayout, TensorInfo  # noqa: E402
-from tiering.backends.cuda_copy import CudaCopyEngine  # noqa: E402
-from tiering.backends.io_engines import aligned_buffer  # noqa: E402
+from tiering.backends.cuda_copy import CudaCopier  # noqa: E402
+from tiering.backends.slab_io import aligned_buffer  # noqa: E402
 
 LAYERS, PAGE, BLOCKS, JOB, ROWS, REPEAT = 32, 64 << 10, 2048, 512, 1024, 7
 GB = 1e9
@@ -55,7 +55,7 @@ def dma(layout_name: str, copy: str = "dma", staging: int = 64 << 20, api: str =
     host = aligned_buffer(ROWS * row_bytes)
     host_arr = np.frombuffer(host, np.uint8)
     host_base = host_arr.ctypes.data
-    engine = CudaCopyEngine(host_base, len(host_arr), api=api, batch_max=batch_max, copy=copy,
+    copier = CudaCopier(host_base, len(host_arr), api=api, batch_max=batch_max, copy=copy,
                             staging_bytes=staging, access_order=access_order, copy_flags=flags,
                             streams_per_direction=streams)
     if layout_name == "per-layer":
@@ -78,14 +78,14 @@ def dma(layout_name: str, copy: str = "dma", staging: int = 64 << 20, api: str =
 
     def submit(blk, direction):
         job[0] += 1
-        engine.submit_job(job[0], layout, blk, [JOB], [0], rows, direction)
+        copier.submit_job(job[0], layout, blk, [JOB], [0], rows, direction)
         return job[0]
 
     gpu_s = {"store": [], "load": []}  # the job's own span on the GPU (its CUDA events)
 
     def run(blk, direction):
-        engine.wait({submit(blk, direction)})
-        gpu_s[direction] += [f.seconds for f in engine.get_finished()]
+        copier.wait({submit(blk, direction)})
+        gpu_s[direction] += [f.seconds for f in copier.get_finished()]
 
     t_store = median_time(lambda: run(blocks, "store"))
     # correctness 1: each stored row holds its block's pages in the row layout
@@ -104,8 +104,8 @@ def dma(layout_name: str, copy: str = "dma", staging: int = 64 << 20, api: str =
     def both():
         a = submit(blocks, "store")
         b = submit(other, "load")
-        engine.wait({a, b})
-        engine.get_finished()
+        copier.wait({a, b})
+        copier.get_finished()
 
     t_both = median_time(both)
     # ceiling: one large copy of the same bytes between pinned host and device memory
@@ -125,13 +125,13 @@ def dma(layout_name: str, copy: str = "dma", staging: int = 64 << 20, api: str =
 
     t_both_ceiling = median_time(both_ceiling)
     res = {
-        "layout": layout_name, "copy": engine.copy,
-        "api": f"{engine.api}/{batch_max}" + (f"/{staging >> 20}M" if engine.copy == "staged"
+        "layout": layout_name, "copy": copier.copy,
+        "api": f"{copier.api}/{batch_max}" + (f"/{staging >> 20}M" if copier.copy == "staged"
                                                else "")
         + (f"/{access_order}" if access_order != "stream" else "")
         + (f"/f{flags}" if flags else "") + (f"/{streams}s" if streams > 1 else ""),
         "access_order": access_order, "flags": flags, "streams_per_direction": streams,
-        "jobs_by_path": dict(engine.jobs_by_path),
+        "jobs_by_path": dict(copier.jobs_by_path),
         "bytes": nbytes, "descriptors": len(size),
         "store_GBps": nbytes / t_store / GB, "load_GBps": nbytes / t_load / GB,
         "store_gpu_GBps": nbytes / statistics.median(gpu_s["store"]) / GB,
@@ -139,12 +139,12 @@ def dma(layout_name: str, copy: str = "dma", staging: int = 64 << 20, api: str =
         "both_GBps": 2 * nbytes / t_both / GB,
         "copy_d2h_GBps": nbytes / t_d2h / GB, "copy_h2d_GBps": nbytes / t_h2d / GB,
         "copy_both_GBps": 2 * nbytes / t_both_ceiling / GB,
-        "correct": bool(ok), "batch_api": engine.batch_api,
-        "register_failures": engine.register_failures,
+        "correct": bool(ok), "batch_api": copier.batch_api,
+        "register_failures": copier.register_failures,
     }
     res["store_vs_copy"] = res["store_GBps"] / res["copy_d2h_GBps"]
     res["load_vs_copy"] = res["load_GBps"] / res["copy_h2d_GBps"]
-    engine.shutdown()
+    copier.shutdown()
     del tensors
     torch.cuda.empty_cache()
     return res

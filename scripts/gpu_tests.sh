@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tests (marker `gpu`): the CUDA copy engine's paths and the kvikio engine byte-exact in
+# The GPU tests (marker `gpu`): the CUDA copier's paths and the kvikio slab I/O byte-exact in
 # every layout, our spec inside real CUDA vLLM (outputs identical with and without offloading,
 # restart keeps disk hits). Needs an NVIDIA GPU; the vLLM tests also need CUDA vLLM importable.
 #   bash scripts/gpu_tests.sh [pytest args]      (JUnit XML into $OUT when OUT is set)

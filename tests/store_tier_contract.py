@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from tierutil import ROW, key, row_for
 
-from tiering.backends.io_engines import aligned_buffer
+from tiering.backends.slab_io import aligned_buffer
 from tiering.tier import Completion, Lookup, StoreTier
 
 MakeTier = Callable[..., StoreTier]

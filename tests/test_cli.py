@@ -120,7 +120,7 @@ def test_config_prints_valid_transfer_config(tmp_path, capsys):
     (["--disk", "{tmp}/x:1EiB"], "capacity: expected a byte size"),
     (["--disk", "{tmp}/x:1000000TiB"], "bytes free"),
     (["--disk", "{tmp}/x:1GiB", "--policy", "mru"], "unknown policy 'mru'"),
-    (["--disk", "{tmp}/x:1GiB", "--io", "spdk"], "io: unknown I/O engine"),
+    (["--disk", "{tmp}/x:1GiB", "--io", "spdk"], "io: unknown I/O kind"),
 ])
 def test_config_rejects_bad_flags(tmp_path, capsys, args, message):
     assert main(["config", "--cpu", "1GiB", *(a.format(tmp=tmp_path) for a in args)]) == 2

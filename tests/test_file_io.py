@@ -16,8 +16,8 @@ from tiering.backends.file_io import (
     WritesDone,
 )
 from tiering.backends.index import Index, pack_record
-from tiering.backends.io_engines import PosixEngine
 from tiering.backends.slab import SlabSet, adjacent_runs, run_rows
+from tiering.backends.slab_io import PosixSlabIo
 
 
 def test_overlapped_batches_never_bring_back_a_key_the_next_batch_drops(tmp_path):
@@ -26,13 +26,13 @@ def test_overlapped_batches_never_bring_back_a_key_the_next_batch_drops(tmp_path
     index = Index(tmp_path, map_size=64 << 20)
     slabs = SlabSet(tmp_path, ROW, 4, 4 * ROW)
     slabs.create_or_resize(preallocate=True)
-    engine = PosixEngine(2)
-    slabs.open(engine)
+    io = PosixSlabIo(2)
+    slabs.open(io)
     gone = key("dropped")
     now = time.time()
     index.publish([(gone, pack_record(0, ROW, 0, 0, now, now, 0))], [])
     out: queue.SimpleQueue = queue.SimpleQueue()
-    committer = Committer(index, slabs, engine, out, None, max_batch=1, pending=PendingMeta())
+    committer = Committer(index, slabs, io, out, None, max_batch=1, pending=PendingMeta())
     stale = pack_record(0, ROW, 0, 0, now, now + 1, 1)  # a touch of K taken before the drop
     committer.jobs.put(Job(writes=[WriteItem(key("new"), 1, row_for(key("new")), now)],
                            records=[(gone, stale)]))
@@ -46,8 +46,8 @@ def test_overlapped_batches_never_bring_back_a_key_the_next_batch_drops(tmp_path
         results = _drain(out)
         assert [(r.key, r.ok) for r in results] == [(key("new"), True)]
     finally:
-        engine.shutdown()
-        slabs.close(engine)
+        io.shutdown()
+        slabs.close(io)
         index.close()
 
 
@@ -110,16 +110,16 @@ def test_adjacent_runs_cover_every_item_once_and_stay_in_one_file(tmp_path):
         assert len({s // 8 for s in r}) == 1  # one slab file
 
 
-def test_engine_tasks_report_results_and_errors():
-    engine = PosixEngine(3)
+def test_slab_io_tasks_report_results_and_errors():
+    io = PosixSlabIo(3)
     try:
-        assert engine.submit(lambda a, b: a + b, 2, 3).result(timeout=5) == 5
-        fut = engine.submit(lambda: 1 / 0)
+        assert io.submit(lambda a, b: a + b, 2, 3).result(timeout=5) == 5
+        fut = io.submit(lambda: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             fut.result(timeout=5)
         got: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(20):
-            engine.post(got.put, i)
+            io.post(got.put, i)
         assert sorted(got.get(timeout=5) for _ in range(20)) == list(range(20))
     finally:
-        engine.shutdown()
+        io.shutdown()

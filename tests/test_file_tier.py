@@ -11,8 +11,8 @@ import pytest
 from tierutil import ROW, facts, key, open_tier, read, row_for, store
 
 from tiering.backends.file_tier import FileTier, NamespaceLocked
-from tiering.backends.io_engines import aligned_buffer
 from tiering.backends.namespace import FORMAT_VERSION, NamespaceError
+from tiering.backends.slab_io import aligned_buffer
 
 
 def test_bytes_round_trip_exactly(tmp_path):

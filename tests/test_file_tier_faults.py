@@ -26,7 +26,7 @@ TESTS = Path(__file__).parent
     ({"capacity": 100}, "capacity: 100 bytes holds no row"),
     ({"capacity": "1PiB"}, "capacity: expected a byte size"),
     ({"capacity": 10**18}, "has only .* bytes free"),
-    ({"io": "spdk"}, "io: unknown I/O engine 'spdk'"),
+    ({"io": "spdk"}, "io: unknown I/O kind 'spdk'"),
     ({"compression": "lz4"}, "compression: unknown codec 'lz4'"),
     ({"policy": "mru"}, "unknown policy 'mru'"),
     ({"store_threshold": -1}, "store_threshold: expected an integer from 0"),

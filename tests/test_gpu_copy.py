@@ -1,4 +1,4 @@
-"""The CUDA copy engine on a real GPU, every path (descriptor DMA, staged kernel, direct kernel,
+"""The CUDA copier on a real GPU, every path (descriptor DMA, staged kernel, direct kernel,
 auto) in every layout: byte-exact rows after a store, byte-exact blocks after a load, stores
 ordered after the compute that wrote the blocks, loads complete when reported finished.
 
@@ -19,14 +19,14 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 
 from tiering.backends.block_copy import CopyLayout, TensorInfo  # noqa: E402
-from tiering.backends.cuda_copy import CudaCopyEngine  # noqa: E402
-from tiering.backends.io_engines import aligned_buffer  # noqa: E402
+from tiering.backends.cuda_copy import CudaCopier  # noqa: E402
+from tiering.backends.slab_io import aligned_buffer  # noqa: E402
 
 PATHS = ["dma", "staged", "direct", "auto"]
 
 
 class Setup:
-    """KV tensors on the GPU, a pinned row region, the layout and an engine."""
+    """KV tensors on the GPU, a pinned row region, the layout and a copier."""
 
     def __init__(self, copy, pages, num_blocks=96, bpc=1, rows=48, rank=0, world=1,
                  groups=1, staging_bytes=64 << 20, engine_kw=None):
@@ -44,20 +44,20 @@ class Setup:
         refs = [[(i, p) for i, p in enumerate(pages)] for _ in range(groups)]
         self.layout = CopyLayout(infos, refs, base, self.row_bytes, rank, self.cell, bpc,
                                  torch_tensors=self.tensors)
-        self.engine = CudaCopyEngine(base, len(self.region), copy=copy,
+        self.copier = CudaCopier(base, len(self.region), copy=copy,
                                      staging_bytes=staging_bytes, **(engine_kw or {}))
         self.job = 0
 
     def submit(self, blocks, group_sizes, block_indices, rows, direction):
         self.job += 1
-        self.engine.submit_job(self.job, self.layout, np.asarray(blocks, dtype=np.int64),
+        self.copier.submit_job(self.job, self.layout, np.asarray(blocks, dtype=np.int64),
                                group_sizes, block_indices, np.asarray(rows, dtype=np.int64),
                                direction)
         return self.job
 
     def finish(self, job_ids):
-        self.engine.wait(set(job_ids))
-        done = {f.job_id for f in self.engine.get_finished()}
+        self.copier.wait(set(job_ids))
+        done = {f.job_id for f in self.copier.get_finished()}
         assert set(job_ids) <= done
 
     def row_cell(self, row):
@@ -93,7 +93,7 @@ class Setup:
                 i += 1
 
     def close(self):
-        self.engine.shutdown()
+        self.copier.shutdown()
 
 
 LAYOUTS = {
@@ -136,10 +136,10 @@ def test_store_then_load_is_byte_exact(path, layout):
         for t, b in zip(s.tensors, before, strict=True):
             assert torch.equal(t[torch.as_tensor(dst, device="cuda")], b)
         if layout == "unaligned" or layout == "packed":
-            assert s.engine.jobs_by_path["dma"] == 2  # kernels take only small aligned pages
+            assert s.copier.jobs_by_path["dma"] == 2  # kernels take only small aligned pages
         else:
             expect = "dma" if path == "auto" else path
-            assert s.engine.jobs_by_path[expect] == 2, s.engine.jobs_by_path
+            assert s.copier.jobs_by_path[expect] == 2, s.copier.jobs_by_path
     finally:
         s.close()
 
@@ -256,9 +256,9 @@ def test_load_is_complete_when_reported_finished(path):
         snap = [t[torch.as_tensor(src, device="cuda")].clone() for t in s.tensors]
         dst = 300 + rng.choice(280, 256, replace=False)
         j = s.submit(dst, [256], [0], rows, "load")
-        while not any(f.job_id == j for f in s.engine.get_finished()):
+        while not any(f.job_id == j for f in s.copier.get_finished()):
             pass
-        # read on another stream than the engine's, with no further synchronization
+        # read on another stream than the copier's, with no further synchronization
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
             ok = all(torch.equal(t[torch.as_tensor(dst, device="cuda")], b)

@@ -1,6 +1,6 @@
 """The file tier through kvikio on a GPU machine: byte-exact in every row layout (small and large
 rows, several rows per group commit, compressed or raw, O_DIRECT or buffered), and the files it
-writes are the same format the POSIX engine reads (and the other way round).
+writes are the same format the POSIX slab I/O reads (and the other way round).
 
 GPU only (marker ``gpu``; ``scripts/gpu_tests.sh``); skipped, never passed, elsewhere.
 """
@@ -15,7 +15,7 @@ import pytest
 from tierutil import facts, key, read, row_for
 
 from tiering.backends.file_tier import FileTier
-from tiering.backends.io_engines import cuda_driver_present
+from tiering.backends.slab_io import cuda_driver_present
 
 pytestmark = pytest.mark.gpu
 if not cuda_driver_present():
@@ -54,14 +54,14 @@ def test_kvikio_round_trip_and_same_format_as_posix(tmp_path: Path, layout: str)
     keys = [key(f"{layout}-{i}") for i in range(12)]
     rows = {k: bytes(kv_like(k, row_bytes)) for k in keys}
     with tier(tmp_path / "a", "kvikio", row_bytes, **cfg) as t:
-        assert t.engine.name == "kvikio"
+        assert t.io.name == "kvikio"
         put = t.put(keys, [memoryview(bytearray(rows[k])) for k in keys])
         assert put.admitted == keys and not put.rejected and not put.evicted
         assert all(d.ok for d in t.wait_idle())
         for k in keys:
             got, _ = read(t, k)
             assert got == rows[k], f"{layout}: kvikio read back other bytes"
-    with tier(tmp_path / "a", "posix", row_bytes, **cfg) as t:  # reopen: same files, other engine
+    with tier(tmp_path / "a", "posix", row_bytes, **cfg) as t:  # reopen: same files, other slab I/O
         for k in keys:
             got, _ = read(t, k)
             assert got == rows[k], f"{layout}: posix reads kvikio's rows differently"

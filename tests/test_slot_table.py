@@ -7,7 +7,7 @@ import pytest
 from tierutil import key, open_tier, row_for, store
 
 from tiering.backends.index import pack_record
-from tiering.backends.io_engines import aligned_buffer
+from tiering.backends.slab_io import aligned_buffer
 from tiering.backends.slot_table import SlotState, SlotTable
 from tiering.tier import IllegalTransition
 

@@ -15,7 +15,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 import tiering.backends.staging as staging  # noqa: E402
-from tiering.backends.block_copy import MemcpyEngine, merge_runs  # noqa: E402
+from tiering.backends.block_copy import MemcpyCopier, merge_runs  # noqa: E402
 from tiering.backends.staging import StagingRegion  # noqa: E402
 from tiering.vllm.compat import GPULoadStoreSpec  # noqa: E402
 from tiering.vllm.worker import RowsSpec, TieredWorker, make_layout  # noqa: E402
@@ -35,7 +35,7 @@ def make(num_blocks=32, pages=(512, 1024), bpc=1, groups=1, rows=16, rank=0, wor
     row_bytes = -(-cell * world // 4096) * 4096
     region = StagingRegion(f"w{bpc}{groups}{rank}", rows, row_bytes)
     layout = make_layout(kv, region, rank, cell, bpc)
-    return kv, region, TieredWorker(layout, MemcpyEngine(), region)
+    return kv, region, TieredWorker(layout, MemcpyCopier(), region)
 
 
 def test_round_trip_random_blocks_one_block_per_chunk():

@@ -7,8 +7,8 @@ import hashlib
 import numpy as np
 
 from tiering.backends.file_tier import FileTier
-from tiering.backends.io_engines import aligned_buffer
 from tiering.backends.namespace import NamespaceFacts
+from tiering.backends.slab_io import aligned_buffer
 
 ROW = 8192
 

@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 
 from tiering import cli_args
-from tiering.backends.io_engines import aligned_buffer
 from tiering.backends.namespace import make_dirs
+from tiering.backends.slab_io import aligned_buffer
 from tiering.bench_common import bench_key, cpu_seconds, drop_caches
 
 
@@ -89,7 +89,7 @@ def run_tier(folder: Path, pool: Pool, n_rows: int, threads: int, io: str) -> di
     done = tier.wait_idle(timeout=3600)
     write_s, write_cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     assert all(d.ok for d in done) and len(tier) == n_rows, "tier bench: writes failed"
-    engine = tier.engine.describe()
+    engine = tier.io.describe()
     tier.close()
     cold = drop_caches(folder)
     tier = FileTier(cfg, facts)
@@ -419,7 +419,7 @@ def add_bench_command(sub: argparse._SubParsersAction[cli_args.Parser]) -> None:
                    help="I/O threads = I/Os in flight")
     p.add_argument("--repeat", type=cli_args.integer(1, 1000), default=3)
     p.add_argument("--io", default="auto", choices=["auto", "posix", "kvikio"],
-                   help="tier I/O engine (auto, posix, kvikio)")
+                   help="the tier's slab I/O (auto, posix, kvikio)")
     p.add_argument("--only", choices=["tier"], help="run the tier part alone")
     p.add_argument("--parts", help=f"comma-separated subset of {','.join(PARTS)} (default all)")
     p.add_argument("--job-rows", type=cli_args.integer(1, 4096), default=16,

@@ -41,7 +41,7 @@ from functools import partial
 from typing import Any
 
 from tiering.advisor import PromotionAdvisor
-from tiering.backends.io_engines import aligned_buffer
+from tiering.backends.slab_io import aligned_buffer
 from tiering.cpu_tier import CpuTier
 from tiering.owed_rows import OwedRows
 from tiering.settings import (

@@ -156,7 +156,7 @@ class Tier(ABC):
         return getattr(self, "policy_spec", "")
 
     @property
-    def engine_name(self) -> str:
+    def io_name(self) -> str:
         return ""
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from tiering.backends.io_engines import aligned_buffer
+from tiering.backends.slab_io import aligned_buffer
 from tiering.bench_common import bench_key, cpu_seconds, drop_caches
 
 

@@ -76,7 +76,7 @@ class TierMetrics:
             for gauge, level in fill_gauges(entries, cap, tier.row_bytes).items():
                 stats.set_gauge(PREFIX + gauge, level, (label,))
             stats.set_gauge(PREFIX + "info", 1, (label, tier.policy_name,
-                                                tier.engine_name or "shm"))
+                                                tier.io_name or "shm"))
         adv = chain.advisor
         if adv is not None:  # the fitted costs and each file tier's rate and queue
             for term, cost in (("step", adv.prefill.c), ("token", adv.prefill.a),

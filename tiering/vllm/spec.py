@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from tiering.advisor import PromotionAdvisor
-from tiering.backends.block_copy import BlockCopier, MemcpyEngine
+from tiering.backends.block_copy import BlockCopier, MemcpyCopier
 from tiering.backends.file_tier import FileTier
 from tiering.backends.mooncake_tier import MooncakeTier
 from tiering.backends.staging import StagingRegion, remove_stale
@@ -131,14 +131,14 @@ class TieredOffloadingSpec(OffloadingSpec):
         layout = make_layout(kv_caches, region, cell, self.cell_bytes, self.blocks_per_chunk)
         on_device = kv_caches.tensors and kv_caches.tensors[0].tensor.device.type == "cuda"
         if on_device:
-            from tiering.backends.cuda_copy import CudaCopyEngine
+            from tiering.backends.cuda_copy import CudaCopier
 
-            engine: BlockCopier = CudaCopyEngine(region.base_address, region.num_rows * region.row_bytes,
+            copier: BlockCopier = CudaCopier(region.base_address, region.num_rows * region.row_bytes,
                                     device=kv_caches.tensors[0].tensor.device,
                                     copy=self.cfg.gpu_copy)
         else:
-            engine = MemcpyEngine()
+            copier = MemcpyCopier()
         log.info("vllm-tiering worker rank %d: %s copies (%s), %d KV tensors", rank,
-                 engine.name, getattr(engine, "copy", "host"), len(kv_caches.tensors))
-        self._worker = TieredWorker(layout, engine, region)
+                 copier.name, getattr(copier, "copy", "host"), len(kv_caches.tensors))
+        self._worker = TieredWorker(layout, copier, region)
         return self._worker

@@ -1,8 +1,8 @@
-"""The worker side: vLLM's ``OffloadingWorker`` over our copy engines (``backends/block_copy.py``,
+"""The worker side: vLLM's ``OffloadingWorker`` over our copiers (``backends/block_copy.py``,
 ``backends/cuda_copy.py``).
 
 Each job's GPU spec and staging rows become one descriptor list (``CopyLayout``), copied by
-``MemcpyEngine`` on vLLM's CPU platform or ``CudaCopyEngine`` on CUDA. The worker never reports
+``MemcpyCopier`` on vLLM's CPU platform or ``CudaCopier`` on CUDA. The worker never reports
 a failed transfer: vLLM's connector asserts success.
 """
 
@@ -39,12 +39,12 @@ def make_layout(kv_caches: CanonicalKVCaches, region: StagingRegion, rank: int,
 
 
 class TieredWorker(OffloadingWorker):
-    def __init__(self, layout: CopyLayout, engine: BlockCopier, region: StagingRegion) -> None:
-        self.layout, self.engine, self.region = layout, engine, region
+    def __init__(self, layout: CopyLayout, copier: BlockCopier, region: StagingRegion) -> None:
+        self.layout, self.copier, self.region = layout, copier, region
 
     def _submit(self, job_id: int, gpu: GPULoadStoreSpec, rows: LoadStoreSpec,
                 direction: str) -> bool:
-        self.engine.submit_job(job_id, self.layout, gpu.block_ids, gpu.group_sizes,
+        self.copier.submit_job(job_id, self.layout, gpu.block_ids, gpu.group_sizes,
                                gpu.block_indices, rows.block_ids, direction)
         return True
 
@@ -58,11 +58,11 @@ class TieredWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         return [TransferResult(f.job_id, True, f.size, f.seconds)
-                for f in self.engine.get_finished()]
+                for f in self.copier.get_finished()]
 
     def wait(self, job_ids: set[int]) -> None:
-        self.engine.wait(job_ids)
+        self.copier.wait(job_ids)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self.copier.shutdown()
         self.region.close()

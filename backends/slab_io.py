@@ -1,6 +1,6 @@
-"""I/O engines: how slot bytes move between memory and slab files.
+"""Slab I/O: how slot bytes move between memory and slab files.
 
-Every engine offers the same blocking primitives (``readv``/``read_into``, ``writev``, ``sync``) that
+Every slab I/O offers the same blocking primitives (``readv``/``read_into``, ``writev``, ``sync``) that
 the file tier calls from its worker threads, plus ``submit`` to run a task on its own pool and get
 a future back, so the tier's public API never blocks its caller.
 
@@ -33,7 +33,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ALIGN = 4096
-ENGINES = ("auto", "posix", "kvikio", "gds")
+IO_KINDS = ("auto", "posix", "kvikio", "gds")
 
 
 def is_aligned(buf: memoryview) -> bool:
@@ -49,7 +49,7 @@ def aligned_buffer(nbytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, size))[:nbytes]
 
 
-class IoEngine(ABC):
+class SlabIo(ABC):
     """Moves bytes between buffers and open slab files.
 
     Threading: ``readv``/``read_into``/``writev``/``sync`` block and are called only from worker
@@ -132,7 +132,7 @@ class IoEngine(ABC):
             t.join()
 
 
-class PosixEngine(IoEngine):
+class PosixSlabIo(SlabIo):
     name = "posix"
 
     def __init__(self, threads: int, direct: bool = True) -> None:
@@ -225,7 +225,7 @@ def _full_io(op: Callable[[int, list[memoryview], int], int], fd: int, bufs: lis
     return done
 
 
-class KvikioEngine(IoEngine):
+class KvikioSlabIo(SlabIo):
     """kvikio CuFile I/O (compat mode without GDS). Imports kvikio lazily."""
 
     name = "kvikio"
@@ -286,23 +286,23 @@ def cuda_driver_present() -> bool:
         return False
 
 
-def make_engine(name: str, threads: int, direct: bool = True) -> IoEngine:
-    """Build an engine by name (see module doc); ValueError for unknown names."""
-    if name not in ENGINES:
-        raise ValueError(f"io: unknown I/O engine {name!r}; expected one of {', '.join(ENGINES)}")
+def make_slab_io(name: str, threads: int, direct: bool = True) -> SlabIo:
+    """Build a slab I/O by kind (see module doc); ValueError for unknown names."""
+    if name not in IO_KINDS:
+        raise ValueError(f"io: unknown I/O kind {name!r}; expected one of {', '.join(IO_KINDS)}")
     if name in ("kvikio", "gds"):
         if not cuda_driver_present():
             raise ValueError(f"io: {name!r} needs a CUDA driver (libcuda) and none was found; "
                              "use io='posix' or io='auto'")
-        return KvikioEngine(threads)
+        return KvikioSlabIo(threads)
     if name == "auto":
         if cuda_driver_present():
             try:
-                engine = KvikioEngine(threads)
+                io = KvikioSlabIo(threads)
                 log.info("io=auto chose kvikio (CUDA driver present)")
-                return engine
+                return io
             except ImportError:
                 log.info("io=auto: CUDA driver present but kvikio not installed; using posix")
         else:
             log.info("io=auto chose posix (no CUDA driver)")
-    return PosixEngine(threads, direct=direct)
+    return PosixSlabIo(threads, direct=direct)
