@@ -368,3 +368,24 @@ def test_a_connector_reset_frees_the_slots_of_dropped_loads(model):
     assert h.cached["b2"] >= 384 and h.manager.load_gate.loading() == 0
     assert h.manager.chain.usage()["pinned"] == 0
     h.manager.shutdown()
+
+
+def test_a_prompt_loaded_from_the_cpu_tier_is_kept_over_an_older_unused_one(model):
+    """vLLM (0.32, 0.33) never calls the manager's ``touch``: a load is the only sign that a
+    chunk was used again. The prefill sweep's pattern (docs/benchmarks.md, "Mixed hit rates in
+    vLLM's scheduler"): A and B are stored (A first), A is served from the CPU tier, then C
+    needs the rows of one prompt. LRU evicts B, the one not used since it was stored; A, used
+    just now, is served again. (Evicting by store order instead lost 2-6% of the sweep's hits
+    against vLLM's own LRU on the H200.)"""
+    h = Harness(model, _cpu_only(8, None), delay=1, prefix_caching=False)  # 2 prompts' rows
+    a, b, c = prompt(31), prompt(32), prompt(33)
+    for rid, p in (("a1", a), ("b1", b), ("a2", a), ("c1", c), ("a3", a), ("b2", b)):
+        h.add(rid, p, max_tokens=1)
+        h.run()
+    chain = h.manager.chain
+    assert h.cached["a2"] >= 384  # A was loaded once before C came
+    assert chain.cpu.stats["evictions"] >= 4  # C's 4 chunks took a prompt's rows
+    assert h.cached["a3"] >= 384, h.cached  # A, used since B was stored, is still there
+    assert h.cached["b2"] == 0, h.cached  # B, never used again, made room for C
+    assert chain.usage()["pinned"] == 0
+    h.manager.shutdown()
