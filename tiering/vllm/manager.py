@@ -84,8 +84,11 @@ class TieredManager(OffloadingManager):
         if advisor is not None:  # only the advisor times runs by position (a call per chunk)
             end = self._end_token(key, req_context)
             first = end - advisor.chunk_tokens if end is not None else None
-        return _LOOKUP[self._scan(req_context).lookup(key if type(key) is bytes else bytes(key),
-                                                     first)]
+        scan = self._scan(req_context)
+        found = scan.lookup(key if type(key) is bytes else bytes(key), first)
+        if found is Lookup.MISS and gate.cap and not gate.computing and scan.counted <= {key}:
+            gate.prompt_computes()  # its first chunk missed: vLLM computes it this step
+        return _LOOKUP[found]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Drop the request's scan (vLLM has issued every prepare_store of the request by now;
@@ -121,6 +124,8 @@ class TieredManager(OffloadingManager):
             ends = [self._end_token(k, req_context) for k in keys]
             if all(e is not None for e in ends):
                 self._scan(req_context).offered(ends)
+        if keys:
+            self.load_gate.chunks_offered()
         out = self.chain.prepare_store(_as_bytes(keys))
         if out is None:
             return None
