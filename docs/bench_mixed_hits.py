@@ -18,7 +18,8 @@ store jobs).
 
 Configs as in ``docs/bench_load_path.py``: ``cpu`` (vLLM's CPUOffloadingSpec), ``ours``
 (TieredOffloadingSpec, CPU tier only, defaults), ``ours@K`` (``max_loading_requests`` K; 0: no
-cap). Needs CUDA vLLM 0.33's Python code (``.venv033``; no GPU: the scheduler needs none).
+cap). ``BENCH_TIERING_ROOT=DIR``: the ``tiering`` code of another checkout (``git worktree add
+DIR COMMIT``), to compare before and after a change. Needs CUDA vLLM 0.33's Python code (``.venv033``; no GPU: the scheduler needs none).
 """
 
 from __future__ import annotations
@@ -206,6 +207,11 @@ def main() -> None:
                     help="modeled cost of a scheduled token (114: 8.8k tokens/s)")
     ap.add_argument("--trace", default="", help="hit rates to print step by step")
     a = ap.parse_args()
+    root = os.environ.get("BENCH_TIERING_ROOT")
+    if root:  # measure another checkout's tiering (git worktree add DIR COMMIT)
+        from bench_load_path import _CheckoutFinder
+
+        sys.meta_path.insert(0, _CheckoutFinder(Path(root)))
     a.hit_rates = [float(x) for x in a.hit_rates.split(",") if x]
     a.configs = [c for c in a.configs.split(",") if c]
     trace = [float(x) for x in a.trace.split(",") if x]
