@@ -89,8 +89,11 @@ class TieredManager(OffloadingManager):
         if advisor is not None:  # only the advisor times runs by position (a call per chunk)
             end = self._end_token(key, req_context)
             first = end - advisor.chunk_tokens if end is not None else None
-        return _LOOKUP[self._scan(req_context).lookup(key if type(key) is bytes else bytes(key),
-                                                     first)]
+        scan = self._scan(req_context)
+        found = scan.lookup(key if type(key) is bytes else bytes(key), first)
+        if found is Lookup.MISS and gate.cap and not gate.computing and scan.counted <= {key}:
+            gate.prompt_computes()  # its first chunk missed: vLLM computes it this step
+        return _LOOKUP[found]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Drop the request's scan (vLLM has issued every prepare_store of the request by now;
@@ -127,6 +130,8 @@ class TieredManager(OffloadingManager):
             known = [e for e in ends if e is not None]
             if len(known) == len(ends):
                 self._scan(req_context).offered(known)
+        if keys:
+            self.load_gate.chunks_offered()
         out = self.chain.prepare_store(_as_bytes(keys))
         if out is None:
             return None
