@@ -70,7 +70,7 @@ from tiering.settings import (
     INDEX_MAP_BYTES_PER_SLOT,
 )
 from tiering.stats import TierStats
-from tiering.tier import Completion, Lookup, PutOutcome, StoreTier
+from tiering.tier import Completion, Lookup, PutOutcome, StoreTier, check_put
 
 log = logging.getLogger(__name__)
 
@@ -228,14 +228,7 @@ class FileTier(StoreTier):
         ``keys`` are one request's chunks in prefix order. The caller keeps each admitted row's
         memory unchanged until ``poll`` reports that key's ``store`` completion.
         """
-        if rows is None or len(keys) != len(rows):
-            raise ValueError(f"put: {len(keys)} keys but "
-                             f"{'no' if rows is None else len(rows)} rows")
-        for key, row in zip(keys, rows, strict=True):  # all checked before anything changes
-            self._check_key(key)
-            if len(row) != self.row_bytes:
-                raise ValueError(f"put: row for key {key.hex()} has {len(row)} bytes, "
-                                 f"expected row_bytes={self.row_bytes}")
+        rows = check_put(keys, rows, self.row_bytes, self._check_key)
         out = PutOutcome()
         accepted, items, drop, reused = out.admitted, [], [], False
         now = time.time()

@@ -64,7 +64,7 @@ from tiering.settings import (
     MOONCAKE_PROBE_S,
 )
 from tiering.stats import TierStats
-from tiering.tier import Completion, Lookup, PutOutcome, StoreTier
+from tiering.tier import Completion, Lookup, PutOutcome, StoreTier, check_put
 
 log = logging.getLogger(__name__)
 MAX_KEY_BYTES = 256
@@ -225,14 +225,7 @@ class MooncakeTier(StoreTier):
     def put(self, keys: Sequence[bytes], rows: Sequence[memoryview] | None) -> PutOutcome:
         """Offer rows for storing; the admitted ones are written in the background. The caller
         keeps each admitted row unchanged until ``poll`` reports its ``store`` completion."""
-        if rows is None or len(keys) != len(rows):
-            raise ValueError(f"put: {len(keys)} keys but "
-                             f"{'no' if rows is None else len(rows)} rows")
-        for key, row in zip(keys, rows, strict=True):  # all checked before anything changes
-            self._check_key(key)
-            if len(row) != self.row_bytes:
-                raise ValueError(f"put: row for key {key.hex()} has {len(row)} bytes, "
-                                 f"expected row_bytes={self.row_bytes}")
+        rows = check_put(keys, rows, self.row_bytes, self._check_key)
         out = PutOutcome()
         now = time.monotonic()
         items: list[Item] = []

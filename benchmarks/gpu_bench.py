@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's function
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -312,12 +313,10 @@ class Engine:
             out[name] = out.get(name, 0.0) + float(m.value)
         return out
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, skip_cache: bool = False):
-        from vllm import SamplingParams
-
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                            logprobs=1, detokenize=False,
-                            skip_reading_prefix_cache=True if skip_cache else None)
+    def timed_generate(self, prompts: list[list[int]], sp: Any) -> tuple[list[Any], float,
+                                                                          dict[str, float]]:
+        """``generate`` the prompts with ``sp``: the outputs, the wall seconds, and the prompt
+        tokens served from each source (``device``, ``host``, ``disk``) meanwhile."""
         before = self.counters()
         t = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -327,6 +326,15 @@ class Engine:
         src = {s: after.get(f"vllm:prompt_tokens_cached_by_source[{s}]", 0.0)
                - before.get(f"vllm:prompt_tokens_cached_by_source[{s}]", 0.0)
                for s in ("device", "host", "disk")}
+        return outs, wall, src
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, skip_cache: bool = False):
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=1, detokenize=False,
+                            skip_reading_prefix_cache=True if skip_cache else None)
+        outs, wall, src = self.timed_generate(prompts, sp)
         res = []
         for o in outs:
             c = o.outputs[0]
@@ -881,15 +889,7 @@ class SweepEngine(Engine):
         from vllm import SamplingParams
 
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
-        before = self.counters()
-        t = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        wall = time.perf_counter() - t
-        time.sleep(0.2)  # let the last stats reach the frontend's counters
-        after = self.counters()
-        src = {s: after.get(f"vllm:prompt_tokens_cached_by_source[{s}]", 0.0)
-               - before.get(f"vllm:prompt_tokens_cached_by_source[{s}]", 0.0)
-               for s in ("device", "host", "disk")}
+        outs, wall, src = self.timed_generate(prompts, sp)
         return {"wall_s": wall, "from_gpu": src["device"], "from_cpu": src["host"],
                 "from_disk": src["disk"], "cached_tokens": sum(o.num_cached_tokens for o in outs),
                 "first_tokens": [o.outputs[0].token_ids[0] for o in outs]}

@@ -256,6 +256,21 @@ class RowTier(Tier):
         """Assert the row table's consistency (tests call it after every step)."""
 
 
+def check_put(keys: Sequence[bytes], rows: Sequence[memoryview] | None, row_bytes: int,
+              check_key: Callable[[bytes], None]) -> Sequence[memoryview]:
+    """A store tier's ``put`` arguments, all checked before anything changes: one row of
+    ``row_bytes`` per key, each key valid (``check_key`` raises ``ValueError`` naming it).
+    Returns ``rows``; ``ValueError`` naming the key and what was expected otherwise."""
+    if rows is None or len(keys) != len(rows):
+        raise ValueError(f"put: {len(keys)} keys but {'no' if rows is None else len(rows)} rows")
+    for key, row in zip(keys, rows, strict=True):
+        check_key(key)
+        if len(row) != row_bytes:
+            raise ValueError(f"put: row for key {key.hex()} has {len(row)} bytes, "
+                             f"expected row_bytes={row_bytes}")
+    return rows
+
+
 class StoreTier(Tier):
     """A tier below the row tier that keeps its own copy of rows (disk slots, a remote store).
 
