@@ -208,6 +208,12 @@ class TierChain:
         what a new promotion waits behind."""
         return {i: n * self.row_bytes for i, n in enumerate(self._reads_queued, start=1)}
 
+    def _full_batch_rows(self, i: int) -> int:
+        """Rows a read batch of tier ``i`` needs to measure its rate (``ADVISOR_RATE_MIN_ROWS``,
+        or all a smaller tier can hold)."""
+        capacity_rows = self.tiers[i].usage()[1] // self.row_bytes
+        return max(1, min(ADVISOR_RATE_MIN_ROWS, capacity_rows))
+
     def calibrate(self, i: int, keys: Sequence[bytes] = ()) -> bool:
         """Measure file tier ``i``'s read rate with one batch of reads into scratch memory (no
         CPU row, no request waits): ``keys`` it holds, else the keys last written to it. False
@@ -224,10 +230,8 @@ class TierChain:
         # written read at 1.14 GB/s, 2048 rows at 2.9): they give a tier with no rate a
         # provisional one, which the first full batch replaces; a tier too small to hold a full
         # batch is measured with what it has
-        _, capacity, _ = tier.usage()
         first = self.advisor is None or self.advisor.read_rate(i) is None
-        need = 1 if first else min(ADVISOR_CALIBRATION_MIN_ROWS, capacity // self.row_bytes)
-        if len(pick) < max(1, need):
+        if len(pick) < (1 if first else self._full_batch_rows(i)):
             return False
         b = self._next_batch
         self._next_batch += 1
@@ -420,8 +424,7 @@ class TierChain:
             busy = ended - max(submitted, self._reads_ended[tier - 1])
             self._reads_ended[tier - 1] = max(self._reads_ended[tier - 1], ended)
             if self.advisor is not None and busy > 0:
-                capacity_rows = self.file_tiers[tier - 1].usage()[1] // self.row_bytes
-                full = nbytes >= min(ADVISOR_RATE_MIN_ROWS, capacity_rows) * self.row_bytes
+                full = nbytes >= self._full_batch_rows(tier) * self.row_bytes
                 self.advisor.observe_read_batch(tier, nbytes, busy, full)
 
     def _finish_demotion(self, i: int, done: Completion) -> None:
