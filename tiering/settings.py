@@ -122,6 +122,16 @@ MOONCAKE_OVERRUN_FACTOR = 3.0
 # One log line per fault reason at most this often (counters count every occurrence).
 MOONCAKE_LOG_EVERY_S = 60.0
 
+# -- offloaded chunks -----------------------------------------------------------------------------
+# Tokens of one offloaded chunk (one staging row, one slot) on a CUDA GPU when the config names
+# neither vLLM's "block_size" nor "blocks_per_chunk" (vLLM's own default is one GPU block, 16
+# tokens). Measured on the H200 (docs/benchmarks.md, "Larger offloaded chunks"; 8B shape, 512-token
+# prompts): 64 tokens served 1.90x the tokens/s of 16 at 100% CPU hits and 1.45x at 50%, since
+# vLLM's connector and our manager pay their costs per chunk; 256 lost the partial last chunk of
+# each prompt. A prefix hit is counted in whole chunks, so a longer chunk recomputes up to 63
+# more tokens of a prefix. On vLLM's CPU platform the default stays vLLM's.
+CUDA_CHUNK_TOKENS = 64
+
 # -- GPU copies ----------------------------------------------------------------------------------
 # Descriptors per cudaMemcpyBatchAsync call: larger calls measured slower on the H200.
 CUDA_BATCH_MAX = 1024

@@ -41,7 +41,7 @@ __all__ = ["BlockIDsLoadStoreSpec", "CanonicalKVCaches", "GPULoadStoreSpec", "Lo
            "OffloadingSpec", "OffloadingWorker", "PrepareStoreOutput", "ReqContext",
            "RequestOffloadingContext", "TransferResult", "VLLM_VERSION", "CacheHitSource",
            "hit_source", "async_scheduling", "prefix_hash_algo", "is_cpu_platform",
-           "share_vllm_logging"]
+           "is_cuda_platform", "share_vllm_logging"]
 
 log = logging.getLogger(__name__)
 VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2] if x.isdigit())
@@ -113,6 +113,13 @@ def is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
+
+
+def is_cuda_platform() -> bool:
+    """vLLM runs on an NVIDIA GPU (or ROCm's CUDA-alike)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda_alike())
 
 
 def share_vllm_logging() -> None:

@@ -13,14 +13,19 @@ from tiering.vllm.compat import prefix_hash_algo
 RESTART_SAFE_ALGOS = {"sha256", "sha256_cbor"}
 
 
-def facts_from_config(c: Any, row_bytes: int) -> tuple[NamespaceFacts, dict[str, Any]]:
-    """Namespace facts from vLLM's ``OffloadingConfig``, plus informational meta fields."""
+def facts_from_config(c: Any, row_bytes: int, blocks_per_chunk: int | None = None
+                      ) -> tuple[NamespaceFacts, dict[str, Any]]:
+    """Namespace facts from vLLM's ``OffloadingConfig``, plus informational meta fields.
+
+    ``blocks_per_chunk``: the spec's chunk when it chose its own (``spec.default_blocks_per_chunk``),
+    else the config's."""
+    bpc = c.cache.blocks_per_chunk if blocks_per_chunk is None else blocks_per_chunk
     par = c.parallel
     algo = prefix_hash_algo()
     facts = NamespaceFacts(
         model=c.model.name, dtype=str(c.model.dtype),
         layout=str(getattr(c, "kv_cache_layout", None) or "LBHNC"), row_bytes=row_bytes,
-        chunk_tokens=int(c.groups[0].tokens_per_block) * c.cache.blocks_per_chunk,
+        chunk_tokens=int(c.groups[0].tokens_per_block) * bpc,
         parallel={"world_size": par.world_size, "tp": par.tp_size, "pp": par.pp_size,
                   "pcp": par.pcp_size, "dcp": par.dcp_size,
                   "replicated": bool(getattr(c, "replicated_layout", False))},

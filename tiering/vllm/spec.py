@@ -16,6 +16,7 @@ on rank 0 only, and every rank's worker reads and writes the one cell of the sha
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from tiering.advisor import PromotionAdvisor
@@ -26,10 +27,12 @@ from tiering.backends.staging import StagingRegion, remove_stale
 from tiering.chain import TierChain
 from tiering.config import check_sizes, parse
 from tiering.cpu_tier import CpuTier
+from tiering.settings import CUDA_CHUNK_TOKENS
 from tiering.vllm.compat import (
     CanonicalKVCaches,
     OffloadingSpec,
     async_scheduling,
+    is_cuda_platform,
     share_vllm_logging,
 )
 from tiering.vllm.engine_facts import facts_from_config
@@ -44,6 +47,28 @@ log = logging.getLogger(__name__)
 PAGE = 4096
 
 
+def default_blocks_per_chunk(config: OffloadingConfig, extra_config: Mapping[str, Any],
+                             on_cuda: bool) -> int:
+    """GPU blocks per offloaded chunk: ``CUDA_CHUNK_TOKENS`` worth on a CUDA GPU when the config
+    sets no chunk size, else what vLLM's connector made of the config.
+
+    Only where vLLM's config would be the same with the longer chunk: one block size for every
+    offloaded group, and none with a window (a sliding-window or Mamba group's window was
+    counted in the config's chunks) nor a block already that long."""
+    bpc = int(config.cache.blocks_per_chunk)
+    if not on_cuda or "block_size" in extra_config or "blocks_per_chunk" in extra_config:
+        return bpc
+    groups = config.groups
+    sizes = {int(g.tokens_per_block) for g in groups}
+    if bpc != 1 or len(sizes) != 1 or any(g.sliding_window_size_in_chunks is not None
+                                          for g in groups):
+        return bpc
+    tokens_per_block = sizes.pop()
+    if tokens_per_block >= CUDA_CHUNK_TOKENS or CUDA_CHUNK_TOKENS % tokens_per_block:
+        return bpc
+    return CUDA_CHUNK_TOKENS // tokens_per_block
+
+
 class TieredOffloadingSpec(OffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
@@ -53,6 +78,13 @@ class TieredOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         share_vllm_logging()
         self.cfg = parse(dict(self.extra_config))
+        # vLLM's connector reads the chunk from the spec (scheduler and worker alike)
+        chosen = default_blocks_per_chunk(config, self.extra_config, is_cuda_platform())
+        if chosen != int(config.cache.blocks_per_chunk):
+            log.info("vllm-tiering: offloaded chunks of %d GPU blocks (%d tokens), our default "
+                     "on CUDA; \"block_size\" in kv_connector_extra_config chooses another",
+                     chosen, chosen * config.groups[0].tokens_per_block)
+            self.blocks_per_chunk = chosen
         par = config.parallel
         self.world_size = max(1, par.world_size)
         # our staging region is one shared memory file for every rank, so one copy can serve all
@@ -77,7 +109,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         region = StagingRegion(self.config.engine_id, self.num_rows, self.row_bytes,
                                populate=bool(self.cfg.files))
         remove_stale(keep=region.path)
-        facts, info = facts_from_config(self.config, self.row_bytes)
+        facts, info = facts_from_config(self.config, self.row_bytes, self.blocks_per_chunk)
         tiers: list[FileTier | MooncakeTier] = []
         try:
             for fcfg in self.cfg.files:
