@@ -50,6 +50,7 @@ pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from benchmarks.gpu_bench import Engine, transfer_config, write_model  # noqa: E402
+from tiering.settings import CUDA_CHUNK_TOKENS  # noqa: E402
 
 MAX_TOKENS = 12
 OPTS = SimpleNamespace(dtype="bfloat16", cpu_platform=False, gpu_mem=0.3)
@@ -61,9 +62,13 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 SHARED = tokens(1, 1024)
-PROMPTS = [SHARED + tokens(2, 100), SHARED + tokens(3, 333), SHARED + tokens(4, 700),
-           tokens(5, 600), tokens(6, 1500), tokens(7, 2100)]
-NEW = [tokens(8, 900), SHARED + tokens(9, 50)]
+# Lengths whose hit ends at the same token whether it comes from the GPU's 16-token blocks or
+# from the tiers' 64-token chunks (our default on CUDA): a compared run computes the same
+# tokens in both, so its matrix shapes match (a hit 48 tokens shorter changes bf16 rounding)
+PROMPTS = [SHARED + tokens(2, 10), SHARED + tokens(3, 333), SHARED + tokens(4, 650),
+           tokens(5, 588), tokens(6, 1480), tokens(7, 2060)]
+NEW = [tokens(8, 900), SHARED + tokens(9, 5)]
+assert all((len(p) - 1) % CUDA_CHUNK_TOKENS < 16 for p in PROMPTS + NEW)
 MAX_LEN = 4096
 GPU_BLOCKS = 2048  # 32k tokens: everything fits; the point is correctness, not eviction
 
