@@ -16,6 +16,7 @@ a future back, so the tier's public API never blocks its caller.
 
 from __future__ import annotations
 
+import collections
 import ctypes.util
 import errno
 import logging
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 ALIGN = 4096
 IO_KINDS = ("auto", "posix", "kvikio", "gds")
+_STOP = object()  # the token that tells a worker thread to return
 
 
 def is_aligned(buf: memoryview) -> bool:
@@ -56,39 +58,53 @@ class SlabIo(ABC):
     threads (``post``/``submit``); they may run concurrently on different offsets of the same
     file. Failure: they raise ``OSError``; the tier turns that into a miss or a rejected write.
 
-    The worker threads take tasks from one ``SimpleQueue``: ``post`` costs a queue put (no
-    future, no condition variable), which matters when a task is one 256 KiB read.
+    Reads go first: a task posted ``urgent`` (a read some request waits for) runs before every
+    task posted plain (the writer's runs), whatever their order. Under write-through the writer
+    keeps the device busy at its limit, and a promotion queued behind its runs would wait out
+    their whole backlog. Tasks wait in two deques; ``post`` appends the task, then puts one
+    wake-up token on a ``SimpleQueue`` (no future, no condition variable, which matters when a
+    task is one 256 KiB read); a worker takes a token, then the first urgent task, else the
+    first plain one. A task is appended before its token, so a worker holding a token always
+    finds one.
     """
 
     name = "base"
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        # (function, its arguments) per task; None tells a worker to stop
-        self._tasks: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
-            queue.SimpleQueue())
+        # (function, its arguments) per task, reads first; one token per task, _STOP to stop
+        self._urgent: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
+            collections.deque())
+        self._plain: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
+            collections.deque())
+        self._tokens: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._workers = [threading.Thread(target=self._work, name=f"tier-{self.name}-{i}",
                                           daemon=True) for i in range(threads)]
         for t in self._workers:
             t.start()
 
     def _work(self) -> None:
-        get = self._tasks.get
+        get, urgent, plain = self._tokens.get, self._urgent, self._plain
         while True:
-            task = get()
-            if task is None:
+            if get() is _STOP:
                 return
-            fn, args = task
+            try:
+                fn, args = urgent.popleft()
+            except IndexError:
+                fn, args = plain.popleft()
             try:
                 fn(*args)
             except BaseException:  # a task reports its own failures; this is a bug
                 log.exception("I/O task %r failed", fn)
 
-    def post(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on a worker thread; it must report its own result."""
-        self._tasks.put((fn, args))
+    def post(self, fn: Callable[..., Any], *args: Any, urgent: bool = False) -> None:
+        """Run ``fn(*args)`` on a worker thread, before every plain task if ``urgent``; it must
+        report its own result."""
+        (self._urgent if urgent else self._plain).append((fn, args))
+        self._tokens.put(None)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run ``fn(*args)`` on a worker thread (a plain task); its result in the future."""
         fut: Future[T] = Future()
 
         def run() -> None:
@@ -99,7 +115,7 @@ class SlabIo(ABC):
             except BaseException as exc:
                 fut.set_exception(exc)
 
-        self._tasks.put((run, ()))
+        self.post(run)
         return fut
 
     @abstractmethod
@@ -127,7 +143,7 @@ class SlabIo(ABC):
 
     def shutdown(self) -> None:
         for _ in self._workers:
-            self._tasks.put(None)
+            self._tokens.put(_STOP)
         for t in self._workers:
             t.join()
 

@@ -49,7 +49,7 @@ def start_reads(io: SlabIo, slabs: SlabSet, codec: ZstdCodec, items: list[ReadIt
     t0 = time.perf_counter()
     per_run = run_rows(len(items), io.threads, slabs.slot_bytes, MAX_READ_RUN_BYTES)
     for run in adjacent_runs(items, slabs, per_run, _slot_of):
-        io.post(_read_and_report, io, slabs, codec, run, verify, out, t0)
+        io.post(_read_and_report, io, slabs, codec, run, verify, out, t0, urgent=True)
 
 
 def _read_and_report(io: SlabIo, slabs: SlabSet, codec: ZstdCodec, run: list[ReadItem],

@@ -16,7 +16,7 @@ from tiering.backends.staging import StagingRegion
 from tiering.chain import Lookup, TierChain
 from tiering.cpu_tier import CpuTier
 from tiering.request_scan import DiskRun, IllegalRunTransition, RequestScan, RunState
-from tiering.settings import ADVISOR_CALIBRATION_MIN_ROWS, ADVISOR_REPROBE_AFTER
+from tiering.settings import ADVISOR_RATE_MIN_ROWS, ADVISOR_REPROBE_AFTER
 
 ROW = 8192
 MiB = 1 << 20
@@ -516,6 +516,45 @@ def test_a_read_batch_of_few_rows_gives_only_a_provisional_rate():
     assert 2.0e9 < adv.read_rate(1) < 2.9e9
 
 
+def test_a_rate_needs_32_MiB_of_rows_between_8_and_16_rows():
+    """Large rows (64-token chunks of the 8B shape: 8 MiB) time a rate in 8 rows, one per I/O
+    thread; 2 MiB rows need 16, small rows never more than 16; a batch one row short of that
+    gives only a provisional rate, which the first full batch replaces."""
+    from tiering.advisor import rate_min_rows
+
+    assert [rate_min_rows(b) for b in (ROW, 2 << 20, 4 << 20, 8 << 20, 16 << 20)] == [
+        16, 16, 8, 8, 8]
+    big = 8 << 20
+    adv = PromotionAdvisor(1, big, chunk_tokens=64)
+    adv.observe_read_batch(1, 7 * big, 7 * big / 0.5e9)
+    assert adv.rate_is_provisional(1) and adv.needs_measuring(1)
+    adv.observe_read_batch(1, 8 * big, 8 * big / 2e9)
+    assert not adv.rate_is_provisional(1) and adv.read_rate(1) == pytest.approx(2e9)
+
+
+def test_a_calibration_of_8_MiB_rows_reads_64_MiB(tmp_path):
+    """ADVISOR_CALIBRATION_BYTES of 8 MiB rows is 8 rows, enough for a rate: no request's
+    recompute runs beside 16 of them (128 MiB) any more."""
+    big = 8 << 20
+    ks = [key(i) for i in range(12)]
+    adv = PromotionAdvisor(1, big, chunk_tokens=64)
+    tier = FileTier({"path": str(tmp_path / "disk"), "capacity": 16 * big, "io": "posix",
+                     "policy": "lru"}, facts(big))
+    c = TierChain(CpuTier(StagingRegion("big", 12, big), "lru"), [tier], advisor=adv)
+    try:
+        stored, rows, _ = c.prepare_store(ks)
+        for k, r in zip(stored, rows, strict=True):
+            c.region.row(r)[:8] = k[:8]
+        c.complete_store(stored)
+        c.wait_idle()
+        assert c.calibrate(1, ks)
+        c.wait_idle()
+        assert tier.stats["calibration_reads"] == 8
+        assert adv.read_rate(1) and not adv.rate_is_provisional(1)
+    finally:
+        c.close()
+
+
 def test_a_calibration_reads_enough_rows_to_measure_a_rate(tmp_path):
     """The first 4 rows written give a provisional rate, replaced by a calibration of 16 rows
     as soon as 16 were written; after a restart (rows held, none written yet) a request's 3
@@ -694,7 +733,7 @@ def test_the_advisor_knows_each_tier_by_its_chain_id(tmp_path):
     tiers = [FileTier({"path": str(tmp_path / f"d{i}"), "capacity": 64 * ROW, "io": "posix",
                        "policy": "lru"}, facts(ROW, model=f"m{i}")) for i in range(2)]
     c = TierChain(CpuTier(StagingRegion("ids", 8, ROW), "lru"), tiers, advisor=adv)
-    ks = [key(i) for i in range(ADVISOR_CALIBRATION_MIN_ROWS)]  # enough rows for a rate
+    ks = [key(i) for i in range(ADVISOR_RATE_MIN_ROWS)]  # enough rows for a rate
     assert tiers[1].put(ks, [row_for(k) for k in ks]).admitted == ks
     tiers[1].wait_idle()
     assert c.read_backlog_bytes() == {1: 0, 2: 0}

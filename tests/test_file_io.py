@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import pytest
@@ -108,6 +109,27 @@ def test_adjacent_runs_cover_every_item_once_and_stay_in_one_file(tmp_path):
         assert len(r) <= 3
         assert r == list(range(r[0], r[0] + len(r)))  # consecutive
         assert len({s // 8 for s in r}) == 1  # one slab file
+
+
+def test_slab_io_runs_an_urgent_task_before_every_plain_one_queued_ahead_of_it():
+    """A read some request waits for (urgent) jumps the writer's queued runs (plain); plain
+    tasks keep their order, and every task runs once."""
+    io = PosixSlabIo(1)
+    order: list[str] = []
+    gate = threading.Event()
+    try:
+        io.post(gate.wait, 5.0)  # the one worker is busy while the rest queue up
+        for i in range(4):
+            io.post(order.append, f"write{i}")
+        io.post(order.append, "read0", urgent=True)
+        fut = io.submit(order.append, "write4")
+        io.post(order.append, "read1", urgent=True)
+        gate.set()
+        fut.result(timeout=5)
+        assert order == ["read0", "read1", "write0", "write1", "write2", "write3", "write4"]
+    finally:
+        gate.set()
+        io.shutdown()
 
 
 def test_slab_io_tasks_report_results_and_errors():

@@ -34,7 +34,7 @@ the prefill fit at shutdown (``tier_state``, the tier's ``advisor.json``) and a 
 from them (``restore_tier``). Without that, a restarted H200 engine loaded its first 2k and 8k
 disk hits (216 and 499 ms against 98 and 443 to recompute) while it measured nothing.
 
-A read batch of fewer than ``ADVISOR_RATE_MIN_ROWS`` rows times latency more than a rate: it
+A read batch of fewer than ``rate_min_rows`` rows times latency more than a rate: it
 gives a first rate only (on the H200's RAM disk a 4-row calibration read at 1.14 GB/s, a 32k
 prompt's 2048 rows at 2.9 GB/s; with the small batch's rate the 32k disk hit was recomputed).
 
@@ -75,10 +75,19 @@ from tiering.settings import (
     ADVISOR_MIN_SAMPLE_TOKENS,
     ADVISOR_MODEL_WEIGHT,
     ADVISOR_PAYOFF_MARGIN,
+    ADVISOR_RATE_MIN_BYTES,
     ADVISOR_RATE_MIN_ROWS,
+    ADVISOR_RATE_MIN_RUNS,
     ADVISOR_REPROBE_AFTER,
 )
 from tiering.stats import LOAD_REASONS, RECOMPUTE_REASONS  # noqa: F401 (Decision.reason)
+
+
+def rate_min_rows(row_bytes: int) -> int:
+    """Rows a read batch needs to time a tier's rate rather than its latency (settings:
+    ADVISOR_RATE_MIN_BYTES of rows, within [ADVISOR_RATE_MIN_RUNS, ADVISOR_RATE_MIN_ROWS])."""
+    return max(ADVISOR_RATE_MIN_RUNS,
+               min(ADVISOR_RATE_MIN_ROWS, -(-ADVISOR_RATE_MIN_BYTES // max(1, row_bytes))))
 
 
 class _Ewma:
@@ -280,7 +289,7 @@ class PromotionAdvisor:
                            full: bool | None = None) -> None:
         """A promotion or calibration batch of file tier ``tier`` (the chain's tier id) finished:
         its bytes and its longest read's seconds since the batch was submitted. A batch of fewer than
-        ``ADVISOR_RATE_MIN_ROWS`` rows times latency more than a rate: it gives a provisional
+        ``rate_min_rows`` rows times latency more than a rate: it gives a provisional
         first rate only (the tier is measured again as soon as it can be read in a full
         batch, which then replaces it), never one that moves a measured rate. ``full``: the
         caller's say (a tier too small to hold that many rows reads full batches of fewer)."""
@@ -288,7 +297,7 @@ class PromotionAdvisor:
             return
         rate = self._read[tier]
         if full is None:
-            full = nbytes >= ADVISOR_RATE_MIN_ROWS * self.row_bytes
+            full = nbytes >= rate_min_rows(self.row_bytes) * self.row_bytes
         if full:
             if self._provisional[tier]:
                 rate.value = None  # replaced, not averaged with

@@ -40,15 +40,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from tiering.advisor import PromotionAdvisor
+from tiering.advisor import PromotionAdvisor, rate_min_rows
 from tiering.backends.slab_io import aligned_buffer
 from tiering.cpu_tier import CpuTier
 from tiering.owed_rows import OwedRows
 from tiering.settings import (
     ADVISOR_CALIBRATION_BYTES,
     ADVISOR_CALIBRATION_MAX_ROWS,
-    ADVISOR_CALIBRATION_MIN_ROWS,
-    ADVISOR_RATE_MIN_ROWS,
     DEMOTION_PIN_FRACTION,
     DEMOTION_PIN_MIN,
     WRITEBACK_RESERVE_FRACTION,
@@ -209,10 +207,10 @@ class TierChain:
         return {i: n * self.row_bytes for i, n in enumerate(self._reads_queued, start=1)}
 
     def _full_batch_rows(self, i: int) -> int:
-        """Rows a read batch of tier ``i`` needs to measure its rate (``ADVISOR_RATE_MIN_ROWS``,
-        or all a smaller tier can hold)."""
+        """Rows a read batch of tier ``i`` needs to measure its rate (``rate_min_rows``, or all
+        a smaller tier can hold)."""
         capacity_rows = self.tiers[i].usage()[1] // self.row_bytes
-        return max(1, min(ADVISOR_RATE_MIN_ROWS, capacity_rows))
+        return max(1, min(rate_min_rows(self.row_bytes), capacity_rows))
 
     def calibrate(self, i: int, keys: Sequence[bytes] = ()) -> bool:
         """Measure file tier ``i``'s read rate with one batch of reads into scratch memory (no
@@ -221,10 +219,11 @@ class TierChain:
         if i in self._calibrating:
             return False
         tier = self.file_tiers[i - 1]
-        rows = max(ADVISOR_CALIBRATION_MIN_ROWS,
-                   min(ADVISOR_CALIBRATION_MAX_ROWS, ADVISOR_CALIBRATION_BYTES // self.row_bytes))
+        least = rate_min_rows(self.row_bytes)
+        rows = max(least, min(ADVISOR_CALIBRATION_MAX_ROWS,
+                              ADVISOR_CALIBRATION_BYTES // self.row_bytes))
         pick = [k for k in keys if tier.contains(k)][:rows]
-        if len(pick) < ADVISOR_CALIBRATION_MIN_ROWS:
+        if len(pick) < least:
             pick = [k for k in self._written[i - 1] if tier.contains(k)][-rows:]
         # fewer rows time latency, not a rate (on the H200 a calibration of the first 4 rows
         # written read at 1.14 GB/s, 2048 rows at 2.9): they give a tier with no rate a

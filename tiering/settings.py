@@ -47,20 +47,26 @@ ADVISOR_MIN_SAMPLE_TOKENS = 64
 # good. Counted in runs, not chunks: one 32k-token prompt is 2048 chunks of 16 tokens.
 ADVISOR_REPROBE_AFTER = 32
 # A calibration read (a tier's read rate is unknown, or due to be measured again): about this
-# many bytes of rows the tier holds, read into scratch memory in one batch, within [min, max]
-# rows. Enough to keep every I/O thread busy for a while; small next to a long prompt's run.
+# many bytes of rows the tier holds, read into scratch memory in one batch, within
+# [advisor.rate_min_rows, ADVISOR_CALIBRATION_MAX_ROWS] rows. Enough to keep every I/O thread busy for a while; small next to a long prompt's run.
 # No request waits for it (the first disk hit of an engine used to be loaded to measure the
 # disk: on the H200 that made a 2k-token prompt 4x slower than recomputing it).
 ADVISOR_CALIBRATION_BYTES = 64 << 20
-ADVISOR_CALIBRATION_MIN_ROWS = 16
 ADVISOR_CALIBRATION_MAX_ROWS = 64
-# A read batch of fewer rows times the tier's latency more than its rate: it gives a tier with no
-# rate a provisional one (calibrated again, and replaced, once this many rows can be read) and
-# never moves a measured rate.
+# A read batch of fewer rows than ``advisor.rate_min_rows(row_bytes)`` times the tier's latency
+# more than its rate: it gives a tier with no rate a provisional one (calibrated again, and
+# replaced, once that many rows can be read) and never moves a measured rate. That is
+# ADVISOR_RATE_MIN_BYTES of rows, within [ADVISOR_RATE_MIN_RUNS, ADVISOR_RATE_MIN_ROWS]: at
+# least one row for each of the 8 I/O threads, 16 rows of 2 MiB (16-token chunks, 8B shape), 8
+# of 8 MiB (64-token chunks).
 # On the H200's RAM disk a calibration of 4 rows of 2 MiB (8 I/O threads) read at 1.14 GB/s, a
 # 32k-token prompt's 2048 rows at 2.9 GB/s (fio: 3.09): the advisor then recomputed the 32k
-# disk hit (4.6 s) that loading serves in 1.5 s.
-ADVISOR_RATE_MIN_ROWS = ADVISOR_CALIBRATION_MIN_ROWS
+# disk hit (4.6 s) that loading serves in 1.5 s. A calibration of 16 rows of 8 MiB (128 MiB on
+# the virtual disk, read while the engine recomputed the run) came with a first 2k disk run
+# 47 ms slower than recomputing it.
+ADVISOR_RATE_MIN_BYTES = 32 << 20
+ADVISOR_RATE_MIN_RUNS = 8
+ADVISOR_RATE_MIN_ROWS = 16
 
 # -- vLLM adapter: loads to the GPU ---------------------------------------------------------------
 # The most requests with a load to the GPU in flight at once (default of the spec's
@@ -69,11 +75,13 @@ ADVISOR_RATE_MIN_ROWS = ADVISOR_CALIBRATION_MIN_ROWS
 # admitted together cost N(N-1)/2 of those sums; a request past the cap waits a step instead
 # (tiering.vllm.load_gate), and each waiting request costs one short connector scan per step, so
 # the best cap grows about as sqrt(N). Chosen from docs/bench_load_path.py (docs/benchmarks.md,
-# "The CPU-tier load path, per block"): 64 is within 10% of the cheapest cap per loaded block at
-# 256, 1024 and 2048 hits at once (13.5 -> 12.8, 30.5 -> 17.5, 57.1 -> 24.1 CPU us a block
-# against no cap), and 64 requests of 512 tokens keep ~2000 blocks in flight (1-4 GiB at the
-# H200 shapes). Whether that keeps the GPU's copy engine busy is for the H200 sweep to confirm.
-MAX_LOADING_REQUESTS = 64
+# "The CPU-tier load path, per block"), CPU us a loaded block at 256, 1024 and 2048 hits at once:
+# no cap 13.5 / 30.5 / 57.1, a cap of 64 12.8 / 17.5 / 24.1, of 256 13.8 / 22.5 / 25.6.
+# On the H200 (64-token chunks, docs/benchmarks.md, "The H200, second run") a cap
+# of 64 held 100%-hit batches to waves: 256 8B prompts 104.5k tokens/s against 163.7k without
+# a cap, 96 32B prompts 52.2k against 100.6k; each wave waits a step for the last one's loads.
+# 256 never binds there and still bounds the quadratic sums for bursts of ~1000 hits.
+MAX_LOADING_REQUESTS = 256
 
 # -- file tier ---------------------------------------------------------------------------------
 # LMDB map size: a fixed headroom plus a generous per-slot share (a record is 44 bytes plus the
