@@ -844,7 +844,7 @@ def default_chunk_tokens(config: str, gpu_block_tokens: int, on_cuda: bool) -> i
     (``tiering.vllm.spec.default_blocks_per_chunk``, which decides it in the engine)."""
     from tiering.settings import CUDA_CHUNK_TOKENS
 
-    if (config == "ours" and on_cuda and gpu_block_tokens < CUDA_CHUNK_TOKENS
+    if (config in ("ours", SWEEP_DISK_CONFIG) and on_cuda and gpu_block_tokens < CUDA_CHUNK_TOKENS
             and CUDA_CHUNK_TOKENS % gpu_block_tokens == 0):
         return CUDA_CHUNK_TOKENS
     return gpu_block_tokens

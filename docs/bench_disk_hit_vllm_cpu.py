@@ -15,11 +15,14 @@ import argparse
 import json
 import random
 import shutil
+import sys
 from pathlib import Path
 
-from benchmarks.demo import server_args, source_of, tiered_config
-from benchmarks.serving import Server, metric
-from benchmarks.tiny_model import build
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks (not installed)
+
+from benchmarks.demo import server_args, source_of, tiered_config  # noqa: E402
+from benchmarks.serving import Server, metric  # noqa: E402
+from benchmarks.tiny_model import build  # noqa: E402
 
 
 def decisions(samples: dict) -> dict[str, int]:

@@ -43,6 +43,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # vllm_harness
+sys.path.insert(0, str(HERE.parent))  # benchmarks (not a package of the install)
 
 # where each package of a checkout lives (pyproject's package-dir)
 _PACKAGES = {"tiering": "tiering", "tiering.backends": "backends", "tiering.policies": "policies"}

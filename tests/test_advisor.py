@@ -645,6 +645,48 @@ def measured_advisor() -> PromotionAdvisor:
     return adv
 
 
+def test_writes_in_flight_on_the_tier_slow_its_reads_up_to_twice_and_can_tip_a_load():
+    """A run's reads share the device with the writes admitted to its tier: as many bytes of
+    writes again as the reads ahead plus its own, never more; a load that pays on an idle disk
+    is declined as disk_busy while the writer streams."""
+    adv = measured_advisor()
+    rate = adv.read_rate(1)
+    n = next(n for n in range(16, 4096, 16) if adv.decide([1] * (n // 16), 0).load)
+    tiers = [1] * (n // 16)
+    idle = adv.decide(tiers, 0, None, {1: 0}, {1: 0})
+    assert idle.load and idle.reason == "faster"
+    own = len(tiers) * ROW
+    steps = idle.load_s - own / rate
+    for writing in (own // 2, own, 10 * own):
+        d = adv.decide(tiers, 0, None, {1: 0}, {1: writing})
+        assert d.load_s == pytest.approx((own + min(writing, own)) / rate + steps)
+    busy = adv.decide(tiers, 0, None, {1: 0}, {1: 10 * own})
+    assert not busy.load and busy.reason == "disk_busy"
+    queued = 3 * own
+    d = adv.decide(tiers, 0, None, {1: queued}, {1: 100 * own})
+    assert d.load_s == pytest.approx((queued + own + queued + own) / rate + steps)
+    assert adv.first_chunk_pays(1, 0, {1: 0}, {1: 0}) >= adv.first_chunk_pays(
+        1, 0, {1: 0}, {1: 100 * own})
+
+
+def test_the_chain_counts_the_writes_a_tier_has_not_finished(tmp_path):
+    """write_backlog_bytes: rows admitted for writing until each one's completion is applied."""
+    c = make_chain(tmp_path, rows=8, advisor=measured_advisor())
+    try:
+        assert c.write_backlog_bytes() == {1: 0}
+        ks = [key(i) for i in range(4)]
+        fill(c, ks)
+        pending = c.write_backlog_bytes()[1]
+        assert pending == 2 * ROW  # the demotion budget of 8 rows (2) admitted; the rest owed
+        c.check()
+        c.wait_idle()
+        c.check()
+        assert c.write_backlog_bytes() == {1: 0}
+        assert all(c.file_tiers[0].contains(k) for k in ks)
+    finally:
+        c.close()
+
+
 def test_a_restarted_engine_starts_from_the_costs_the_last_one_measured(tmp_path):
     """The H200 phases: after a restart the advisor had measured nothing and loaded the 2k and
     8k disk hits (216 and 499 ms against 98 and 443 to recompute)."""

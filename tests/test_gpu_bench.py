@@ -327,6 +327,7 @@ def test_sweep_configs_are_valid_and_set_the_chunk_size():
     default = gpu_bench.sweep_transfer_config("ours", 1 << 30, None, 16)
     assert "block_size" not in default["kv_connector_extra_config"]
     assert gpu_bench.default_chunk_tokens("ours", 16, True) == 64
+    assert gpu_bench.default_chunk_tokens("ours-disk", 16, True) == 64
     assert gpu_bench.default_chunk_tokens("ours", 16, False) == 16
     assert gpu_bench.default_chunk_tokens("cpu", 16, True) == 16
     assert gpu_bench.default_chunk_tokens("ours", 128, True) == 128

@@ -83,6 +83,16 @@ from tiering.settings import (
 from tiering.stats import LOAD_REASONS, RECOMPUTE_REASONS  # noqa: F401 (Decision.reason)
 
 
+def device_ahead(queued: int, own: int, writing: int) -> int:
+    """Bytes the device moves before a read of ``own`` bytes is in: the reads ``queued`` ahead of
+    it, plus, while the tier writes, as many bytes of writes again as the reads' (at most what
+    is being written). Reads go first on the tier's I/O threads but share the device with the
+    write runs in flight, about half each. On the H200's virtual disk a prefill batch of 128
+    prompts, over a CPU tier of a quarter batch, loaded 13 runs at the idle read rate while the
+    writer streamed the batch's stores: 0.76x the throughput of no offloading."""
+    return queued + min(writing, queued + own)
+
+
 def rate_min_rows(row_bytes: int) -> int:
     """Rows a read batch needs to time a tier's rate rather than its latency (settings:
     ADVISOR_RATE_MIN_BYTES of rows, within [ADVISOR_RATE_MIN_RUNS, ADVISOR_RATE_MIN_ROWS])."""
@@ -373,14 +383,16 @@ class PromotionAdvisor:
         return max([ADVISOR_LOAD_STEPS * self.prefill.c, *known])
 
     def first_chunk_pays(self, tier: int, first_token: int,
-                         backlog_bytes: Mapping[int, int] | None = None) -> bool:
+                         backlog_bytes: Mapping[int, int] | None = None,
+                         writing_bytes: Mapping[int, int] | None = None) -> bool:
         """Would reading the chunk at ``first_token``, with a load's extra steps and the reads
         queued ahead on ``tier``, beat computing it there — and does each chunk read from the
         slowest measured file tier beat computing it alone? If so, loading pays for any run that
         starts with it, however long and wherever its later chunks are (each costs more to
         compute and no more to read, and the extra steps and the queue are paid once), so the
         run needs no survey. True while the engine is unmeasured (load, and so measure); False
-        while ``tier`` is (survey: the decision will recompute while the tier is measured)."""
+        while ``tier`` is (survey: the decision will recompute while the tier is measured).
+        ``writing_bytes``: as in ``decide``."""
         if not self.prefill.known():
             return True
         rate = self.read_rate(tier)
@@ -389,17 +401,21 @@ class PromotionAdvisor:
         slowest = min(r.value for r in self._read.values() if r.value)
         compute = self.prefill.seconds(first_token, first_token + self.chunk_tokens)
         queued = (backlog_bytes or {}).get(tier, 0)
+        ahead = device_ahead(queued, self.row_bytes, (writing_bytes or {}).get(tier, 0))
         m = ADVISOR_PAYOFF_MARGIN
         return (self.row_bytes / slowest <= m * compute
-                and (queued + self.row_bytes) / rate + self.load_overhead([tier])
+                and (ahead + self.row_bytes) / rate + self.load_overhead([tier])
                 <= m * max(self._queued_s + compute, self.engine_queue_s))
 
     def decide(self, tiers: Sequence[int], first_token: int, end_token: int | None = None,
-               backlog_bytes: Mapping[int, int] | None = None) -> Decision:
+               backlog_bytes: Mapping[int, int] | None = None,
+               writing_bytes: Mapping[int, int] | None = None) -> Decision:
         """Load one row from each of ``tiers`` (the file tier's id per row, in prompt order)
         covering tokens ``[first_token, end_token)`` (default: one chunk's tokens per row), or
         recompute them? ``backlog_bytes[t]``: the bytes of reads queued or in flight on tier
-        ``t`` ahead of this run."""
+        ``t`` ahead of this run; ``writing_bytes[t]``: the bytes of writes admitted to tier
+        ``t`` and not yet written, which the run's reads share the device with
+        (``device_ahead``)."""
         if not tiers:
             return Decision(True, "faster", 0.0, 0.0)
         if not self.prefill.known():
@@ -411,7 +427,8 @@ class PromotionAdvisor:
         own: dict[int, int] = {}
         for t in tiers:
             own[t] = own.get(t, 0) + self.row_bytes
-        queued = {t: (backlog_bytes or {}).get(t, 0) for t in own}
+        queued = {t: device_ahead((backlog_bytes or {}).get(t, 0), own[t],
+                                   (writing_bytes or {}).get(t, 0)) for t in own}
         # tiers read in parallel: the run is in when the last of its tiers has read its part
         alone_read = max(own[t] / rates[t] for t in own)  # type: ignore[operator]
         read = max((queued[t] + own[t]) / rates[t] for t in own)  # type: ignore[operator]

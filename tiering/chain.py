@@ -91,6 +91,9 @@ class TierChain:
         self._promote: list[list[tuple[bytes, int]]] = [[] for _ in self.file_tiers]
         # (tier, "store" | "promotion", key) -> its CPU row
         self._in_flight: dict[tuple[int, str, bytes], int] = {}
+        # rows admitted for writing per file tier and not yet written (what its reads share
+        # the device with)
+        self._writes_queued = [0] * len(self.file_tiers)
         # reads queued or in flight per file tier (promotions and calibrations): its backlog
         self._reads_queued = [0] * len(self.file_tiers)
         # calibration reads in flight: tier -> their scratch buffers by key
@@ -205,6 +208,12 @@ class TierChain:
         """Per file tier, by tier id (1 = the first), the bytes of reads queued or in flight:
         what a new promotion waits behind."""
         return {i: n * self.row_bytes for i, n in enumerate(self._reads_queued, start=1)}
+
+    def write_backlog_bytes(self) -> dict[int, int]:
+        """Per file tier, by tier id, the bytes of writes admitted and not yet written: the
+        writer keeps the tier's device busy with them, so a read shares it (reads go first on
+        the tier's I/O threads, but not on the device)."""
+        return {i: n * self.row_bytes for i, n in enumerate(self._writes_queued, start=1)}
 
     def _full_batch_rows(self, i: int) -> int:
         """Rows a read batch of tier ``i`` needs to measure its rate (``rate_min_rows``, or all
@@ -346,6 +355,7 @@ class TierChain:
             for k in out.admitted:
                 self.cpu.pin(k, io=True)
                 self._in_flight[(i, "store", k)] = self.cpu.row_of(k)
+                self._writes_queued[i - 1] += 1
                 self._demoting += 1
         return later
 
@@ -428,6 +438,8 @@ class TierChain:
 
     def _finish_demotion(self, i: int, done: Completion) -> None:
         row = self._in_flight.pop((i, "store", done.key), None)
+        if row is not None:
+            self._writes_queued[i - 1] -= 1
         if done.ok:
             self.transfer_samples.append((i, "store", done.seconds))
             self._event([done.key], self.tiers[i].medium, False)
@@ -511,6 +523,8 @@ class TierChain:
         writes = sum(kind == "store" for _, kind, _ in self._in_flight)
         assert self._demoting == writes, (self._demoting, writes)
         for i in range(1, len(self.tiers)):
+            tier_writes = sum(kind == "store" and t == i for t, kind, _ in self._in_flight)
+            assert self._writes_queued[i - 1] == tier_writes, (i, self._writes_queued, tier_writes)
             reads = sum(kind == "promotion" and t == i for t, kind, _ in self._in_flight)
             calibrating = len(self._calibrating.get(i, {}))
             # a key promoted again after a reset while its first read is in flight has one

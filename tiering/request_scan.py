@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tiering.advisor import Decision
+from tiering.advisor import Decision, device_ahead
 from tiering.tier import Lookup
 
 if TYPE_CHECKING:
@@ -119,8 +119,8 @@ class RequestScan:
         self.computed_to: int | None = None  # prompt tokens computed so far (offered chunks)
         self.last_offer_step: int | None = None  # the chain's step of its last offer
         # a run decided LOAD, until its load reaches the GPU: (its first file tier's id;
-        # when it was decided; the bytes of reads queued on that tier then)
-        self._loading: tuple[int, float, int] | None = None
+        # when it was decided; the bytes of reads queued on that tier then, and of writes)
+        self._loading: tuple[int, float, int, int] | None = None
         self.promoted = 0  # chunks this request had promoted from a file tier
 
     # -- lookups -----------------------------------------------------------------------------
@@ -172,7 +172,7 @@ class RequestScan:
                 first_token = len(self.counted) * advisor.chunk_tokens
             run.note(key, i, first_token)
             if first and first_token is not None and advisor.first_chunk_pays(
-                    i, first_token, chain.read_backlog_bytes()):
+                    i, first_token, chain.read_backlog_bytes(), chain.write_backlog_bytes()):
                 # pays at its start, so for any length (or the engine is not measured yet)
                 self._decided(Decision(True, "faster" if advisor.prefill.known()
                                        else "unmeasured"), 0)
@@ -180,7 +180,8 @@ class RequestScan:
             self.counted.add(key)
             return None
         start, end = run.token_span(j, advisor.chunk_tokens)
-        self._decided(advisor.decide(run.tiers[j:], start, end, chain.read_backlog_bytes()), j)
+        self._decided(advisor.decide(run.tiers[j:], start, end, chain.read_backlog_bytes(),
+                                     chain.write_backlog_bytes()), j)
         return run.state
 
     def _decided(self, d: Decision, j: int) -> None:
@@ -195,7 +196,8 @@ class RequestScan:
         if d.load:
             first_tier.stats.add(f"disk_runs_loaded:{d.reason}")
             t = run.tiers[j]
-            self._loading = (t, time.perf_counter(), chain.read_backlog_bytes()[t])
+            self._loading = (t, time.perf_counter(), chain.read_backlog_bytes()[t],
+                             chain.write_backlog_bytes()[t])
         else:
             first_tier.stats.add(f"disk_runs_recomputed:{d.reason}")
             for t in run.tiers[j:]:
@@ -207,22 +209,25 @@ class RequestScan:
                                                            strict=True) if tt == t])
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s: %s %d disk chunks, tokens %d-%d (%s): load %.4f s vs "
-                      "recompute %.4f s; read backlog %s B; %s", self.req_id, d.outcome,
-                      len(run.keys) - j, start, end, d.reason, d.load_s, d.recompute_s,
-                      chain.read_backlog_bytes(), advisor.describe())
+                      "recompute %.4f s; read backlog %s B, writes %s B; %s", self.req_id,
+                      d.outcome, len(run.keys) - j, start, end, d.reason, d.load_s,
+                      d.recompute_s, chain.read_backlog_bytes(), chain.write_backlog_bytes(),
+                      advisor.describe())
 
     def load_completed(self, now: float | None = None) -> None:
         """vLLM finished loading the request's hits to the GPU: if a disk run was loaded, the
         advisor learns what the load cost beyond its reads (its promoted bytes and the reads
-        queued ahead of them, at the tier's read rate now)."""
+        queued ahead of them and the writes they shared the device with, at the tier's read rate
+        now)."""
         advisor = self.chain.advisor
         if self._loading is None or advisor is None:
             return
-        tier, decided, backlog = self._loading
+        tier, decided, backlog, writing = self._loading
         self._loading = None
         rate = advisor.read_rate(tier)
         if rate and self.promoted:
-            read_s = (backlog + self.promoted * self.chain.row_bytes) / rate
+            own = self.promoted * self.chain.row_bytes
+            read_s = (device_ahead(backlog, own, writing) + own) / rate
             advisor.observe_load(tier, read_s, (now or time.perf_counter()) - decided)
 
     # -- computed tokens ---------------------------------------------------------------------
