@@ -99,6 +99,17 @@ def tier_rates(samples: dict) -> list[str]:
     return lines
 
 
+def decisions(samples: dict) -> dict[str, int]:
+    """The promotion advisor's disk-run decisions so far, by outcome and reason."""
+    out = {}
+    for name in ("disk_runs_loaded", "disk_runs_recomputed"):
+        for reason in ("faster", "engine_busy", "disk_busy", "unmeasured"):
+            v = metric(samples, f"vllm:kv_tier_{name}_total", tier="disk", reason=reason)
+            if v:
+                out[f"{name}:{reason}"] = int(v)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--workdir", help="where the model, cache and logs go (default: a temp dir)")
@@ -118,7 +129,10 @@ def main() -> None:
         same = "yes" if b["tokens"] == t["tokens"] else "NO"
         print(f"{t['phase']:<18} {b['ttft'] * 1000:>12.0f} ms {t['ttft'] * 1000:>9.0f} ms  "
               f"{same:<11} {t['source']}")
-    print("\nper-tier hit rates (tiered server, since its restart):")
+    first = next(t for t in tiered if t["phase"] == "A after B, C")
+    print("\ndisk runs of the first tiered server, by decision:",
+          ", ".join(f"{k} {v}" for k, v in decisions(first["metrics"]).items()) or "none")
+    print("per-tier hit rates (tiered server, since its restart):")
     print("\n".join(tier_rates(tiered[-1]["metrics"])))
 
 

@@ -20,19 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks (not installed)
 
-from benchmarks.demo import server_args, source_of, tiered_config  # noqa: E402
+from benchmarks.demo import decisions, server_args, source_of, tiered_config  # noqa: E402
 from benchmarks.serving import Server, metric  # noqa: E402
 from benchmarks.tiny_model import build  # noqa: E402
-
-
-def decisions(samples: dict) -> dict[str, int]:
-    out = {}
-    for name in ("disk_runs_loaded", "disk_runs_recomputed"):
-        for reason in ("faster", "engine_busy", "disk_busy", "unmeasured"):
-            v = metric(samples, f"vllm:kv_tier_{name}_total", tier="disk", reason=reason)
-            if v:
-                out[f"{name}:{reason}"] = int(v)
-    return out
 
 
 def main() -> None:
