@@ -388,3 +388,15 @@ def test_a_cache_of_16_token_chunks_is_never_served_to_a_64_token_engine(tmp_pat
     assert _disk_hits(named64, other) == [True] * 8  # 64 tokens named: the same chunk
     assert _disk_hits(_disk_spec(tmp_path, monkeypatch, on_cuda=True, engine="again"),
                       other) == [True] * 8
+
+
+@pytest.mark.parametrize("extra", [{"block_size": None}, {"blocks_per_chunk": None},
+                                   {"block_size": None, "blocks_per_chunk": None}])
+def test_a_chunk_key_set_to_null_names_no_chunk(extra):
+    """vLLM reads a null "block_size" or "blocks_per_chunk" (a config template's empty value)
+    as unset, one GPU block: so does our default, which then offloads 64-token chunks on CUDA
+    as for a config without the key."""
+    from tiering.vllm.spec import default_blocks_per_chunk
+
+    c = _chunk_config((_group(16),), extra)
+    assert default_blocks_per_chunk(c, extra, on_cuda=True) == 4

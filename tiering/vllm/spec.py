@@ -57,7 +57,8 @@ def default_blocks_per_chunk(config: OffloadingConfig, extra_config: Mapping[str
     counted in the config's chunks) nor a block already that long. vLLM 0.32's groups have no
     window: its scheduler counts windows in the spec's chunks itself, so any chunk agrees."""
     bpc = int(config.cache.blocks_per_chunk)
-    if not on_cuda or "block_size" in extra_config or "blocks_per_chunk" in extra_config:
+    named = (extra_config.get(k) is not None for k in ("block_size", "blocks_per_chunk"))
+    if not on_cuda or any(named):  # (vLLM reads a null value as unset too)
         return bpc
     groups = config.groups
     sizes = {int(g.tokens_per_block) for g in groups}
