@@ -10,8 +10,26 @@ from collections import Counter
 
 import pytest
 
-from tiering.backends.slab_io import PosixSlabIo, SlabIo
+from tiering.backends.slab_io import SlabIo, cuda_driver_present, make_slab_io
 from tiering.settings import SLAB_IO_URGENT_BURST
+
+# the pool is the base class's: KvikioSlabIo runs the same tests on a GPU machine
+KINDS = ["posix", pytest.param("kvikio", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    if request.param == "kvikio":
+        if not cuda_driver_present():
+            pytest.skip("kvikio needs a CUDA driver (scripts/gpu_tests.sh on a GPU machine)")
+        pytest.importorskip("kvikio")
+    return str(request.param)
+
+
+def make(kind: str, threads: int) -> SlabIo:
+    io = make_slab_io(kind, threads)
+    assert io.name == kind
+    return io
 
 
 def _gated(io: SlabIo) -> threading.Event:
@@ -32,10 +50,10 @@ def _gated(io: SlabIo) -> threading.Event:
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_many_threads_posting_urgent_and_plain_tasks_run_each_exactly_once(threads):
+def test_many_threads_posting_urgent_and_plain_tasks_run_each_exactly_once(kind, threads):
     """8 threads post 6000 tasks (urgent, plain and submit mixed) while the workers drain them:
     every task runs once, none is lost and none runs twice."""
-    io = PosixSlabIo(threads)
+    io = make(kind, threads)
     ran: Counter[int] = Counter()
     lock = threading.Lock()
     all_done = threading.Event()
@@ -80,11 +98,11 @@ def test_many_threads_posting_urgent_and_plain_tasks_run_each_exactly_once(threa
         io.shutdown()
 
 
-def test_plain_tasks_keep_running_under_a_stream_of_urgent_ones():
+def test_plain_tasks_keep_running_under_a_stream_of_urgent_ones(kind):
     """Never a stalled writer: while reads keep arriving (each urgent task posts the next, so
     the urgent queue is never empty), the writer's queued run still runs within
     SLAB_IO_URGENT_BURST urgent tasks, and plain tasks keep their order."""
-    io = PosixSlabIo(1)
+    io = make(kind, 1)
     gate = _gated(io)
     urgent_ran = 0
     plain_ran: list[tuple[str, int]] = []
@@ -120,10 +138,10 @@ def test_plain_tasks_keep_running_under_a_stream_of_urgent_ones():
         io.shutdown()
 
 
-def test_reads_still_go_first_when_the_writer_has_not_waited_a_burst():
+def test_reads_still_go_first_when_the_writer_has_not_waited_a_burst(kind):
     """The bound is for starvation only: fewer queued reads than a burst all run before the
     writer's queued runs, as before."""
-    io = PosixSlabIo(1)
+    io = make(kind, 1)
     gate = _gated(io)
     order: list[str] = []
     try:
@@ -141,11 +159,11 @@ def test_reads_still_go_first_when_the_writer_has_not_waited_a_burst():
         io.shutdown()
 
 
-def test_shutdown_runs_every_task_queued_before_it():
+def test_shutdown_runs_every_task_queued_before_it(kind):
     """Shutdown with tasks queued (the file tier's close after its last reads and writes were
     posted): each queued task runs before the workers stop, so no read leaves its key pinned
     and no write future stays pending."""
-    io = PosixSlabIo(2)
+    io = make(kind, 2)
     gate = _gated(io)
     ran: list[int] = []
     lock = threading.Lock()
@@ -169,10 +187,10 @@ def test_shutdown_runs_every_task_queued_before_it():
     assert all(f.done() and f.exception() is None for f in futs)
 
 
-def test_a_task_that_raises_is_logged_and_its_worker_goes_on(caplog):
+def test_a_task_that_raises_is_logged_and_its_worker_goes_on(kind, caplog):
     """A posted task must report its own failures; one that raises anyway is a logged bug,
     never a dead worker (one I/O thread: a dead one would stall every later task)."""
-    io = PosixSlabIo(1)
+    io = make(kind, 1)
     try:
         io.post(lambda: 1 / 0, urgent=True)
         io.post(lambda: [][1])
@@ -184,10 +202,10 @@ def test_a_task_that_raises_is_logged_and_its_worker_goes_on(caplog):
         io.shutdown()
 
 
-def test_a_task_posted_after_shutdown_is_refused_not_silently_lost():
+def test_a_task_posted_after_shutdown_is_refused_not_silently_lost(kind):
     """No worker is left to run it: a silent post would leave a read's key pinned forever and
     a write's future pending (the committer waits on it); it is refused with a clear error."""
-    io = PosixSlabIo(2)
+    io = make(kind, 2)
     io.shutdown()
     ran: list[int] = []
     with pytest.raises(RuntimeError, match="shut down"):
