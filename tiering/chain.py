@@ -424,7 +424,11 @@ class TierChain:
             return
         entry = self._batches[batch]
         entry[1] -= 1
-        entry[2] += done.nbytes if done.ok else 0
+        # whole rows, not the bytes stored: a compressed row is read in fewer, and the advisor
+        # prices a run at row_bytes a row (a batch of 16 zstd rows was never full, its rate
+        # of stored bytes as slow as the compression ratio, and the tier was calibrated again
+        # every idle step)
+        entry[2] += self.row_bytes if done.ok else 0
         entry[3] = max(entry[3], done.seconds)
         if entry[1] == 0:
             del self._batches[batch]

@@ -104,6 +104,11 @@ COMMIT_BATCH_MAX_ROWS = 1024
 MIN_RUN_BYTES = 1 << 20
 MIN_WRITE_RUN_BYTES = 1 << 20
 MAX_READ_RUN_BYTES = 4 << 20
+# Reads go first on a file tier's I/O threads, but never forever: a worker that has run this
+# many urgent tasks (reads) in a row while the writer's runs wait runs one of those next, so a
+# stream of reads at the device's limit still leaves the writer at least 1/(this + 1) of each
+# thread's tasks (a stalled writer pins its CPU rows and blocks the committer).
+SLAB_IO_URGENT_BURST = 8
 # Two group commits overlap (the next batch's writes start while the current one syncs and
 # publishes) when the queued jobs give every I/O thread a full run. False: strictly serial.
 OVERLAP_BATCHES = True

@@ -55,14 +55,16 @@ def default_blocks_per_chunk(config: OffloadingConfig, extra_config: Mapping[str
 
     Only where vLLM's config would be the same with the longer chunk: one block size for every
     offloaded group, and none with a window (a sliding-window or Mamba group's window was
-    counted in the config's chunks) nor a block already that long."""
+    counted in the config's chunks) nor a block already that long. vLLM 0.32's groups have no
+    window: its scheduler counts windows in the spec's chunks itself, so any chunk agrees."""
     bpc = int(config.cache.blocks_per_chunk)
-    if not on_cuda or "block_size" in extra_config or "blocks_per_chunk" in extra_config:
+    named = (extra_config.get(k) is not None for k in ("block_size", "blocks_per_chunk"))
+    if not on_cuda or any(named):  # (vLLM reads a null value as unset too)
         return bpc
     groups = config.groups
     sizes = {int(g.tokens_per_block) for g in groups}
-    if bpc != 1 or len(sizes) != 1 or any(g.sliding_window_size_in_chunks is not None
-                                          for g in groups):
+    if bpc != 1 or len(sizes) != 1 or any(
+            getattr(g, "sliding_window_size_in_chunks", None) is not None for g in groups):
         return bpc
     tokens_per_block = sizes.pop()
     if tokens_per_block >= CUDA_CHUNK_TOKENS or CUDA_CHUNK_TOKENS % tokens_per_block:
