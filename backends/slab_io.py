@@ -105,8 +105,10 @@ class SlabIo(ABC):
                 try:
                     fn, args = urgent.popleft()
                     streak = streak + 1 if plain else 0
-                except IndexError:  # none urgent: a plain one is there (see the class doc)
-                    fn, args = plain.popleft()
+                except IndexError:  # none urgent: a plain one, unless another worker that
+                    # looked at the plain ones first took it meanwhile (then an urgent one
+                    # came, behind its token)
+                    fn, args = self._take_plain_first()
                     streak = 0
             else:
                 fn, args = self._take_plain_first()

@@ -216,3 +216,54 @@ def test_a_task_posted_after_shutdown_is_refused_not_silently_lost(kind):
         io.submit(ran.append, 3)
     assert ran == []
     io.shutdown()  # twice is harmless
+
+
+def test_a_worker_that_finds_both_queues_emptied_under_it_takes_the_task_that_came():
+    """Worker A finds no urgent task; before it looks at the plain ones, another worker (one
+    past its burst, plain first) takes the only plain task and a new urgent one arrives with
+    its token. A must take that urgent task, not die on an empty deque (a dead worker is an
+    I/O thread fewer; all of them dead, a stalled writer). The interleaving is forced: the
+    first look at the urgent deque hands the plain task over to it, as that race would."""
+    import collections
+
+    import tiering.backends.slab_io as slab_io
+
+    class RacedUrgent(collections.deque):
+        plain: collections.deque | None = None
+        raced = False
+
+        def popleft(self):
+            if not self.raced and not self and self.plain:
+                self.raced = True
+                self.append(self.plain.popleft())  # taken from plain, one urgent come instead
+                raise IndexError("pop from an empty deque")
+            return super().popleft()
+
+    made: list[collections.deque] = []
+    orig = collections.deque  # slab_io.collections is this module: patched for the build only
+
+    def deque_factory(*a):
+        d = RacedUrgent(*a) if not made else orig(*a)
+        made.append(d)
+        return d
+
+    slab_io.collections.deque = deque_factory
+    gate = threading.Event()
+    try:
+        io = make_slab_io("posix", 1)
+    finally:
+        slab_io.collections.deque = orig
+    try:
+        made[0].plain = made[1]
+        ran = threading.Event()
+        io.post(gate.wait, 5.0, urgent=True)  # the worker is busy while the plain one queues
+        io.post(ran.set)
+        gate.set()
+        assert ran.wait(5), "the worker died on an empty deque: the task never ran"
+        assert made[0].raced
+        done = threading.Event()
+        io.post(done.set)  # and the worker is still there
+        assert done.wait(5)
+    finally:
+        gate.set()
+        io.shutdown()
