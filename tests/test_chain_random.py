@@ -31,6 +31,43 @@ def content(k: bytes) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, ROW, dtype=np.uint8)
 
 
+def _load_checked(c: TierChain, hits: list[bytes], loading: list[list[bytes]]) -> None:
+    """A load job of the chunks that hit: its rows hold each chunk's bytes exactly."""
+    rows = c.prepare_load(hits)
+    for k, r in zip(hits, rows, strict=True):
+        got = np.frombuffer(c.region.row(r), np.uint8)
+        assert np.array_equal(got, content(k)), f"wrong bytes for {k.hex()}"
+    loading.append(hits)
+
+
+def _store_some(c: TierChain, rng: random.Random, universe: list[bytes],
+                writing: list[list[bytes]]) -> None:
+    """A store job: reserve rows for a few chunks, the "GPU" writes them."""
+    out = c.prepare_store(rng.sample(universe, rng.randint(1, 4)))
+    if out is not None and out[0]:
+        for k, r in zip(out[0], out[1], strict=True):
+            np.frombuffer(c.region.row(r), np.uint8)[:] = content(k)
+        writing.append(out[0])
+
+
+def _finish_jobs(c: TierChain, writing: list[list[bytes]], loading: list[list[bytes]]) -> None:
+    """Every GPU job in flight ends (successfully)."""
+    for job in writing:
+        c.complete_store(job)
+    for job in loading:
+        c.complete_load(job)
+    writing.clear()
+    loading.clear()
+
+
+def _reads_back_exact(t: FileTier, keys: list[bytes]) -> None:
+    for k in keys:
+        out = bytearray(ROW)
+        assert t.get([(k, memoryview(out), None)]) == [True]
+        (done,) = t.wait_idle()
+        assert done.ok and np.array_equal(np.frombuffer(out, np.uint8), content(k))
+
+
 @pytest.mark.parametrize("seed", range(TRIALS))
 def test_random_operations_keep_invariants_and_bytes(tmp_path, seed):
     rng = random.Random(seed)
@@ -62,18 +99,9 @@ def test_random_operations_keep_invariants_and_bytes(tmp_path, seed):
                 else:
                     break
             if hits:
-                rows = c.prepare_load(hits)
-                for k, r in zip(hits, rows, strict=True):
-                    got = np.frombuffer(c.region.row(r), np.uint8)
-                    assert np.array_equal(got, content(k)), f"wrong bytes for {k.hex()}"
-                loading.append(hits)
+                _load_checked(c, hits, loading)
         elif op < 0.55:  # a store job: reserve rows, the "GPU" writes them
-            ks = rng.sample(universe, rng.randint(1, 4))
-            out = c.prepare_store(ks)
-            if out is not None and out[0]:
-                for k, r in zip(out[0], out[1], strict=True):
-                    np.frombuffer(c.region.row(r), np.uint8)[:] = content(k)
-                writing.append(out[0])
+            _store_some(c, rng, universe, writing)
         elif op < 0.7 and writing:  # a store job ends (rarely as a failure)
             c.complete_store(writing.pop(rng.randrange(len(writing))), rng.random() > 0.1)
         elif op < 0.8 and loading:
@@ -89,21 +117,13 @@ def test_random_operations_keep_invariants_and_bytes(tmp_path, seed):
         c.check()
         for t in tiers:
             assert len(t) <= t.n_slots
-    for job in writing:
-        c.complete_store(job)
-    for job in loading:
-        c.complete_load(job)
+    _finish_jobs(c, writing, loading)
     c.wait_idle()
     c.check()
     assert c.usage()["pinned"] == 0
     # everything a file tier holds reads back byte-exact
     for t in tiers:
-        for k in universe:
-            if t.contains(k):
-                out = bytearray(ROW)
-                assert t.get([(k, memoryview(out), None)]) == [True]
-                (done,) = t.wait_idle()
-                assert done.ok and np.array_equal(np.frombuffer(out, np.uint8), content(k))
+        _reads_back_exact(t, [k for k in universe if t.contains(k)])
     c.close()
 
 
@@ -164,19 +184,10 @@ def test_random_operations_on_a_full_disk_with_the_advisor(tmp_path, mount_tmpfs
                 pending |= r is Lookup.PENDING
                 hits.append(k)
             if hits and not pending:
-                rows = c.prepare_load(hits)
-                for k, r in zip(hits, rows, strict=True):
-                    got = np.frombuffer(c.region.row(r), np.uint8)
-                    assert np.array_equal(got, content(k)), f"wrong bytes for {k.hex()}"
-                loading.append(hits)
+                _load_checked(c, hits, loading)
                 del requests[rid]
         elif op < 0.5:
-            ks = rng.sample(universe, rng.randint(1, 4))
-            out = c.prepare_store(ks)
-            if out is not None and out[0]:
-                for k, r in zip(out[0], out[1], strict=True):
-                    np.frombuffer(c.region.row(r), np.uint8)[:] = content(k)
-                writing.append(out[0])
+            _store_some(c, rng, universe, writing)
         elif op < 0.65 and writing:
             c.complete_store(writing.pop(rng.randrange(len(writing))), rng.random() > 0.1)
         elif op < 0.75 and loading:
@@ -193,10 +204,7 @@ def test_random_operations_on_a_full_disk_with_the_advisor(tmp_path, mount_tmpfs
         else:
             c.poll(wait=0.01)
         c.check()
-    for job in writing:
-        c.complete_store(job)
-    for job in loading:
-        c.complete_load(job)
+    _finish_jobs(c, writing, loading)
     c.wait_idle()
     c.check()
     assert not c.has_pending_work() and c.usage()["pinned"] == 0
@@ -274,17 +282,9 @@ def test_random_operations_with_io_errors_drops_and_restarts_keep_the_write_coun
                     break
                 hits.append(k)
             if hits:
-                rows = c.prepare_load(hits)
-                for k, r in zip(hits, rows, strict=True):
-                    got = np.frombuffer(c.region.row(r), np.uint8)
-                    assert np.array_equal(got, content(k)), f"wrong bytes for {k.hex()}"
-                loading.append(hits)
+                _load_checked(c, hits, loading)
         elif op < 0.5:
-            out = c.prepare_store(rng.sample(universe, rng.randint(1, 4)))
-            if out is not None and out[0]:
-                for k, r in zip(out[0], out[1], strict=True):
-                    np.frombuffer(c.region.row(r), np.uint8)[:] = content(k)
-                writing.append(out[0])
+            _store_some(c, rng, universe, writing)
         elif op < 0.62 and writing:
             c.complete_store(writing.pop(rng.randrange(len(writing))), rng.random() > 0.1)
         elif op < 0.7 and loading:
@@ -303,12 +303,7 @@ def test_random_operations_with_io_errors_drops_and_restarts_keep_the_write_coun
             else:
                 t.clear()
         elif op < 0.8:  # a restart with I/O in flight; the GPU's jobs die with the engine
-            for job in writing:
-                c.complete_store(job)
-            for job in loading:
-                c.complete_load(job)
-            writing.clear()
-            loading.clear()
+            _finish_jobs(c, writing, loading)
             c.close()
             assert all(t.closed for t in tiers)
             gen += 1
@@ -321,10 +316,7 @@ def test_random_operations_with_io_errors_drops_and_restarts_keep_the_write_coun
         _write_count_agrees(c, tiers)
     for f in faults:
         f.rate = 0.0
-    for job in writing:
-        c.complete_store(job)
-    for job in loading:
-        c.complete_load(job)
+    _finish_jobs(c, writing, loading)
     c.wait_idle()
     c.check()
     _write_count_agrees(c, tiers)
@@ -339,9 +331,5 @@ def test_random_operations_with_io_errors_drops_and_restarts_keep_the_write_coun
             assert now == held[i]
         else:  # the close wrote back what was owed: a key is lost only to make room for one
             assert len(set(held[i]) - set(now)) <= len(set(now) - set(held[i]))
-        for k in now:
-            out = bytearray(ROW)
-            assert t.get([(k, memoryview(out), None)]) == [True]
-            (done,) = t.wait_idle()
-            assert done.ok and np.array_equal(np.frombuffer(out, np.uint8), content(k))
+        _reads_back_exact(t, now)
     c.close()
