@@ -93,6 +93,18 @@ def extra_for(config: str, cpu_bytes: int, chunk_tokens: int, block_tokens: int,
     return extra
 
 
+# the benches' model: KV bytes a token (layers x kv heads x head dim x (K, V) x float32)
+BENCH_KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2 * 4
+
+
+def bench_model(tmp: Path) -> str:
+    """The small model these scheduler benches run (its KV: BENCH_KV_BYTES_PER_TOKEN)."""
+    from benchmarks.tiny_model import build
+
+    return str(build(tmp / "model", layers=2, hidden=128, heads=2, kv_heads=2,
+                     intermediate=256, max_pos=4096))
+
+
 def measure(a: argparse.Namespace) -> dict[str, dict]:
     """Every config's hit batches in this process: {config: {wall, cpu, blocks, steps}}."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-load-"))
@@ -101,12 +113,9 @@ def measure(a: argparse.Namespace) -> dict[str, dict]:
 
     from vllm_harness import Harness
 
-    from benchmarks.tiny_model import build
     from tiering import profiling
 
-    model = str(build(tmp / "model", layers=2, hidden=128, heads=2, kv_heads=2,
-                      intermediate=256, max_pos=4096))
-    kvb = 2 * 2 * 64 * 2 * 4  # layers x kv heads x head dim x (K, V) x float32
+    model, kvb = bench_model(tmp), BENCH_KV_BYTES_PER_TOKEN
     n, tokens = a.prompts, a.tokens
     rng = random.Random(5)
     prompts = [[rng.randrange(4, 500) for _ in range(tokens)] for _ in range(n)]

@@ -115,15 +115,12 @@ def run_batch(h: object, ids: set[str], step0: int) -> dict[str, int]:
 def run(a: argparse.Namespace) -> list[BatchResult]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-mixed-"))
     os.environ.setdefault("TIERING_SHM_DIR", str(tmp / "shm"))
-    from bench_load_path import extra_for
+    from bench_load_path import BENCH_KV_BYTES_PER_TOKEN, bench_model, extra_for
     from vllm_harness import Harness
 
     from benchmarks.gpu_bench import sweep_batches
-    from benchmarks.tiny_model import build
 
-    model = str(build(tmp / "model", layers=2, hidden=128, heads=2, kv_heads=2,
-                      intermediate=256, max_pos=4096))
-    kvb = 2 * 2 * 64 * 2 * 4  # layers x kv heads x head dim x (K, V) x float32
+    model, kvb = bench_model(tmp), BENCH_KV_BYTES_PER_TOKEN
     n, tokens = a.prompts, a.tokens
     plan = sweep_batches(n, a.hit_rates)
     rng = random.Random(5)
