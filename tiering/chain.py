@@ -91,8 +91,8 @@ class TierChain:
         self._promote: list[list[tuple[bytes, int]]] = [[] for _ in self.file_tiers]
         # (tier, "store" | "promotion", key) -> its CPU row
         self._in_flight: dict[tuple[int, str, bytes], int] = {}
-        # rows admitted for writing per file tier and not yet written (what its reads share
-        # the device with)
+        # rows admitted for writing per file tier and not yet written: what its reads share the
+        # device with, and, summed, the rows the demotion budget counts
         self._writes_queued = [0] * len(self.file_tiers)
         # reads queued or in flight per file tier (promotions and calibrations): its backlog
         self._reads_queued = [0] * len(self.file_tiers)
@@ -110,9 +110,9 @@ class TierChain:
                                if t.demote != "on_evict"]
         self._write_through_set = frozenset(self._write_through)
         self._owed = OwedRows()
-        # rows pinned by writes down (a row written to two tiers counts twice), and the cap
         self.steps = 0  # scheduler steps seen (on_schedule_end calls)
-        self._demoting = 0
+        # the most rows pinned by writes down (_writes_queued summed: a row written to two
+        # tiers counts twice)
         self._demote_budget = max(DEMOTION_PIN_MIN, int(self.num_rows * DEMOTION_PIN_FRACTION))
         self.advisor = advisor  # None: every disk hit is loaded
         # read batches in flight: id -> [tier, reads left, bytes, longest read's seconds,
@@ -326,7 +326,7 @@ class TierChain:
     def _catch_up(self) -> None:
         """Write rows that wait for a write-through tier, oldest first, as far as the budget
         allows (writes that completed since the last step freed it)."""
-        room = self._demote_budget - self._demoting
+        room = self._demote_budget - sum(self._writes_queued)
         if room > 0 and self._owed.behind:
             self._write_back(self._owed.oldest_behind(room), only=self._write_through_set)
 
@@ -348,7 +348,7 @@ class TierChain:
     def _demote(self, keys: list[bytes], i: int, force: bool = False) -> list[bytes]:
         """Offer READY rows to file tier ``i``; those it admits are pinned until written.
         Returns the keys not offered because the demotion budget is spent (all, if it is)."""
-        room = len(keys) if force else max(0, self._demote_budget - self._demoting)
+        room = len(keys) if force else max(0, self._demote_budget - sum(self._writes_queued))
         keys, later = keys[:room], keys[room:]
         if keys:
             out = self.file_tiers[i - 1].put(keys, [self.cpu.view(k) for k in keys])
@@ -356,7 +356,6 @@ class TierChain:
                 self.cpu.pin(k, io=True)
                 self._in_flight[(i, "store", k)] = self.cpu.row_of(k)
                 self._writes_queued[i - 1] += 1
-                self._demoting += 1
         return later
 
     # -- background completions: the one place they are applied ------------------------------
@@ -442,15 +441,13 @@ class TierChain:
 
     def _finish_demotion(self, i: int, done: Completion) -> None:
         row = self._in_flight.pop((i, "store", done.key), None)
-        if row is not None:
-            self._writes_queued[i - 1] -= 1
         if done.ok:
             self.transfer_samples.append((i, "store", done.seconds))
             self._event([done.key], self.tiers[i].medium, False)
             self._written[i - 1].append(done.key)
         if row is not None:
             self.cpu.unpin_row(row, io=True)
-            self._demoting -= 1
+            self._writes_queued[i - 1] -= 1
 
     def _finish_calibration(self, i: int, done: Completion) -> None:
         _, key, batch = done.token
@@ -524,8 +521,6 @@ class TierChain:
             tier.check()
         for (i, kind, key), row in self._in_flight.items():
             assert self.cpu.rows[row].io_pins > 0, (i, kind, key, self.cpu.rows[row])
-        writes = sum(kind == "store" for _, kind, _ in self._in_flight)
-        assert self._demoting == writes, (self._demoting, writes)
         for i in range(1, len(self.tiers)):
             tier_writes = sum(kind == "store" and t == i for t, kind, _ in self._in_flight)
             assert self._writes_queued[i - 1] == tier_writes, (i, self._writes_queued, tier_writes)
