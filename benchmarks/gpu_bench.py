@@ -770,9 +770,6 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-max-loading", type=int, default=-1,
                    help="ours: max_loading_requests (requests loading to the GPU at once; "
                         "0: no cap; -1: the spec's default)")
-    g.add_argument("--sweep-load-starts", type=int, default=-1,
-                   help="ours: max_load_starts_per_step (loads started in one scheduler step "
-                        "while nothing computes; 0: no limit; -1: the spec's default)")
     g.add_argument("--sweep-cpu-factor", type=float, default=1.5,
                    help="CPU tier size / KV of one batch")
     g.add_argument("--sweep-disk-cpu-factor", type=float, default=0.25,
@@ -810,8 +807,7 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
                           gpu_block_tokens: int, gpu_copy: str = "auto",
                           sync_load_bytes: int = 0,
                           max_loading_requests: int | None = None,
-                          disk: tuple[Path, int] | None = None,
-                          max_load_starts_per_step: int | None = None) -> dict | None:
+                          disk: tuple[Path, int] | None = None) -> dict | None:
     """The sweep's offloading setups: vLLM's CPUOffloadingSpec (``cpu``) or our spec with its
     CPU tier only (``ours``), offloading chunks of ``chunk_tokens`` (None: each spec's default,
     ``default_chunk_tokens``); ``ours-disk``: ours over a file tier at ``disk`` (folder,
@@ -836,8 +832,6 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
                      gpu_copy=gpu_copy, tiers=tiers)
         if max_loading_requests is not None:
             extra["max_loading_requests"] = max_loading_requests
-        if max_load_starts_per_step is not None:
-            extra["max_load_starts_per_step"] = max_load_starts_per_step
     else:
         raise ValueError(f"prefill sweep: unknown config {config!r}")
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -1000,8 +994,7 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
         disk = (folder, int(batch_bytes * 2.5))
     kvt = sweep_transfer_config(config, cpu_bytes, chunk, block_tokens, a.gpu_copy,
                                 int(a.sweep_sync_load_mib * 2**20),
-                                None if a.sweep_max_loading < 0 else a.sweep_max_loading, disk,
-                                None if a.sweep_load_starts < 0 else a.sweep_load_starts)
+                                None if a.sweep_max_loading < 0 else a.sweep_max_loading, disk)
     plan = sweep_batches(n, a.sweep_hit_rates)
     if config == "none":  # no cache of any kind: a fresh batch, then the same prompts again
         plan = [("hit", 0.0, list(range(n))), ("hit", 100.0, list(range(n)))]

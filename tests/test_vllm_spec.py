@@ -67,10 +67,6 @@ def good(tmp_path, **over) -> dict:
     (lambda e: e.update(gpu_copy="fast"), "gpu_copy: expected one of auto, dma, staged, direct"),
     (lambda e: e.update(max_loading_requests=-1), "max_loading_requests: expected an integer"),
     (lambda e: e.update(max_loading_requests="8"), "max_loading_requests: expected an integer"),
-    (lambda e: e.update(max_load_starts_per_step=-2),
-     "max_load_starts_per_step: expected an integer"),
-    (lambda e: e.update(max_load_starts_per_step=True),
-     "max_load_starts_per_step: expected an integer"),
 ])
 def test_bad_config_is_one_clear_error_before_allocation(tmp_path, mutate, message):
     extra = good(tmp_path)

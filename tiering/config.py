@@ -15,7 +15,7 @@ from tiering.backends.file_config import FileTierConfig, check_types, validate
 from tiering.backends.mooncake_config import MooncakeTierConfig, check_row
 from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
-from tiering.settings import MAX_LOAD_STARTS_PER_STEP, MAX_LOADING_REQUESTS
+from tiering.settings import MAX_LOADING_REQUESTS
 
 # Keys that vLLM itself reads from kv_connector_extra_config: accepted and passed through.
 VLLM_KEYS = {
@@ -23,8 +23,7 @@ VLLM_KEYS = {
     "self_describing_kv_events", "canonical_layout", "sync_load_budget_bytes",
     "enable_kv_cache_events",
 }
-OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests",
-            "max_load_starts_per_step"}
+OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests"}
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
                  "prefill_tokens_per_s"}
@@ -52,9 +51,6 @@ class TieredConfig:
     gpu_copy: str = "auto"  # how GPU workers move KV pages (backends/cuda_copy.py)
     # requests with a load to the GPU in flight at once (tiering.vllm.load_gate); 0: no cap
     max_loading_requests: int = MAX_LOADING_REQUESTS
-    # loads started in one scheduler step while nothing computes (tiering.vllm.load_gate); 0:
-    # no limit
-    max_load_starts_per_step: int = MAX_LOAD_STARTS_PER_STEP
 
 
 def _int(value: Any, where: str, low: int) -> int:
@@ -84,10 +80,7 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
     cfg = TieredConfig(cpu_bytes_to_use=cpu_bytes, gpu_copy=gpu_copy,
                        max_loading_requests=_int(extra.get("max_loading_requests",
                                                            MAX_LOADING_REQUESTS),
-                                                 "max_loading_requests", 0),
-                       max_load_starts_per_step=_int(extra.get("max_load_starts_per_step",
-                                                               MAX_LOAD_STARTS_PER_STEP),
-                                                     "max_load_starts_per_step", 0))
+                                                 "max_loading_requests", 0))
     for i, tier in enumerate(tiers):
         where = f"tiers[{i}]"
         if not isinstance(tier, dict):

@@ -82,11 +82,6 @@ ADVISOR_RATE_MIN_ROWS = 16
 # a cap, 96 32B prompts 52.2k against 100.6k; each wave waits a step for the last one's loads.
 # 256 never binds there and still bounds the quadratic sums for bursts of ~1000 hits.
 MAX_LOADING_REQUESTS = 256
-# The most loads started in one scheduler step while nothing computes (default of the spec's
-# ``max_load_starts_per_step``; 0: no limit; tiering.vllm.load_gate). The step that admits a
-# whole burst of hits submits every copy before the copy engine moves a byte; on the H200 the
-# first step of a 256-prompt 8B hit batch (64-token chunks) took ~half of the batch's 0.58 s.
-MAX_LOAD_STARTS_PER_STEP = 16
 
 # -- file tier ---------------------------------------------------------------------------------
 # LMDB map size: a fixed headroom plus a generous per-slot share (a record is 44 bytes plus the

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiering.chain import Lookup, TierChain
 from tiering.request_scan import RequestScan
-from tiering.settings import MAX_LOAD_STARTS_PER_STEP, MAX_LOADING_REQUESTS
+from tiering.settings import MAX_LOADING_REQUESTS
 from tiering.vllm.compat import (
     LookupResult,
     Medium,
@@ -53,15 +53,12 @@ def _as_bytes(keys: Iterable[bytes]) -> list[bytes]:
 class TieredManager(OffloadingManager):
     def __init__(self, chain: TierChain, metrics: TierMetrics | None = None,
                  on_shutdown: Callable[[], object] | None = None,
-                 max_loading_requests: int = MAX_LOADING_REQUESTS,
-                 max_load_starts_per_step: int = MAX_LOAD_STARTS_PER_STEP) -> None:
+                 max_loading_requests: int = MAX_LOADING_REQUESTS) -> None:
         self.chain = chain
         self.metrics = metrics
         self._on_shutdown = on_shutdown
-        # requests with a load to the GPU in flight, at most max_loading_requests (0: no cap),
-        # and at most max_load_starts_per_step of them started in one step (0: no limit)
-        self.load_gate = LoadGate(max_loading_requests, chain.cpu.stats,
-                                  max_load_starts_per_step)
+        # requests with a load to the GPU in flight, at most max_loading_requests (0: no cap)
+        self.load_gate = LoadGate(max_loading_requests, chain.cpu.stats)
         self._scans: dict[str, RequestScan] = {}  # live requests' scans (tiering.request_scan)
 
     def live_requests(self) -> int:
@@ -94,7 +91,7 @@ class TieredManager(OffloadingManager):
             first = end - advisor.chunk_tokens if end is not None else None
         scan = self._scan(req_context)
         found = scan.lookup(key if type(key) is bytes else bytes(key), first)
-        if found is Lookup.MISS and gate.limits and not gate.computing and scan.counted <= {key}:
+        if found is Lookup.MISS and gate.cap and not gate.computing and scan.counted <= {key}:
             gate.prompt_computes()  # its first chunk missed: vLLM computes it this step
         return _LOOKUP[found]
 

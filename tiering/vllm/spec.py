@@ -151,8 +151,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                           advisor=advisor)
         self._manager = TieredManager(chain, TierMetrics(),
                                       on_shutdown=lambda: region.close(unlink=True),
-                                      max_loading_requests=self.cfg.max_loading_requests,
-                                      max_load_starts_per_step=self.cfg.max_load_starts_per_step)
+                                      max_loading_requests=self.cfg.max_loading_requests)
         log.info("vllm-tiering: CPU tier %d rows x %d bytes (%s, store_threshold %d), "
                  "%d file tier(s), %d mooncake tier(s)", self.num_rows, self.row_bytes,
                  self.cfg.cpu.policy, self.cfg.cpu.store_threshold, len(self.cfg.files),
