@@ -80,7 +80,10 @@ ADVISOR_RATE_MIN_ROWS = 16
 # On the H200 (64-token chunks, docs/benchmarks.md, "The H200, second run") a cap
 # of 64 held 100%-hit batches to waves: 256 8B prompts 104.5k tokens/s against 163.7k without
 # a cap, 96 32B prompts 52.2k against 100.6k; each wave waits a step for the last one's loads.
-# 256 never binds there and still bounds the quadratic sums for bursts of ~1000 hits.
+# 256 never binds there and still bounds the quadratic sums for bursts of ~1000 hits. With 256
+# (third run): 1B 1024 prompts 221k at 100% hits (195k with 64), 8B 216k, 32B 91.5k. Admitting a
+# burst over several steps instead (at most 16 or 32 loads started a step) was slower on the H200
+# (8B 42.6k and 174.6k against 150.2k in one call) and was reverted.
 MAX_LOADING_REQUESTS = 256
 
 # -- file tier ---------------------------------------------------------------------------------
