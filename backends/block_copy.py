@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# How a cell orders a chunk's blocks (CopyLayout): recorded in the namespace where a chunk has
+# more than one block, since rows stored in another order are other bytes
+BLOCK_ORDER = "last_first"
+
+
 @dataclass
 class TensorInfo:
     base: int  # address of block 0
@@ -73,7 +78,18 @@ class BlockCopier(Protocol):
 
 
 class CopyLayout:
-    """Where each KV tensor's pages live on the device and in a staging row."""
+    """Where each KV tensor's pages live on the device and in a staging row.
+
+    A worker's cell of a row holds the chunk's pages tensor by tensor; within a tensor, the
+    chunk's blocks are stored **last position first** (``BLOCK_ORDER``). Why: vLLM frees a
+    request's blocks tail first and hands freed blocks out in that order, so a request served
+    from recycled blocks (every request once the GPU cache has filled) gets descending block
+    ids: logical blocks 0, 1, 2, 3 of a chunk in GPU blocks b, b-1, b-2, b-3. Stored last
+    first, such a chunk's pages are adjacent in the same order on both sides and ``merge_runs``
+    copies each tensor's part of the chunk in one descriptor (on the H200's 8B shape, 256 KiB
+    instead of four of 64 KiB, a quarter of the descriptors a job). Blocks in ascending order
+    (a fresh cache) copy page by page instead, as descending ones did before.
+    """
 
     def __init__(self, tensors: Sequence[TensorInfo], group_refs: Sequence[Sequence[tuple[int, int]]],
                  row_base: int, row_bytes: int, rank: int, cell_bytes: int,
@@ -121,7 +137,8 @@ class CopyLayout:
             base, stride, t_off, page, nbytes = self._group_cols[g]
             # tensor-major: all of the job's blocks in the group's first tensor, then the next
             dev.append((base + blocks * stride).ravel())
-            host.append((row_addr + t_off + (pos % self.bpc) * page).ravel())
+            slot_in_cell = self.bpc - 1 - pos % self.bpc  # last position first (class doc)
+            host.append((row_addr + t_off + slot_in_cell * page).ravel())
             size.append(np.repeat(nbytes.ravel(), n))
             blk_off += n
             row_off += n_rows

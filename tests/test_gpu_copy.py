@@ -65,11 +65,12 @@ class Setup:
         return self.region[start:start + self.cell]
 
     def expected_cell(self, blocks_of_chunk, skip=0):
-        """The cell a chunk's blocks make: tensor after tensor, block by block (positions
-        before ``skip`` not part of the job: None)."""
+        """The cell a chunk's blocks make: tensor after tensor, and in each the chunk's blocks
+        last position first (``CopyLayout``; positions before ``skip`` not part of the job:
+        None)."""
         parts: list[np.ndarray | None] = []
         for t in self.tensors:
-            for k in range(self.bpc):
+            for k in reversed(range(self.bpc)):
                 if k < skip:
                     parts.append(None)
                 else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -487,3 +488,41 @@ def test_the_load_cap_never_holds_a_hit_back_while_new_prompts_compute(model):
     assert h.manager.chain.usage()["pinned"] == 0 and h.manager.load_gate.loading() == 0
     h.manager.shutdown()
     h_cpu.manager.shutdown()
+
+
+def test_recycled_gpu_blocks_come_in_descending_order_and_the_namespace_records_the_cell_order(
+        model, tmp_path):
+    """Why a cell stores a chunk's blocks last position first (``block_copy.CopyLayout``): in
+    vLLM 0.33 a request served from GPU blocks freed by earlier requests gets them in
+    descending order, so each 4-block chunk's blocks are b, b-1, b-2, b-3. (First use of a
+    fresh cache hands them out ascending.) If vLLM changes that order, this test says so. The
+    file tier's namespace records the cell order for chunks of more than one block."""
+    n = 8
+    ex = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+          "blocks_per_chunk": 4, "cpu_bytes_to_use": 64 << 20,
+          "tiers": [{"medium": "cpu", "policy": "lru"},
+                    {"medium": "file", "path": str(tmp_path / "disk"), "capacity": "64MiB"}]}
+    h = Harness(model, ex, gpu_tokens=3 * n * 512, delay=1, max_num_seqs=2 * n,
+                prefix_caching=False)
+    prompts = [prompt(300 + i) for i in range(n)]
+    loads: list[list[int]] = []
+    schedule = h.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        meta = out.kv_connector_metadata
+        for job in (meta.load_jobs.values() if meta is not None else ()):
+            loads.append([int(b) for b in job.dst_spec.block_ids])
+        return out
+
+    h.scheduler.schedule = recorded  # type: ignore[method-assign]
+    for rnd in range(3):  # stored, loaded into fresh blocks, loaded into recycled blocks
+        for i, p in enumerate(prompts):
+            h.add(f"r{rnd}-{i}", p, max_tokens=1)
+        h.run()
+    assert len(loads) == 2 * n
+    chunks = [ids[c:c + 4] for ids in loads[n:] for c in range(0, len(ids) - 3, 4)]
+    assert chunks and all(ch == list(range(ch[0], ch[0] - 4, -1)) for ch in chunks), loads[n:]
+    meta = json.loads(next((tmp_path / "disk").glob("*/meta.json")).read_text())
+    assert meta["extra"]["block_order"] == "last_first"
+    h.manager.shutdown()

@@ -67,9 +67,11 @@ def test_partial_first_chunk_with_blocks_per_chunk_4():
     w.submit_store(1, GPULoadStoreSpec(blocks, [8], [6]), RowsSpec(rows))
     w.get_finished()
     r3 = torch.from_numpy(region.rows[3].copy()).view(torch.int8)
-    # block 20 is logical block 6 -> sub-block 2 of row 3, tensor 0 at offset 2*512
-    assert torch.equal(r3[2 * 512:3 * 512], kv.tensors[0].tensor[20])
-    assert torch.equal(r3[4 * 512 + 3 * 1024:4 * 512 + 4 * 1024], kv.tensors[1].tensor[21])
+    # block 20 is logical block 6 -> position 2 of row 3's chunk, stored last position first:
+    # tensor 0's slot 1 (4 - 1 - 2), at offset 1*512; block 21 (position 3) in tensor 1's slot 0
+    assert torch.equal(r3[1 * 512:2 * 512], kv.tensors[0].tensor[20])
+    assert torch.equal(r3[4 * 512:4 * 512 + 1024], kv.tensors[1].tensor[21])
+    assert not r3[3 * 512:4 * 512].any()  # position 0 of the chunk is not in the job
     for t in kv.tensors:
         t.tensor.zero_()
     w.submit_load(2, RowsSpec(rows), GPULoadStoreSpec(blocks, [8], [6]))
@@ -138,7 +140,35 @@ def test_descriptors_of_groups_with_their_own_tensors_and_partial_chunks():
                 row = grp_rows[pos // bpc]
                 expect.append((t.base + b * t.stride,
                                (1 << 30) + rank * cell + row * 2 * cell + tensor_off[t_idx]
-                               + (pos % bpc) * t.page, nbytes))
+                               + (bpc - 1 - pos % bpc) * t.page, nbytes))
     assert list(zip(dev.tolist(), host.tolist(), size.tolist(), strict=True)) == expect
     slots = lay.page_rows([3, 2], [1, 0])
     assert slots.tolist() == [0, 1, 1, 0, 1, 1, 2, 2]  # the job's row index of each entry
+
+
+def _merged_count(layout, blocks, rows):
+    dev, host, size = layout.descriptors(np.asarray(blocks, dtype=np.int64), [len(blocks)], [0],
+                                         np.asarray(rows, dtype=np.int64))
+    return len(merge_runs(host, dev, size)[0])
+
+
+def test_a_chunk_of_descending_blocks_copies_as_one_run_per_tensor():
+    """vLLM hands recycled GPU blocks out in descending order (pinned by
+    tests/test_vllm_scheduler.py): the cell stores a chunk's blocks last position first, so
+    such a chunk's pages merge to one copy per tensor (2 chunks x 2 tensors = 4 copies, not 16);
+    ascending blocks copy page by page. Both round-trip their bytes exactly."""
+    for blocks, copies in (([23, 22, 21, 20, 11, 10, 9, 8], 4), ([20, 21, 22, 23, 8, 9, 10, 11], 16)):
+        kv, region, w = make(bpc=4)
+        rows = [6, 2]
+        assert _merged_count(w.layout, blocks, rows) == copies, blocks
+        snap = [t.tensor[blocks].clone() for t in kv.tensors]
+        w.submit_store(1, GPULoadStoreSpec(blocks, [8], [0]), RowsSpec(rows))
+        w.get_finished()
+        for t in kv.tensors:
+            t.tensor.zero_()
+        back = [30, 29, 28, 27, 3, 2, 1, 0]
+        w.submit_load(2, RowsSpec(rows), GPULoadStoreSpec(back, [8], [0]))
+        w.get_finished()
+        for t, s in zip(kv.tensors, snap, strict=True):
+            assert torch.equal(t.tensor[back], s)
+        w.shutdown()

@@ -13,12 +13,15 @@ from tiering.vllm.compat import prefix_hash_algo
 RESTART_SAFE_ALGOS = {"sha256", "sha256_cbor"}
 
 
-def facts_from_config(c: Any, row_bytes: int, blocks_per_chunk: int | None = None
-                      ) -> tuple[NamespaceFacts, dict[str, Any]]:
+def facts_from_config(c: Any, row_bytes: int, blocks_per_chunk: int | None = None,
+                      block_order: str | None = None) -> tuple[NamespaceFacts, dict[str, Any]]:
     """Namespace facts from vLLM's ``OffloadingConfig``, plus informational meta fields.
 
     ``blocks_per_chunk``: the spec's chunk when it chose its own (``spec.default_blocks_per_chunk``),
-    else the config's."""
+    else the config's. ``block_order``: how a row orders a chunk's blocks when the rows are laid
+    out by our worker (``block_copy.BLOCK_ORDER``); recorded only where a chunk has more than one
+    block (one block has one order: the rows of one-block chunks are the same bytes as before
+    the order was chosen, and keep their namespace)."""
     bpc = c.cache.blocks_per_chunk if blocks_per_chunk is None else blocks_per_chunk
     par = c.parallel
     algo = prefix_hash_algo()
@@ -31,6 +34,8 @@ def facts_from_config(c: Any, row_bytes: int, blocks_per_chunk: int | None = Non
                   "replicated": bool(getattr(c, "replicated_layout", False))},
         extra={"groups": [[g.tokens_per_block, len(g.layer_names)] for g in c.groups],
                "worker_kv_bytes_per_block": c.worker_kv_bytes_per_block, "hash_algo": algo})
+    if block_order is not None and bpc > 1:
+        facts.extra["block_order"] = block_order
     restart_safe = algo in RESTART_SAFE_ALGOS or (
         algo is not None and "xxhash" not in algo and "PYTHONHASHSEED" in os.environ)
     return facts, {"hash_algo": algo, "restart_safe": restart_safe}

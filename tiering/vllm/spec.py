@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from tiering.advisor import PromotionAdvisor
-from tiering.backends.block_copy import BlockCopier, MemcpyCopier
+from tiering.backends.block_copy import BLOCK_ORDER, BlockCopier, MemcpyCopier
 from tiering.backends.file_tier import FileTier
 from tiering.backends.mooncake_tier import MooncakeTier
 from tiering.backends.staging import StagingRegion, remove_stale
@@ -112,7 +112,8 @@ class TieredOffloadingSpec(OffloadingSpec):
         region = StagingRegion(self.config.engine_id, self.num_rows, self.row_bytes,
                                populate=bool(self.cfg.files))
         remove_stale(keep=region.path)
-        facts, info = facts_from_config(self.config, self.row_bytes, self.blocks_per_chunk)
+        facts, info = facts_from_config(self.config, self.row_bytes, self.blocks_per_chunk,
+                                        BLOCK_ORDER)
         tiers: list[FileTier | MooncakeTier] = []
         try:
             for fcfg in self.cfg.files:
