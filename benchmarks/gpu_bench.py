@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import shutil
 import statistics
@@ -726,6 +727,12 @@ SWEEP_DISK_CONFIG = "ours-disk"
 # N per shape: all three of 1b, 8b, 32b with none, cpu and ours in ~7 minutes of an H200
 # (a cold batch: ~3.3 s at 1b, ~3.6 s at 8b, ~5.4 s at 32b at the issue's no-offloading rates)
 SWEEP_PROMPTS = {"1b": 1024, "8b": 256, "32b": 96, "small": 64, "tiny": 8}
+# The GPU KV cache of a sweep engine, in batches (--sweep-gpu-cache-batches): small enough that
+# every batch after the second runs in GPU blocks freed by earlier ones, as every request of a
+# server that has run a while does. vLLM hands freed blocks out in descending order, a fresh
+# cache ascending, and the two copy differently (block_copy.CopyLayout). Sized by vLLM from
+# --gpu-mem instead, the H200's 8B cache held 6 batches: the 100% batch ran in fresh blocks.
+SWEEP_GPU_CACHE_BATCHES = 2.0
 PROFILERS = ("cprofile", "py-spy")
 
 
@@ -770,6 +777,9 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-max-loading", type=int, default=-1,
                    help="ours: max_loading_requests (requests loading to the GPU at once; "
                         "0: no cap; -1: the spec's default)")
+    g.add_argument("--sweep-gpu-cache-batches", type=float, default=SWEEP_GPU_CACHE_BATCHES,
+                   help="GPU KV cache in batches' blocks (later batches reuse freed blocks, "
+                        "as a running server does); 0: vLLM's sizing from --gpu-mem")
     g.add_argument("--sweep-cpu-factor", type=float, default=1.5,
                    help="CPU tier size / KV of one batch")
     g.add_argument("--sweep-disk-cpu-factor", type=float, default=0.25,
@@ -798,9 +808,11 @@ def check_sweep_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None
         ap.error(f"prefill sweep: unknown shape/config/profiler {bad}; shapes {sorted(SHAPES)}, "
                  f"configs {SWEEP_CONFIGS + (SWEEP_DISK_CONFIG,)}, profilers {PROFILERS}")
     if (a.sweep_prompts < 0 or a.sweep_prompt_tokens < 16 or a.sweep_cpu_factor <= 0
-            or a.sweep_disk_cpu_factor <= 0):
+            or a.sweep_disk_cpu_factor <= 0 or not 0 <= a.sweep_gpu_cache_batches < 1e6
+            or 0 < a.sweep_gpu_cache_batches < 1):
         ap.error("--sweep-prompts must be >= 0, --sweep-prompt-tokens >= 16, "
-                 "--sweep-cpu-factor and --sweep-disk-cpu-factor > 0")
+                 "--sweep-cpu-factor and --sweep-disk-cpu-factor > 0, "
+                 "--sweep-gpu-cache-batches 0 or at least 1")
 
 
 def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
@@ -848,6 +860,14 @@ def default_chunk_tokens(config: str, gpu_block_tokens: int, on_cuda: bool) -> i
             and CUDA_CHUNK_TOKENS % gpu_block_tokens == 0):
         return CUDA_CHUNK_TOKENS
     return gpu_block_tokens
+
+
+def sweep_gpu_blocks(n: int, tokens: int, block_tokens: int, batches: float) -> int | None:
+    """GPU blocks for ``batches`` batches of ``n`` prompts of ``tokens`` tokens (each with its
+    one output token), or None (``batches`` 0: vLLM sizes the cache)."""
+    if batches <= 0:
+        return None
+    return math.ceil(batches * n * -(-(tokens + 1) // block_tokens))
 
 
 def sweep_batches(n: int, rates: list[float], seed: int = 11) -> list[tuple[str, float,
@@ -1007,7 +1027,9 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     print(f"[sweep] {shape} {key}: {n} prompts x {tokens} tokens = "
           f"{batch_bytes / 2**30:.2f} GiB of KV a batch; CPU tier {cpu_bytes / 2**30:.2f} GiB",
           flush=True)
-    eng = SweepEngine(a, model, key, kvt, None, tokens + 16, [tokens],
+    gpu_blocks = sweep_gpu_blocks(n, tokens, block_tokens, a.sweep_gpu_cache_batches)
+    timings["gpu_blocks"] = gpu_blocks
+    eng = SweepEngine(a, model, key, kvt, gpu_blocks, tokens + 16, [tokens],
                       max_num_seqs=a.sweep_max_num_seqs or None, prefix_caching=False,
                       engine_kw=engine_kw)
     eng.gpu_block_tokens = block_tokens

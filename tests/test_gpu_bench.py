@@ -361,6 +361,24 @@ def test_sweep_options_parse_and_reject_garbage(monkeypatch, capsys):
         assert bad[1].split(",")[-1] in capsys.readouterr().err
 
 
+def test_the_sweep_gpu_cache_holds_two_batches_so_later_batches_reuse_freed_blocks(
+        monkeypatch, capsys):
+    """By default a sweep engine's GPU cache holds 2 batches' blocks (512-token prompts and
+    their output token: 33 blocks of 16 tokens each), so the third batch on runs in blocks
+    freed by earlier ones, as a running server's requests do; 0 leaves vLLM's sizing."""
+    assert gpu_bench.sweep_gpu_blocks(256, 512, 16, 2.0) == 2 * 256 * 33
+    assert gpu_bench.sweep_gpu_blocks(96, 512, 16, 2.5) == 7920
+    assert gpu_bench.sweep_gpu_blocks(256, 512, 16, 0.0) is None
+    base = ["gpu_bench", "--phases", "prefill-sweep"]
+    monkeypatch.setattr(sys, "argv", base)
+    assert gpu_bench.parse().sweep_gpu_cache_batches == 2.0
+    for bad in ("0.5", "-1"):  # under one batch, the batch itself would not fit
+        monkeypatch.setattr(sys, "argv", base + ["--sweep-gpu-cache-batches", bad])
+        with pytest.raises(SystemExit):
+            gpu_bench.parse()
+        assert "--sweep-gpu-cache-batches" in capsys.readouterr().err
+
+
 def test_sweep_table_gives_the_speedup_over_no_offloading():
     rows = [{"shape": "8b", "config": c, "chunk_tokens": 16, "batch": "hit", "hit_rate": r,
              "prompts": 4, "prompt_tokens": 512, "tokens_per_s": t, "blocks_loaded": b,
