@@ -68,7 +68,8 @@ def test_store_then_load_round_trips_through_the_plan(rows_per_buffer, bpc, rank
     dev, host, size = layout.descriptors(blocks, [len(blocks)], [0], rows)
     slot = layout.page_rows([len(blocks)], [0])
     run_plan(layout, dev, host, size, rows_per_buffer, store=True, slot=slot)
-    # each row holds its chunk's pages in the row layout (tensor after tensor, block by block)
+    # each row holds its chunk's pages in the row layout (tensor after tensor; in each, the
+    # chunk's blocks last position first: CopyLayout)
     cell = layout.cell_bytes
     for r_i, r in enumerate(rows):
         start = r * layout.row_bytes + rank * cell
@@ -76,7 +77,7 @@ def test_store_then_load_round_trips_through_the_plan(rows_per_buffer, bpc, rank
         off = 0
         for t in tensors:
             page = t.shape[1]
-            for k in range(bpc):
+            for k in reversed(range(bpc)):
                 assert np.array_equal(got[off:off + page], t[blocks[r_i * bpc + k]])
                 off += page
     # other rows of the region are untouched
@@ -103,9 +104,10 @@ def test_partial_first_chunk_writes_only_its_pages():
     cell = layout.cell_bytes
     row6 = region[6 * layout.row_bytes:6 * layout.row_bytes + cell]
     page0 = tensors[0].shape[1]
-    # positions 0..2 of tensor 0 in row 6 were not part of the job
-    assert np.all(row6[:3 * page0] == 0x5A)
-    assert np.array_equal(row6[3 * page0:4 * page0], tensors[0][3])
+    # position 3 (block 3) is tensor 0's first slot (last position first); positions 0..2, in
+    # its next three slots, were not part of the job
+    assert np.array_equal(row6[:page0], tensors[0][3])
+    assert np.all(row6[page0:4 * page0] == 0x5A)
     # the row copies move exactly the job's bytes: the partial row as runs inside its cell,
     # the whole row as one copy
     _, host_addr, n = plan.pieces[0][3]
