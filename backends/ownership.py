@@ -12,13 +12,16 @@ A tool or the writer removes or rewrites files only in a namespace it has proven
   wrote.
 
 Anything else is ``NotOurs``: one line naming the path and what was expected. Removing a
-format-1 namespace (``tiering clear``) unlinks the files that format wrote, by name, one by one
+whole namespace (a format-1 one by ``tiering clear``, any unused one by ``tiering drop``: the
+way to get back the disk of preallocated slabs) unlinks the files its format wrote, by name,
+one by one
 through a descriptor of the folder that is checked to be the one proven (a folder swapped for
 a link, or renamed away and replaced by another, meanwhile is never acted on),
 then removes each folder it made only if that left it empty: never a recursive delete. What it
 cannot remove it names and leaves in place.
 
-Who calls: the CLI's ``evict``/``clear`` (through ``admin.run``), on the tool's own thread; it
+Who calls: the CLI's ``evict``/``clear`` (through ``admin.run``) and ``drop``, on the tool's
+own thread; it
 blocks on the file system. Nothing here runs in a server.
 """
 
@@ -37,6 +40,7 @@ from typing import Any
 
 from tiering.backends.namespace import (
     FORMAT_VERSION,
+    LAYOUT,
     META_FILE,
     NamespaceError,
     NamespaceFacts,
@@ -75,6 +79,22 @@ FORMAT_1_INSIDE: dict[str, re.Pattern[str]] = {
 }
 
 
+# Inside the folders format 2 makes: its index (and the index's rebuild and damage siblings)
+# and the admin requests (backends/admin.py), the same names as format 1's
+FORMAT_2_INSIDE: dict[str, re.Pattern[str]] = {
+    "index.lmdb": FORMAT_1_INSIDE["index.lmdb"],
+    "requests": FORMAT_1_INSIDE["requests"],
+}
+
+
+def _inside_pattern(name: str, inside: dict[str, re.Pattern[str]]) -> re.Pattern[str] | None:
+    """What a folder the format made may hold: ``index.lmdb`` and its siblings
+    (``index.lmdb.new``, ``.old``, ``.tmp-PID``, ``.damaged-...``) hold an LMDB's files."""
+    if name in inside:
+        return inside[name]
+    return inside.get("index.lmdb") if name.startswith("index.lmdb.") else None
+
+
 @dataclass
 class Owned:
     """A folder proven to be a namespace of ours, and of which format."""
@@ -87,7 +107,7 @@ class Owned:
 
 @dataclass
 class Removal:
-    """What removing a format-1 namespace did (or, in a dry run, would do)."""
+    """What removing a whole namespace did (or, in a dry run, would do)."""
 
     removed: list[str] = field(default_factory=list)  # names relative to the namespace folder
     kept: list[str] = field(default_factory=list)  # what it did not write, left in place
@@ -158,16 +178,28 @@ def remove_format_1(owned: Owned, dry_run: bool = False) -> Removal:
     """Remove what format 1 wrote in a proven format-1 namespace (``identify``), file by file;
     RuntimeError if a writer of that version holds it. ``dry_run``: only say what would go."""
     assert owned.format_version == FORMAT_1, owned
+    return remove_namespace(owned, dry_run)
+
+
+def remove_namespace(owned: Owned, dry_run: bool = False) -> Removal:
+    """Remove a whole proven namespace (``identify``, format 1 or 2: ``tiering drop``), file by
+    file, only the names its format writes, the marker last; then the folder, if that emptied
+    it. RuntimeError if a writer holds it (nothing removed). ``dry_run``: only say what would
+    go. Why a format-2 namespace is ever removed whole: an unused one (another engine setup's,
+    or this engine's before an upgrade changed its namespace) keeps its preallocated slabs,
+    which ``clear`` leaves in place."""
     folder = owned.folder
+    layout, inside = ((FORMAT_1_LAYOUT, FORMAT_1_INSIDE) if owned.format_version == FORMAT_1
+                      else (LAYOUT, FORMAT_2_INSIDE))
     dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         st = os.fstat(dfd)
         if (st.st_dev, st.st_ino) != owned.identity:  # renamed and replaced since the proof
-            raise NotOurs(f"{folder}: is not the folder that was proven a format-1 namespace "
+            raise NotOurs(f"{folder}: is not the folder that was proven a namespace of ours "
                           "(replaced since); refusing to remove anything in it")
         _refuse_if_held(dfd, folder)
         out = Removal()
-        _remove_in(dfd, "", FORMAT_1_LAYOUT, out, dry_run)
+        _remove_in(dfd, "", layout, out, dry_run, inside)
     finally:
         os.close(dfd)
     if not out.kept:
@@ -182,7 +214,8 @@ def remove_format_1(owned: Owned, dry_run: bool = False) -> Removal:
                 out.kept.append(f". ({exc.strerror})")
         out.folder_removed = not out.kept
     if not dry_run:
-        log.warning("%s: removed a format-1 namespace (%d files)%s", folder, len(out.removed),
+        log.warning("%s: removed a format-%d namespace (%d files)%s", folder,
+                    owned.format_version, len(out.removed),
                     f"; kept {', '.join(out.kept)}" if out.kept else "")
     return out
 
@@ -208,9 +241,11 @@ def _refuse_if_held(dfd: int, folder: Path) -> None:
 
 
 def _remove_in(dfd: int, prefix: str, layout: tuple[tuple[re.Pattern[str], str], ...],
-               out: Removal, dry_run: bool, inside: re.Pattern[str] | None = None) -> None:
+               out: Removal, dry_run: bool, folders: dict[str, re.Pattern[str]],
+               inside: re.Pattern[str] | None = None) -> None:
     """Unlink, under the folder open as ``dfd``, the regular files (owned by us) whose names
-    the format wrote; recurse into the folders it made; rmdir them if that emptied them."""
+    the format wrote (``layout``'s files and slabs); recurse into the folders it made (what
+    each may hold: ``folders``); rmdir them if that emptied them."""
     uid = os.geteuid()
     # the marker last: a removal cut short anywhere leaves a folder a rerun can still prove
     for name in sorted(os.listdir(dfd), key=lambda n: (prefix == "" and n == META_FILE, n)):
@@ -227,17 +262,18 @@ def _remove_in(dfd: int, prefix: str, layout: tuple[tuple[re.Pattern[str], str],
                 if pattern.match(name):
                     kind = k
                     break
-        if kind == "file" and stat.S_ISREG(st.st_mode) and st.st_uid == uid \
+        holds = _inside_pattern(name, folders) if kind == "folder" else None
+        if kind in ("file", "slab") and stat.S_ISREG(st.st_mode) and st.st_uid == uid \
                 and st.st_nlink == 1:
             if not dry_run:
                 os.unlink(name, dir_fd=dfd)
             out.removed.append(rel)
         elif kind == "folder" and stat.S_ISDIR(st.st_mode) and st.st_uid == uid \
-                and name in FORMAT_1_INSIDE:
+                and holds is not None:
             sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
             before = len(out.kept)
             try:
-                _remove_in(sub, rel + "/", layout, out, dry_run, FORMAT_1_INSIDE[name])
+                _remove_in(sub, rel + "/", layout, out, dry_run, folders, holds)
             finally:
                 os.close(sub)
             if len(out.kept) == before:

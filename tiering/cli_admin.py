@@ -164,6 +164,37 @@ def _cmd_clear(args: argparse.Namespace) -> int:
     return _admin(args, {"op": "clear"})
 
 
+def _cmd_drop(args: argparse.Namespace) -> int:
+    """Remove whole namespaces, each proven ours and held by no writer, file by file."""
+    from tiering.backends.ownership import identify, remove_namespace
+
+    targets, skipped = _targets(args)
+    out: list[dict[str, Any]] = []
+    for folder in targets:
+        try:
+            done = remove_namespace(identify(folder), args.dry_run)
+        except RuntimeError as exc:  # a writer holds it: nothing was removed
+            out.append({"namespace": folder.name, "error": str(exc)})
+            continue
+        out.append({"namespace": folder.name, "removed_files": done.removed,
+                    "kept": done.kept, "folder_removed": done.folder_removed})
+    if args.json:
+        print(json.dumps({"path": str(args.path), "dry_run": args.dry_run, "results": out,
+                          "skipped": skipped}, indent=2))
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        for r in out:
+            if "error" in r:
+                print(f"{r['namespace']}: not removed: {r['error']}")
+                continue
+            kept = f"; kept (not written by us) {', '.join(r['kept'])}" if r["kept"] else ""
+            print(f"{r['namespace']}: {verb} {len(r['removed_files'])} files"
+                  f"{' and the folder' if r['folder_removed'] else ''}{kept}")
+        for sk in skipped:
+            print(f"left alone {sk['path']}: {sk['reason']}")
+    return 1 if any("error" in r for r in out) else 0
+
+
 EXPORT_HEAD = b"# HELP tiering_cache_"  # how every export begins (exporter.render)
 
 
@@ -289,6 +320,20 @@ def add_commands(sub: argparse._SubParsersAction[cli_args.Parser]) -> None:
             p.add_argument("--older-than", type=cli_args.duration,
                            help="drop entries not used for e.g. 7d, 12h, 30m")
         p.set_defaults(func=func)
+
+    p = with_path("drop", "remove whole unused namespaces and their disk",
+                  "Remove whole namespaces, slabs included, file by file: only the files "
+                  "vllm-tiering writes, in a namespace proven to be its own (meta.json marker "
+                  "and layout); anything else in it is kept and named. The way to get back "
+                  "the disk of a namespace no engine uses any more (another setup's, or one "
+                  "an upgrade replaced): 'clear' empties a namespace but keeps its "
+                  "preallocated slabs. Refused while a server writes to it.")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what would be removed and remove nothing")
+    p.add_argument("--all", action="store_true",
+                   help="act on every namespace under PATH (needed when it holds several and "
+                   "none is named with --namespace)")
+    p.set_defaults(func=_cmd_drop)
 
     p = sub.add_parser("export", help="Prometheus textfile (node-exporter) for a cache",
                        description="Write the cache's gauges and counters in Prometheus text "
