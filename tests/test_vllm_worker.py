@@ -172,3 +172,118 @@ def test_a_chunk_of_descending_blocks_copies_as_one_run_per_tensor():
         for t, s in zip(kv.tensors, snap, strict=True):
             assert torch.equal(t.tensor[back], s)
         w.shutdown()
+
+
+def _block_order(rng: np.random.Generator, pool: list[int], n: int, mode: str) -> list[int]:
+    """``n`` distinct GPU block ids from ``pool`` in one of the orders vLLM hands them out in:
+    a fresh cache (ascending), recycled blocks (descending), or anything (shuffled, and runs of
+    both)."""
+    start = int(rng.integers(0, len(pool) - n + 1))
+    ids = pool[start:start + n]
+    if mode == "descending":
+        return ids[::-1]
+    if mode == "shuffled":
+        return [int(b) for b in rng.permutation(ids)]
+    if mode == "mixed":  # runs of either direction, in shuffled run order
+        runs, i = [], 0
+        while i < n:
+            k = int(rng.integers(1, 6))
+            run = ids[i:i + k]
+            runs.append(run[::-1] if rng.random() < 0.5 else run)
+            i += k
+        return [b for r in (runs[j] for j in rng.permutation(len(runs))) for b in r]
+    return ids
+
+
+def _random_kv(rng: np.random.Generator, num_blocks: int, bpc: int, rank: int, world: int,
+               name: str):
+    """KV tensors of padded pages of different sizes; 1 to 3 groups, each with refs to its
+    own tensors or to shared ones, a ref copying its page in full or less (unpadded)."""
+    n_tensors = int(rng.integers(1, 5))
+    padded = [int(rng.choice([256, 512, 768, 1024, 2048])) for _ in range(n_tensors)]
+    tensors = [CanonicalKVCacheTensor(
+        torch.randint(-128, 127, (num_blocks, p), dtype=torch.int8), p) for p in padded]
+    groups = []
+    for _ in range(int(rng.integers(1, 4))):
+        which = sorted(rng.choice(n_tensors, int(rng.integers(1, n_tensors + 1)), replace=False))
+        groups.append([CanonicalKVCacheRef(int(t), int(rng.choice([padded[t], padded[t] - 128])))
+                       for t in which])
+    kv = CanonicalKVCaches(tensors, groups)
+    cell = sum(padded) * bpc
+    row_bytes = -(-cell * world // 4096) * 4096
+    region = StagingRegion(name, 40, row_bytes)
+    layout = make_layout(kv, region, rank, cell, bpc)
+    return kv, region, TieredWorker(layout, MemcpyCopier(), region), padded
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_block_orders_round_trip_exactly_and_touch_nothing_else(seed):
+    """Whatever order a job's GPU blocks come in (ascending, descending, shuffled, runs of
+    both), with partial first chunks, several groups, padded pages and a second rank's cell:
+    a store puts each page where the cell layout says (tensor by tensor, the chunk's blocks
+    last position first), leaves every other byte of the region as it was, and a load into
+    other blocks in another order brings back exactly the stored bytes, touching no other
+    byte of the GPU tensors."""
+    rng = np.random.default_rng(seed)
+    bpc = int(rng.choice([1, 2, 4, 8]))
+    world = int(rng.choice([1, 2]))
+    rank = int(rng.integers(0, world))
+    num_blocks = 96
+    kv, region, w, padded = _random_kv(rng, num_blocks, bpc, rank, world, f"rnd{seed}")
+    cell = sum(padded) * bpc
+    tensor_off = np.cumsum([0] + [p * bpc for p in padded]).tolist()
+    region.rows[:] = rng.integers(0, 256, region.rows.shape, dtype=np.uint8)
+    modes = ("ascending", "descending", "shuffled", "mixed")
+    # the job: per group, a first logical block (partial first chunk or not) and its blocks;
+    # every group draws its blocks from its own part of the GPU cache (distinct ids)
+    pools = np.array_split(np.arange(num_blocks // 2), len(kv.group_data_refs))
+    src, dst, sizes, firsts, rows_of_group = [], [], [], [], []
+    free_rows = [int(r) for r in rng.permutation(region.rows.shape[0])]
+    for g, pool in enumerate(pools):
+        n = int(rng.integers(0, min(len(pool), 3 * bpc) + 1))
+        first = int(rng.integers(0, 3 * bpc))
+        src.append(_block_order(rng, pool.tolist(), n, str(rng.choice(modes))))
+        back = (pool + num_blocks // 2).tolist()  # load into the other half of the cache
+        dst.append(_block_order(rng, back, n, str(rng.choice(modes))))
+        sizes.append(n)
+        firsts.append(first)
+        n_rows = -(-(n + first % bpc) // bpc) if n else 0
+        rows_of_group.append([free_rows.pop() for _ in range(n_rows)])
+    rows = [r for rs in rows_of_group for r in rs]
+    before_rows = region.rows.copy()
+    before_gpu = [t.tensor.clone() for t in kv.tensors]
+    flat_src = [b for bs in src for b in bs]
+    w.submit_store(1, GPULoadStoreSpec(flat_src, sizes, firsts), RowsSpec(rows))
+    (res,) = w.get_finished()
+    expect_bytes = sum(n * sum(r.page_size_bytes for r in kv.group_data_refs[g])
+                       for g, n in enumerate(sizes))
+    assert res.success and res.transfer_size == expect_bytes
+    # the oracle: which bytes of the region the job owns, and what they hold
+    expected = before_rows.copy()
+    for g, refs in enumerate(kv.group_data_refs):
+        skip = firsts[g] % bpc
+        for i, block in enumerate(src[g]):
+            pos = i + skip
+            row = rows_of_group[g][pos // bpc]
+            slot = bpc - 1 - pos % bpc
+            for ref in refs:
+                t = ref.tensor_idx
+                at = rank * cell + tensor_off[t] + slot * padded[t]
+                page = kv.tensors[t].tensor[block].numpy().view(np.uint8)
+                expected[row, at:at + ref.page_size_bytes] = page[:ref.page_size_bytes]
+    assert np.array_equal(region.rows, expected)
+    for t, b in zip(kv.tensors, before_gpu, strict=True):
+        assert torch.equal(t.tensor, b)  # a store reads the GPU blocks only
+    # load into other blocks, in another order
+    flat_dst = [b for bs in dst for b in bs]
+    w.submit_load(2, RowsSpec(rows), GPULoadStoreSpec(flat_dst, sizes, firsts))
+    w.get_finished()
+    assert np.array_equal(region.rows, expected)  # a load reads the rows only
+    for g, refs in enumerate(kv.group_data_refs):
+        for s_block, d_block in zip(src[g], dst[g], strict=True):
+            for ref in refs:
+                t, p = ref.tensor_idx, ref.page_size_bytes
+                before_gpu[t][d_block, :p] = before_gpu[t][s_block, :p]
+    for t, b in zip(kv.tensors, before_gpu, strict=True):
+        assert torch.equal(t.tensor, b)
+    w.shutdown()
