@@ -122,3 +122,85 @@ def test_page_outside_its_cell_is_refused():
     with pytest.raises(ValueError, match="outside its row's cell"):
         plan_staged(layout, dev, host, np.array([32], dtype=np.int64), np.zeros(1, np.int64), 2,
                     [0, 0], 0)
+
+
+def _random_job(rng: np.random.Generator, n_groups: int, bpc: int, num_blocks: int,
+                n_rows: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Block ids (each group's in ascending, descending or shuffled order, or runs of both),
+    group sizes, first logical blocks (partial first chunks among them) and distinct rows."""
+    blocks, sizes, firsts, rows = [], [], [], []
+    free = [int(r) for r in rng.permutation(n_rows)]
+    pool = [int(b) for b in rng.permutation(num_blocks)]
+    for _ in range(n_groups):
+        n = int(rng.integers(0, 3 * bpc + 1))
+        ids = sorted(pool[:n])
+        del pool[:n]
+        mode = rng.integers(0, 4)
+        if mode == 1:
+            ids = ids[::-1]
+        elif mode == 2:
+            ids = [int(b) for b in rng.permutation(ids)]
+        elif mode == 3:  # runs of either direction
+            runs = [ids[i:i + 4] for i in range(0, n, 4)]
+            ids = [b for r in runs for b in (r[::-1] if rng.random() < 0.5 else r)]
+        first = int(rng.integers(0, 3 * bpc))
+        blocks += ids
+        sizes.append(n)
+        firsts.append(first)
+        rows += [free.pop() for _ in range(-(-(n + first % bpc) // bpc) if n else 0)]
+    return blocks, sizes, firsts, rows
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_the_plan_moves_the_same_bytes_as_the_host_copier(seed):
+    """For any block order, partial first chunks, several groups (refs copying less than the
+    padded page among them) and a second rank's cell, the staged plan writes exactly the
+    bytes ``MemcpyCopier`` writes for the same descriptors (rows and the rest of the region),
+    and its load puts back exactly what the host copier's load puts back."""
+    from tiering.backends.block_copy import MemcpyCopier
+
+    rng = np.random.default_rng(100 + seed)
+    bpc = int(rng.choice([1, 2, 4, 8]))
+    world = int(rng.choice([1, 2]))
+    rank = int(rng.integers(0, world))
+    pages = [int(rng.choice([256, 512, 1024])) for _ in range(int(rng.integers(1, 4)))]
+    num_blocks, n_rows = 64, 40
+    tensors = [rng.integers(0, 256, (num_blocks, p), dtype=np.uint8) for p in pages]
+    infos = [TensorInfo(t.ctypes.data, t.strides[0], p) for t, p in zip(tensors, pages,
+                                                                         strict=True)]
+    n_groups = int(rng.integers(1, 4))
+    refs = [[(int(i), int(rng.choice([pages[i], pages[i] - 64])))
+             for i in sorted(rng.choice(len(pages), int(rng.integers(1, len(pages) + 1)),
+                                        replace=False))] for _ in range(n_groups)]
+    cell = sum(pages) * bpc
+    row_bytes = -(-cell * world // 4096) * 4096
+    region = rng.integers(0, 256, n_rows * row_bytes, dtype=np.uint8)
+    layout = CopyLayout(infos, refs, region.ctypes.data, row_bytes, rank, cell, bpc)
+    blocks, sizes, firsts, rows = _random_job(rng, n_groups, bpc, num_blocks, n_rows)
+    dev, host, size = layout.descriptors(np.asarray(blocks, dtype=np.int64), sizes, firsts,
+                                         np.asarray(rows, dtype=np.int64))
+    slot = layout.page_rows(sizes, firsts)
+    rows_per_buffer = int(rng.integers(1, 5))
+    before = region.copy()
+    run_plan(layout, dev, host, size, rows_per_buffer, store=True, slot=slot)
+    staged = region.copy()
+    region[:] = before
+    MemcpyCopier().submit(1, dev, host, size)
+    assert np.array_equal(staged, region)
+    # loads: the stored rows back into the GPU blocks, after scrambling them
+    stored = [t.copy() for t in tensors]
+    for t in tensors:
+        t[:] = rng.integers(0, 256, t.shape, dtype=np.uint8)
+    scrambled = [t.copy() for t in tensors]
+    run_plan(layout, dev, host, size, rows_per_buffer, store=False, first=1, slot=slot)
+    by_plan = [t.copy() for t in tensors]
+    for t, s in zip(tensors, scrambled, strict=True):
+        t[:] = s
+    MemcpyCopier().submit(2, host, dev, size, "load")
+    for t, p in zip(tensors, by_plan, strict=True):
+        assert np.array_equal(t, p)
+    for g, n in enumerate(sizes):  # and the loaded pages are the stored ones
+        lo = sum(sizes[:g])
+        for b in blocks[lo:lo + n]:
+            for i, nbytes in refs[g]:
+                assert np.array_equal(tensors[i][b, :nbytes], stored[i][b, :nbytes])

@@ -239,7 +239,7 @@ def test_random_block_orders_round_trip_exactly_and_touch_nothing_else(seed):
     pools = np.array_split(np.arange(num_blocks // 2), len(kv.group_data_refs))
     src, dst, sizes, firsts, rows_of_group = [], [], [], [], []
     free_rows = [int(r) for r in rng.permutation(region.rows.shape[0])]
-    for g, pool in enumerate(pools):
+    for pool in pools:
         n = int(rng.integers(0, min(len(pool), 3 * bpc) + 1))
         first = int(rng.integers(0, 3 * bpc))
         src.append(_block_order(rng, pool.tolist(), n, str(rng.choice(modes))))
