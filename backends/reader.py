@@ -87,6 +87,10 @@ class NamespaceReader:
             "model": self.meta.get("model"), "dtype": self.meta.get("dtype"),
             "layout": self.meta.get("layout"), "row_bytes": self.row_bytes,
             "chunk_tokens": self.meta.get("chunk_tokens"), "parallel": self.meta.get("parallel"),
+            # how a row orders a chunk's blocks, where the engine recorded it (our spec, chunks of
+            # more than one block); None: in order (rows written before it was recorded, or
+            # vLLM's own CPU layout under its tiering spec, or one-block chunks)
+            "block_order": (self.meta.get("extra") or {}).get("block_order"),
             "format_version": self.meta.get("format_version"),
             "restart_safe": self.meta.get("restart_safe"),
             "capacity_bytes": slots * self.row_bytes, "slots": slots,

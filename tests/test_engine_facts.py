@@ -42,3 +42,49 @@ def test_one_block_chunks_keep_their_namespace():
     assert new == old and new.namespace_id == old.namespace_id
     spec_chunk, _ = facts_from_config(config(1), 4 * 4096, 4, BLOCK_ORDER)  # the spec's 64
     assert spec_chunk.extra["block_order"] == "last_first" and spec_chunk.chunk_tokens == 64
+
+
+def _tier(path, facts):
+    from tiering.backends.file_tier import FileTier
+
+    return FileTier({"path": str(path), "capacity": 16 * facts.row_bytes, "policy": "lru",
+                     "io": "posix", "io_threads": 2, "slab_file_bytes": 4 * facts.row_bytes},
+                    facts)
+
+
+def test_a_disk_cache_of_the_old_order_is_never_served_and_inspect_tells_the_two_apart(
+        tmp_path, capsys):
+    """An engine upgraded past the cell order change opens a real file tier (real files, real
+    LMDB) beside the rows its old version wrote: the old rows miss, stay intact for the old
+    order, and ``tiering inspect`` (text and JSON) says which namespace holds which order, so
+    the operator knows which one ``tiering clear --namespace`` may reclaim
+    (docs/operations.md)."""
+    import json
+
+    from tierutil import key, store
+
+    from tiering.cli import main
+    from tiering.tier import Lookup
+
+    row = 16 * 4096
+    old, _ = facts_from_config(config(4), row)
+    new, _ = facts_from_config(config(4), row, None, BLOCK_ORDER)
+    with _tier(tmp_path, old) as t:
+        store(t, [key(i) for i in range(4)])
+    with _tier(tmp_path, new) as t:
+        assert all(t.lookup(key(i)) is Lookup.MISS for i in range(4))
+        store(t, [key(9)])
+    with _tier(tmp_path, old) as t:
+        assert all(t.lookup(key(i)) is Lookup.HIT for i in range(4))
+        assert t.lookup(key(9)) is Lookup.MISS
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    by_id = {n["namespace"]: n for n in json.loads(capsys.readouterr().out)["namespaces"]}
+    assert set(by_id) == {old.namespace_id, new.namespace_id}
+    assert by_id[new.namespace_id]["block_order"] == "last_first"
+    assert by_id[old.namespace_id]["block_order"] is None
+    assert main(["inspect", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    parts = {ns: text[text.index(f"namespace {ns}"):] for ns in by_id}
+    new_text = parts[new.namespace_id].split("\nnamespace ")[0]
+    old_text = parts[old.namespace_id].split("\nnamespace ")[0]
+    assert "block order last_first" in new_text and "block order" not in old_text

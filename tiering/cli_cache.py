@@ -30,7 +30,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for s in out:
         print(f"namespace {s['namespace']}  ({s['path']})")
         print(f"  model {s['model']}  dtype {s['dtype']}  layout {s['layout']}  "
-              f"chunk_tokens {s['chunk_tokens']}  parallel {s['parallel']}")
+              f"chunk_tokens {s['chunk_tokens']}  parallel {s['parallel']}"
+              + (f"  block order {s['block_order']}" if s["block_order"] else ""))
         print(f"  row {format_size(s['row_bytes'])}  capacity {format_size(s['capacity_bytes'])}"
               f" ({s['slots']} slots)  used {format_size(s['usage_bytes'])} "
               f"({100 * s['usage_perc']:.2f}%)  entries {s['entries']}")
