@@ -103,6 +103,29 @@ def allocated_bytes(root: Path, namespace_id: str | None) -> int:
     return total
 
 
+def _other_namespaces(root: Path, namespace_id: str | None) -> str:
+    """For a refusal for want of space: the other namespaces whose slabs hold space under
+    ``root`` (rows another engine setup wrote, or this engine before an upgrade changed its
+    namespace: never served to this one), and how to reclaim them; "" if none."""
+    if namespace_id is None or not root.is_dir():
+        return ""
+    held: dict[str, int] = {}
+    for p in root.glob("*/slab-*.dat"):
+        name = p.parent.name
+        if name != namespace_id and name not in held:
+            held[name] = allocated_bytes(root, name)
+    held = {k: v for k, v in held.items() if v}
+    if not held:
+        return ""
+    listed = ", ".join(f"{k} ({v} bytes)" for k, v in sorted(held.items())[:4])
+    more = f" and {len(held) - 4} more" if len(held) > 4 else ""
+    return (f"; other namespaces under {root} hold slabs: {listed}{more} (another engine "
+            "setup's, or this engine's before an upgrade changed its namespace; never served "
+            f"to this one; `tiering inspect {root}` shows them): remove the folder {root}/ID "
+            "of one no engine uses to free its space (`tiering clear` empties a namespace but "
+            "keeps its preallocated slabs)")
+
+
 def validate(cfg: FileTierConfig, row_bytes: int, namespace_id: str | None = None
              ) -> dict[str, int]:
     """Check every setting; returns the parsed numbers. Creates nothing.
@@ -141,5 +164,6 @@ def validate(cfg: FileTierConfig, row_bytes: int, namespace_id: str | None = Non
     needed = n_slots * row_bytes - existing_bytes
     if cfg.preallocate and needed > free:
         raise ValueError(f"capacity: {capacity} bytes requested but {anchor} has only {free} "
-                         f"bytes free (plus {existing_bytes} already allocated by this cache)")
+                         f"bytes free (plus {existing_bytes} already allocated by this cache)"
+                         + _other_namespaces(root, namespace_id))
     return {"capacity": capacity, "n_slots": n_slots, "slab_file_bytes": slab_file_bytes}

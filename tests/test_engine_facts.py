@@ -88,3 +88,38 @@ def test_a_disk_cache_of_the_old_order_is_never_served_and_inspect_tells_the_two
     new_text = parts[new.namespace_id].split("\nnamespace ")[0]
     old_text = parts[old.namespace_id].split("\nnamespace ")[0]
     assert "block order last_first" in new_text and "block order" not in old_text
+
+
+def test_an_upgrade_that_finds_no_room_beside_the_old_order_names_the_namespace_to_clear(
+        small_fs):
+    """A file tier sized to most of its drive, written before the cell order change: the
+    upgraded engine's namespace is new and the old one's slabs still hold the drive, so its
+    preallocating open is refused. The refusal must say where the space went (the old
+    namespace, by id, and how to reclaim it), not only 'bytes free (plus 0 already allocated
+    by this cache)'; the old rows are left as they were."""
+    import shutil
+
+    from tierutil import key, store
+
+    from tiering.cli import main
+    from tiering.tier import Lookup
+
+    row = 64 * 1024
+    old, _ = facts_from_config(config(4), row)
+    new, _ = facts_from_config(config(4), row, None, BLOCK_ORDER)
+    with _tier(small_fs, old) as t:
+        store(t, [key(i) for i in range(3)])
+    with pytest.raises(ValueError, match="bytes free") as exc:
+        _tier(small_fs, new)
+    msg = str(exc.value)
+    assert old.namespace_id in msg and "remove the folder" in msg, msg
+    with _tier(small_fs, old) as t:
+        assert all(t.lookup(key(i)) is Lookup.HIT for i in range(3))
+    # what the message says works (and what it warns of: an emptied namespace keeps its disk)
+    assert main(["clear", str(small_fs), "--namespace", old.namespace_id]) == 0
+    with pytest.raises(ValueError, match=old.namespace_id):
+        _tier(small_fs, new)
+    shutil.rmtree(small_fs / old.namespace_id)
+    with _tier(small_fs, new) as t:
+        store(t, [key(7)])
+        assert t.lookup(key(7)) is Lookup.HIT
