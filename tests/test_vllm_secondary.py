@@ -256,3 +256,35 @@ def test_under_vllm_tiering_on_cuda_the_namespace_keeps_vllms_chunk(tmp_path, mo
     (ns,) = find_namespaces(tmp_path / "kv")
     meta = json.loads((ns / "meta.json").read_text())
     assert meta["chunk_tokens"] == 16 * bpc
+
+
+def test_rows_in_vllms_canonical_layout_are_another_namespace(tmp_path, primary):
+    """Under vLLM's TieringOffloadingSpec, ``canonical_layout`` makes vLLM's CPU rows hold
+    canonical pages (every KV head of a layer, whatever the parallelism) instead of each
+    worker's own pages: other bytes in rows of the same size. A file cache written with one
+    layout must never serve an engine with the other (real files, real LMDB), and each keeps
+    its own rows."""
+    import dataclasses
+
+    from tiering.backends.reader import find_namespaces
+
+    key = KEYS[0]
+
+    def open_tier(canonical: bool) -> FileSecondaryTier:
+        stub = spec_stub(False)
+        stub.config = dataclasses.replace(stub.config, canonical_layout=canonical)
+        return FileSecondaryTier(stub, memoryview(primary), "FileTier", path=str(tmp_path / "kv"),
+                                 capacity=4 * BLOCK, io="posix", policy="lru")
+
+    direct = open_tier(False)
+    store(direct, 1, [key], [2])
+    direct.shutdown()
+    canonical = open_tier(True)
+    assert canonical.lookup(key, ReqContext(req_id="r")) is LookupResult.MISS
+    store(canonical, 2, [KEYS[1]], [3])
+    canonical.shutdown()
+    assert len(find_namespaces(tmp_path / "kv")) == 2
+    direct = open_tier(False)
+    assert direct.lookup(key, ReqContext(req_id="r")) is LookupResult.HIT
+    assert direct.lookup(KEYS[1], ReqContext(req_id="r")) is LookupResult.MISS
+    direct.shutdown()

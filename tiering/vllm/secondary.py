@@ -77,7 +77,10 @@ class FileSecondaryTier(SecondaryTierManager):
         if not isinstance(events, bool):
             raise ValueError(f"{where}: enable_kv_events: expected true or false, got {events!r}")
         row_bytes = self.block_size_bytes
-        facts, info = facts_from_config(offloading_spec.config, row_bytes)
+        # vLLM lays these rows out: in its canonical page format when the config asks for it
+        facts, info = facts_from_config(
+            offloading_spec.config, row_bytes,
+            canonical=bool(getattr(offloading_spec.config, "canonical_layout", False)))
         self.tier = self._open_tier(tier_config, facts, info, where)
         self._rows = primary_kv_view.cast("B") if primary_kv_view.ndim > 1 else primary_kv_view
         self._row_bytes = row_bytes
