@@ -4,7 +4,9 @@ The scheduler process (file-tier I/O reads and writes rows) and every worker pro
 the GPU and rows) map the same file, so a row never has to be copied between processes. Rows are
 ``row_bytes`` apart (4096-aligned, so O_DIRECT reads and writes work on them directly). Inside a
 row each worker rank owns one cell, and inside a cell each KV tensor owns ``page × blocks_per_chunk``
-bytes, the layout vLLM's own CPU tier uses.
+bytes, as in vLLM's own CPU tier; within them a chunk's blocks lie last position first
+(``block_copy.CopyLayout``; vLLM's tier stores them first position first, so chunks of more
+than one block are other bytes than its rows, and another namespace).
 
 Lifecycle: whichever process comes first creates ``/dev/shm/vllm_tiering_<engine>.shm`` at full
 size; the others open it. Every mapper holds a shared ``flock`` on it while mapped, so a region
