@@ -85,6 +85,31 @@ def test_two_engines_share_a_chunk_exactly(master):
         b.shutdown()
 
 
+def test_a_store_in_vllms_canonical_layout_is_not_anothers_hit(master):
+    """vLLM's ``canonical_layout`` rows (every KV head of a layer in one page) are other bytes
+    than the direct layout's in rows of the same size: in the shared store, an engine with one
+    layout never hits the chunks an engine with the other stored."""
+    import dataclasses
+
+    canonical_stub = spec_stub(False)
+    canonical_stub.config = dataclasses.replace(canonical_stub.config, canonical_layout=True)
+    a = MooncakeTier(spec_stub(False), memoryview(rows_of(4)), "MooncakeTier",
+                     **tier_config(master))
+    b = MooncakeTier(canonical_stub, memoryview(rows_of(5)), "MooncakeTier",
+                     **tier_config(master))
+    try:
+        assert wait_until(lambda: a.tier.wait_connected(0.1) and b.tier.wait_connected(0.1))
+        keys = [b"canon-%d-%d" % (time.monotonic_ns(), i) for i in range(2)]
+        a.submit_store(job(1, keys, [0, 1]))
+        assert [r.success for r in finish(a)] == [True]
+        ctx = ReqContext(req_id="r")
+        assert wait_until(lambda: all(a.lookup(k, ctx) == LookupResult.HIT for k in keys))
+        assert wait_until(lambda: all(b.lookup(k, ctx) == LookupResult.MISS for k in keys))
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
 def test_bad_setting_fails_the_engine_naming_it():
     with pytest.raises(ValueError, match=r"secondary tier 'MooncakeTier'.*'master' is required"):
         MooncakeTier(spec_stub(False), memoryview(rows_of(3)), "MooncakeTier",
