@@ -121,9 +121,9 @@ def _other_namespaces(root: Path, namespace_id: str | None) -> str:
     more = f" and {len(held) - 4} more" if len(held) > 4 else ""
     return (f"; other namespaces under {root} hold slabs: {listed}{more} (another engine "
             "setup's, or this engine's before an upgrade changed its namespace; never served "
-            f"to this one; `tiering inspect {root}` shows them): remove the folder {root}/ID "
-            "of one no engine uses to free its space (`tiering clear` empties a namespace but "
-            "keeps its preallocated slabs)")
+            f"to this one; `tiering inspect {root}` shows them): `tiering drop {root} "
+            "--namespace ID` frees the disk of one no engine uses (`tiering clear` empties a "
+            "namespace but keeps its preallocated slabs)")
 
 
 def validate(cfg: FileTierConfig, row_bytes: int, namespace_id: str | None = None
