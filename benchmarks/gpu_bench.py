@@ -862,12 +862,15 @@ def default_chunk_tokens(config: str, gpu_block_tokens: int, on_cuda: bool) -> i
     return gpu_block_tokens
 
 
-def sweep_gpu_blocks(n: int, tokens: int, block_tokens: int, batches: float) -> int | None:
+def sweep_gpu_blocks(n: int, tokens: int, block_tokens: int, batches: float,
+                     max_len: int = 0) -> int | None:
     """GPU blocks for ``batches`` batches of ``n`` prompts of ``tokens`` tokens (each with its
-    one output token), or None (``batches`` 0: vLLM sizes the cache)."""
+    one output token), or None (``batches`` 0: vLLM sizes the cache). At least one request of
+    ``max_len`` tokens' worth: vLLM refuses to start an engine whose cache cannot hold one."""
     if batches <= 0:
         return None
-    return math.ceil(batches * n * -(-(tokens + 1) // block_tokens))
+    return max(math.ceil(batches * n * -(-(tokens + 1) // block_tokens)),
+               -(-max_len // block_tokens))
 
 
 def sweep_batches(n: int, rates: list[float], seed: int = 11) -> list[tuple[str, float,
@@ -1027,9 +1030,10 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     print(f"[sweep] {shape} {key}: {n} prompts x {tokens} tokens = "
           f"{batch_bytes / 2**30:.2f} GiB of KV a batch; CPU tier {cpu_bytes / 2**30:.2f} GiB",
           flush=True)
-    gpu_blocks = sweep_gpu_blocks(n, tokens, block_tokens, a.sweep_gpu_cache_batches)
+    max_len = tokens + 16
+    gpu_blocks = sweep_gpu_blocks(n, tokens, block_tokens, a.sweep_gpu_cache_batches, max_len)
     timings["gpu_blocks"] = gpu_blocks
-    eng = SweepEngine(a, model, key, kvt, gpu_blocks, tokens + 16, [tokens],
+    eng = SweepEngine(a, model, key, kvt, gpu_blocks, max_len, [tokens],
                       max_num_seqs=a.sweep_max_num_seqs or None, prefix_caching=False,
                       engine_kw=engine_kw)
     eng.gpu_block_tokens = block_tokens

@@ -369,6 +369,9 @@ def test_the_sweep_gpu_cache_holds_two_batches_so_later_batches_reuse_freed_bloc
     assert gpu_bench.sweep_gpu_blocks(256, 512, 16, 2.0) == 2 * 256 * 33
     assert gpu_bench.sweep_gpu_blocks(96, 512, 16, 2.5) == 7920
     assert gpu_bench.sweep_gpu_blocks(256, 512, 16, 0.0) is None
+    # one prompt, one batch: never fewer blocks than one request of the engine's max length
+    # (vLLM refuses to start otherwise): 500 tokens + 1 is 32 blocks, 516 need 33
+    assert gpu_bench.sweep_gpu_blocks(1, 500, 16, 1.0, max_len=516) == 33
     base = ["gpu_bench", "--phases", "prefill-sweep"]
     monkeypatch.setattr(sys, "argv", base)
     assert gpu_bench.parse().sweep_gpu_cache_batches == 2.0
