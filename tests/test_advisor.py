@@ -222,6 +222,89 @@ def test_a_declined_run_is_surveyed_then_recomputed_as_a_whole(tmp_path):
     c.close()
 
 
+def scan_to(c: TierChain, req: RequestScan, keys: list[bytes], end: int | None) -> int | None:
+    """``scan`` with the request's prompt end known, as vLLM 0.33's record tells our manager."""
+    hits, pending = 0, False
+    for i, k in enumerate(keys):
+        r = req.lookup(k, first_token=i * 16, prompt_end=lambda: end)
+        if r is Lookup.MISS:
+            break
+        hits += 1
+        pending |= r is Lookup.PENDING
+    c.on_schedule_end()
+    return None if pending else hits
+
+
+def test_a_run_that_cannot_pay_to_the_prompts_end_is_recomputed_without_a_survey(tmp_path):
+    """Where even the longest run the prompt allows would not pay, vLLM gets its miss on the
+    first scan: no step waits for a decision that cannot load (the H200's disk-backed sweep
+    lost a third of its throughput at 100% hits, every request surveying a run it recomputed)."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e12)  # instant engine
+    adv.observe_read_batch(1, 1 << 30, 1.0)
+    c, ks = on_disk(tmp_path, adv, n_cpu=2, n_disk=6)
+    disk = c.file_tiers[0]
+    req = RequestScan(c, "r")
+    assert scan_to(c, req, ks, end=16 * len(ks)) == 2  # the CPU hits load, the rest computes
+    assert req.disk_run.state is RunState.RECOMPUTE and req.decision is not None
+    assert (req.decision.load, req.decision.reason) == (False, "faster")
+    assert disk.stats["disk_runs_recomputed:faster"] == 1 and disk.stats["promotions"] == 0
+    assert not c.has_pending_work()
+    assert scan_to(c, req, ks, end=16 * len(ks)) == 2  # the decision stays for the request
+    # without the prompt's end the same run is surveyed first (one pending answer)
+    other = RequestScan(c, "other")
+    assert scan(c, other, ks) is None and other.disk_run.state is RunState.SURVEY
+    c.check()
+    c.close()
+
+
+def test_a_run_that_pays_only_when_long_is_still_surveyed(tmp_path):
+    """The longest run pays but the first chunk alone does not: the real run may be shorter,
+    so it is surveyed and decided on its measured length, as without the prompt's end."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1  # attention-bound engine
+    adv.observe_read_batch(1, 16 * ROW, 16 * 0.5e-3)
+    assert not adv.first_chunk_pays(1, 0)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
+    req = RequestScan(c, "r")
+    assert scan_to(c, req, ks, end=16 * 8) is None and req.disk_run.state is RunState.SURVEY
+    assert scan_to(c, req, ks, end=16 * 8) is None and req.disk_run.state is RunState.LOAD
+    c.wait_idle()
+    assert scan_to(c, req, ks, end=16 * 8) == 8
+    c.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_declined_longest_run_means_every_shorter_run_is_declined(seed):
+    """The reason the survey may be skipped, checked against the advisor's own pricing over
+    random engines, disks and backlogs: if one chunk and the longest run are both recomputed,
+    so is every run between them."""
+    import random
+
+    rnd = random.Random(seed)
+    checked = 0
+    for _ in range(400):
+        adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+        adv.prefill.a = rnd.choice([0.0, 10 ** rnd.uniform(-9, -4)])
+        adv.prefill.b = rnd.choice([0.0, 10 ** rnd.uniform(-12, -7)])
+        adv.prefill.c = rnd.choice([0.0, 10 ** rnd.uniform(-4, -1)])
+        adv.prefill.samples = 1
+        adv.observe_read_batch(1, 64 * ROW, 64 * ROW / 10 ** rnd.uniform(6, 10))
+        if rnd.random() < 0.5:
+            adv.queue_compute(0, rnd.randrange(16, 8192))  # compute given to the engine already
+        first = 16 * rnd.randrange(0, 512)
+        longest = rnd.randrange(1, 256)
+        reads = {1: rnd.choice([0, rnd.randrange(0, 256) * ROW])}
+        writes = {1: rnd.choice([0, rnd.randrange(0, 256) * ROW])}
+
+        loads = [adv.decide([1] * n, first, first + 16 * n, reads, writes, count=False).load
+                 for n in range(1, longest + 1)]
+        if loads[0] or loads[-1]:
+            continue
+        checked += 1
+        assert not any(loads), (seed, first, longest, loads.index(True) + 1)
+    assert checked > 50  # the premise held often enough to test something
+
+
 def test_a_run_that_pays_is_loaded_whole_and_bytes_round_trip(tmp_path):
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1.0)  # slow engine
     adv.observe_read_batch(1, 1 << 30, 1.0)
@@ -410,6 +493,33 @@ def test_the_manager_times_a_store_of_several_kv_groups_by_its_tokens_once(tmp_p
     assert (adv.prefill.a, adv.prefill.b) == (pytest.approx(1e-3), 0.0)
     m.on_request_finished(ctx)
     assert m.live_requests() == 0
+    m.shutdown()
+
+
+def test_the_manager_reads_the_prompts_end_from_vllms_request_context(tmp_path):
+    """Through vLLM's own ``ReqContext`` (its connector records every key's end position
+    before the first lookup): a disk run that cannot pay is a miss on the first scan; a
+    context with no record still surveys it."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from tiering.vllm.manager import TieredManager
+
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e12)  # instant engine
+    adv.observe_read_batch(1, 1 << 30, 1.0)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=6)
+    m = TieredManager(c)
+    ctx = ReqContext(req_id="known")
+    for i, k in enumerate(ks):
+        ctx.set_offload_key_position(k, (i + 1) * 16)
+    assert TieredManager._prompt_end(ctx) == 16 * len(ks)
+    assert m.lookup(ks[0], ctx).name == "MISS"
+    assert c.file_tiers[0].stats["disk_runs_recomputed:faster"] == 1
+    bare = ReqContext(req_id="bare")  # no positions recorded (another caller)
+    assert TieredManager._prompt_end(bare) is None
+    assert m.lookup(ks[0], bare).name != "MISS"  # surveyed: ask again next step
+    m.on_request_finished(ctx)
+    m.on_request_finished(bare)
     m.shutdown()
 
 

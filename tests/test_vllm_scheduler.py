@@ -199,9 +199,10 @@ def test_preemption_flushes_stores_and_leaves_no_row_pinned(model, tmp_path):
 
 def test_promote_auto_loads_the_cpu_prefix_and_recomputes_a_declined_disk_run(model, tmp_path):
     """promote auto in vLLM's scheduler: a prompt whose first two chunks are in the CPU tier and
-    last two only on disk. The disk run is surveyed (one step pending), then declined (the
-    engine is made instant once the advisor has measured it): the request gets exactly its CPU
-    prefix, completes, and no row stays pinned."""
+    last two only on disk. The disk run is declined on the first scan (the engine is made
+    instant once the advisor has measured it, so not even the longest run the prompt allows
+    would pay: no step waits for a survey): the request gets exactly its CPU prefix, completes,
+    and no row stays pinned."""
     h = Harness(model, extra(tmp_path, promote="auto"), delay=1)
     chain = h.manager.chain
     a, tail = prompt(21), prompt(22, 256)
@@ -220,12 +221,16 @@ def test_promote_auto_loads_the_cpu_prefix_and_recomputes_a_declined_disk_run(mo
     h.run()
     assert h.cached["b"] == 0
     disk = chain.tiers[1].stats
-    declined = disk["promotions_declined"]
+    declined, recomputed = disk["promotions_declined"], disk["disk_runs_recomputed:faster"]
+    hits = disk["hits"]
     h.reset_gpu_prefix_cache()  # GPU forgets; the CPU tier holds A's head and B's tail
     h.add("a3", a)
     h.run()
     assert h.cached["a3"] == 256  # the CPU prefix only
-    assert disk["promotions_declined"] == declined + 2  # A's two disk-only chunks
+    # decided at the run's first chunk (vLLM's record gave the prompt's end): vLLM never asks
+    # for the second disk-only chunk, so one disk hit, declined
+    assert disk["disk_runs_recomputed:faster"] == recomputed + 1
+    assert (disk["hits"], disk["promotions_declined"]) == (hits + 1, declined + 1)
     assert not h.scheduler.requests and h.manager.live_requests() == 0
     chain.check()
     assert chain.usage()["pinned"] == 0 and not chain.has_pending_work()

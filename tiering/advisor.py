@@ -421,20 +421,22 @@ class PromotionAdvisor:
 
     def decide(self, tiers: Sequence[int], first_token: int, end_token: int | None = None,
                backlog_bytes: Mapping[int, int] | None = None,
-               writing_bytes: Mapping[int, int] | None = None) -> Decision:
+               writing_bytes: Mapping[int, int] | None = None, count: bool = True) -> Decision:
         """Load one row from each of ``tiers`` (the file tier's id per row, in prompt order)
         covering tokens ``[first_token, end_token)`` (default: one chunk's tokens per row), or
         recompute them? ``backlog_bytes[t]``: the bytes of reads queued or in flight on tier
         ``t`` ahead of this run; ``writing_bytes[t]``: the bytes of writes admitted to tier
         ``t`` and not yet written, which the run's reads share the device with
-        (``device_ahead``)."""
+        (``device_ahead``). ``count`` False: only price it (a decline is not counted towards
+        measuring the tier again)."""
         if not tiers:
             return Decision(True, "faster", 0.0, 0.0)
         if not self.prefill.known():
             return Decision(True, "unmeasured")  # nothing to weigh it against: load, measure
         rates = {t: self.read_rate(t) for t in set(tiers)}
         if not all(rates.values()):
-            self._count_decline(tiers)
+            if count:
+                self._count_decline(tiers)
             return Decision(False, "unmeasured")  # recomputed while the tier is measured
         own: dict[int, int] = {}
         for t in tiers:
@@ -451,7 +453,8 @@ class PromotionAdvisor:
         alone_pays = alone_read + steps <= m * compute
         if load_s <= m * recompute_s:
             return Decision(True, "faster" if alone_pays else "engine_busy", load_s, recompute_s)
-        self._count_decline(tiers)
+        if count:
+            self._count_decline(tiers)
         return Decision(False, "disk_busy" if alone_pays else "faster", load_s, recompute_s)
 
     def loading_pays(self, tiers: Sequence[int], first_token: int,

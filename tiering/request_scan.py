@@ -19,7 +19,9 @@ here, in one object per live request (the vLLM adapter keeps them by request id)
   scan the whole run is known and the promotion advisor decides once for all of it (``decide``:
   its reads behind the tier's queued reads against its compute behind what the engine was given
   in this step). If reading the run's first chunk already pays, the run is loaded at once:
-  every later chunk costs more to compute and no more to read.
+  every later chunk costs more to compute and no more to read. If neither one chunk nor the
+  longest run the prompt allows would pay (the caller knows where the prompt ends), no run
+  between them does, and the run is recomputed at once (``_longest_run_declined``).
 * **decide** — the decision (``tiering.advisor.Decision``) is counted by outcome and reason on
   the run's first tier (``disk_runs_loaded``/``disk_runs_recomputed``; ``promotions_declined``
   per chunk) and logged at DEBUG, one line per decision. A run recomputed because its tier's
@@ -37,7 +39,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -124,10 +126,12 @@ class RequestScan:
         self.promoted = 0  # chunks this request had promoted from a file tier
 
     # -- lookups -----------------------------------------------------------------------------
-    def lookup(self, key: bytes, first_token: int | None = None) -> Lookup:
+    def lookup(self, key: bytes, first_token: int | None = None,
+               prompt_end: Callable[[], int | None] | None = None) -> Lookup:
         """vLLM's lookup of ``key``, which starts at ``first_token`` in the prompt when the
         caller knows. HIT, PENDING (ask again next step), RETRY (a remote tier is still asking:
-        ask again next step) or MISS (vLLM computes from here)."""
+        ask again next step) or MISS (vLLM computes from here). ``prompt_end``, when the caller
+        can tell: where the request's last chunk ends (asked only when a disk run starts)."""
         chain = self.chain
         count = key not in self.counted
         # a re-ask after a remote tier's RETRY: the tiers above it counted this lookup already
@@ -143,7 +147,7 @@ class RequestScan:
             return Lookup.RETRY
         i: int | None = at if found is Lookup.HIT else None
         if i is not None and chain.advisor is not None:
-            state = self._disk_decision(key, i, first_token)
+            state = self._disk_decision(key, i, first_token, prompt_end)
             if state is None:  # surveyed: decided when vLLM asks again next step
                 return Lookup.PENDING
             if state is RunState.RECOMPUTE:
@@ -158,7 +162,8 @@ class RequestScan:
             self.promoted += 1
         return found
 
-    def _disk_decision(self, key: bytes, i: int, first_token: int | None) -> RunState | None:
+    def _disk_decision(self, key: bytes, i: int, first_token: int | None,
+                       prompt_end: Callable[[], int | None] | None) -> RunState | None:
         """Load the request's run of disk hits, or recompute it? None: still surveying."""
         chain, run = self.chain, self.disk_run
         advisor = chain.advisor
@@ -177,6 +182,11 @@ class RequestScan:
                 self._decided(Decision(True, "faster" if advisor.prefill.known()
                                        else "unmeasured"), 0)
                 return run.state
+            if first and first_token is not None and prompt_end is not None:
+                longest = self._longest_run_declined(i, first_token, prompt_end())
+                if longest is not None:
+                    self._decided(longest[0], 0, span=longest[1])
+                    return run.state
             self.counted.add(key)
             return None
         start, end = run.token_span(j, advisor.chunk_tokens)
@@ -184,15 +194,51 @@ class RequestScan:
                                      chain.write_backlog_bytes()), j)
         return run.state
 
-    def _decided(self, d: Decision, j: int) -> None:
-        """Apply and account decision ``d`` for the run from its ``j``-th chunk on."""
+    def _longest_run_declined(self, i: int, first_token: int, prompt_end: int | None
+                              ) -> tuple[Decision, tuple[int, int]] | None:
+        """The decision for the longest run the prompt allows from ``first_token`` on (every
+        chunk to the prompt's last one on tier ``i``), and its tokens, if it is to recompute;
+        else None (survey: the run may be shorter, and a shorter run could differ).
+
+        Why a declined longest run settles every shorter one: a chunk costs more to compute the
+        further into the prompt it lies (attention over the tokens before it) and no more to
+        read, and a run's fixed costs (the load's extra steps, the reads queued ahead, the
+        engine's queue) are paid once, so what loading saves over recomputing is convex in the
+        run's length; below zero at one chunk and at the longest run, it is below zero for
+        every length between (checked against the advisor by ``tests/test_advisor.py``).
+
+        Without this, a request whose prompt starts with a disk run waits one step for a
+        decision that cannot load. On the H200 the disk-backed sweep's 100% batch, where almost
+        every request starts so, ran at 0.64-0.69x no offloading (docs/benchmarks.md, fourth
+        run). Only with one file tier: a run spread over tiers read in parallel could read
+        faster than all of it on tier ``i``. A model with several KV groups reads one row per
+        group and chunk: counting one row per chunk prices the load low, so a decline stays
+        sound."""
+        chain, advisor = self.chain, self.chain.advisor
+        assert advisor is not None
+        if len(chain.file_tiers) != 1 or prompt_end is None or prompt_end <= first_token:
+            return None
+        reads, writes = chain.read_backlog_bytes(), chain.write_backlog_bytes()
+        # one chunk, priced alone: first_chunk_pays also asks each chunk to pay on its own, so
+        # its no does not say that a one-chunk run would be recomputed
+        if advisor.decide([i], first_token, None, reads, writes, count=False).load:
+            return None
+        chunks = -(-(prompt_end - first_token) // advisor.chunk_tokens)
+        d = advisor.decide([i] * chunks, first_token, prompt_end, reads, writes)
+        if d.load or d.reason == "unmeasured":  # unmeasured: the survey's rows calibrate it
+            return None
+        return d, (first_token, prompt_end)
+
+    def _decided(self, d: Decision, j: int, span: tuple[int, int] | None = None) -> None:
+        """Apply and account decision ``d`` for the run from its ``j``-th chunk on (``span``:
+        the tokens it was priced for, when not the noted chunks')."""
         chain, run = self.chain, self.disk_run
         advisor = chain.advisor
         assert advisor is not None
         self.decision = d
         run.move(RunState.LOAD if d.load else RunState.RECOMPUTE)
         first_tier = chain.tiers[run.tiers[j]]
-        start, end = run.token_span(j, advisor.chunk_tokens)
+        start, end = span if span is not None else run.token_span(j, advisor.chunk_tokens)
         if d.load:
             first_tier.stats.add(f"disk_runs_loaded:{d.reason}")
             t = run.tiers[j]

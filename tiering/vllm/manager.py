@@ -77,6 +77,21 @@ class TieredManager(OffloadingManager):
         get = getattr(req_context, "get_offload_key_position", None)
         return get(key) if get is not None else None
 
+    @staticmethod
+    def _prompt_end(req_context: ReqContext) -> int | None:
+        """Where the request's last chunk ends in its prompt, or None where vLLM does not say.
+
+        vLLM 0.33's connector records every key's end position in the request's context
+        before its first lookup, but offers them key by key (``get_offload_key_position``),
+        not the last one; this reads its record, and falls back to None (the disk run is
+        surveyed) wherever the record is not the dict it is in 0.33. Upstream, a
+        ``ReqContext.num_prompt_tokens`` would do. Asked once per disk run."""
+        positions = getattr(req_context, "_offload_key_positions", None)
+        if not isinstance(positions, dict) or not positions:
+            return None
+        end = max(positions.values())
+        return end if isinstance(end, int) else None
+
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         gate = self.load_gate
         if gate.closed:  # the cap is reached: a request that would load waits a step
@@ -90,7 +105,9 @@ class TieredManager(OffloadingManager):
             end = self._end_token(key, req_context)
             first = end - advisor.chunk_tokens if end is not None else None
         scan = self._scan(req_context)
-        found = scan.lookup(key if type(key) is bytes else bytes(key), first)
+        found = scan.lookup(key if type(key) is bytes else bytes(key), first,
+                            (lambda: self._prompt_end(req_context)) if advisor is not None
+                            else None)
         if found is Lookup.MISS and gate.cap and not gate.computing and scan.counted <= {key}:
             gate.prompt_computes()  # its first chunk missed: vLLM computes it this step
         return _LOOKUP[found]
