@@ -257,6 +257,22 @@ def test_a_run_that_cannot_pay_to_the_prompts_end_is_recomputed_without_a_survey
     c.close()
 
 
+def test_a_run_on_an_unmeasured_tier_is_surveyed_so_that_its_rows_calibrate_it(tmp_path):
+    """The prompt's end known, the tier's read rate not: the run is surveyed as before, and its
+    decision (recompute while the tier is measured) calibrates the tier with the run's rows,
+    not with its first chunk alone."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e12)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=6)
+    req = RequestScan(c, "r")
+    assert scan_to(c, req, ks, end=16 * len(ks)) is None
+    assert req.disk_run.state is RunState.SURVEY and len(req.disk_run.keys) == 6
+    assert scan_to(c, req, ks, end=16 * len(ks)) == 0
+    assert c.file_tiers[0].stats["disk_runs_recomputed:unmeasured"] == 1
+    c.wait_idle()
+    assert c.file_tiers[0].stats["calibration_reads"] == 6
+    c.close()
+
+
 def test_a_run_that_pays_only_when_long_is_still_surveyed(tmp_path):
     """The longest run pays but the first chunk alone does not: the real run may be shorter,
     so it is surveyed and decided on its measured length, as without the prompt's end."""

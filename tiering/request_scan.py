@@ -216,7 +216,8 @@ class RequestScan:
         sound."""
         chain, advisor = self.chain, self.chain.advisor
         assert advisor is not None
-        if len(chain.file_tiers) != 1 or prompt_end is None or prompt_end <= first_token:
+        if (len(chain.file_tiers) != 1 or prompt_end is None or prompt_end <= first_token
+                or not advisor.read_rate(i)):  # unmeasured: the survey's rows calibrate it
             return None
         reads, writes = chain.read_backlog_bytes(), chain.write_backlog_bytes()
         # one chunk, priced alone: first_chunk_pays also asks each chunk to pay on its own, so
@@ -225,7 +226,7 @@ class RequestScan:
             return None
         chunks = -(-(prompt_end - first_token) // advisor.chunk_tokens)
         d = advisor.decide([i] * chunks, first_token, prompt_end, reads, writes)
-        if d.load or d.reason == "unmeasured":  # unmeasured: the survey's rows calibrate it
+        if d.load:
             return None
         return d, (first_token, prompt_end)
 
