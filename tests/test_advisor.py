@@ -176,12 +176,15 @@ def fill(chain: TierChain, keys) -> None:
     chain.complete_store(stored)
 
 
-def scan(c: TierChain, req: RequestScan, keys: list[bytes]) -> int | None:
+def scan(c: TierChain, req: RequestScan, keys: list[bytes], end: int | None = None
+         ) -> int | None:
     """One scheduler step of vLLM: ask in order until a miss; None (ask again next step) if
-    any answer was pending, else the number of chunks it will load."""
+    any answer was pending, else the number of chunks it will load. ``end``: where the
+    prompt's last chunk ends, when known (vLLM 0.33's record tells our manager)."""
     hits, pending = 0, False
     for i, k in enumerate(keys):
-        r = req.lookup(k, first_token=i * 16)
+        r = req.lookup(k, first_token=i * 16,
+                       prompt_end=(lambda: end) if end is not None else None)
         if r is Lookup.MISS:
             break
         hits += 1
@@ -222,19 +225,6 @@ def test_a_declined_run_is_surveyed_then_recomputed_as_a_whole(tmp_path):
     c.close()
 
 
-def scan_to(c: TierChain, req: RequestScan, keys: list[bytes], end: int | None) -> int | None:
-    """``scan`` with the request's prompt end known, as vLLM 0.33's record tells our manager."""
-    hits, pending = 0, False
-    for i, k in enumerate(keys):
-        r = req.lookup(k, first_token=i * 16, prompt_end=lambda: end)
-        if r is Lookup.MISS:
-            break
-        hits += 1
-        pending |= r is Lookup.PENDING
-    c.on_schedule_end()
-    return None if pending else hits
-
-
 def test_a_run_that_cannot_pay_to_the_prompts_end_is_recomputed_without_a_survey(tmp_path):
     """Where even the longest run the prompt allows would not pay, vLLM gets its miss on the
     first scan: no step waits for a decision that cannot load (the H200's disk-backed sweep
@@ -244,12 +234,12 @@ def test_a_run_that_cannot_pay_to_the_prompts_end_is_recomputed_without_a_survey
     c, ks = on_disk(tmp_path, adv, n_cpu=2, n_disk=6)
     disk = c.file_tiers[0]
     req = RequestScan(c, "r")
-    assert scan_to(c, req, ks, end=16 * len(ks)) == 2  # the CPU hits load, the rest computes
+    assert scan(c, req, ks, end=16 * len(ks)) == 2  # the CPU hits load, the rest computes
     assert req.disk_run.state is RunState.RECOMPUTE and req.decision is not None
     assert (req.decision.load, req.decision.reason) == (False, "faster")
     assert disk.stats["disk_runs_recomputed:faster"] == 1 and disk.stats["promotions"] == 0
     assert not c.has_pending_work()
-    assert scan_to(c, req, ks, end=16 * len(ks)) == 2  # the decision stays for the request
+    assert scan(c, req, ks, end=16 * len(ks)) == 2  # the decision stays for the request
     # without the prompt's end the same run is surveyed first (one pending answer)
     other = RequestScan(c, "other")
     assert scan(c, other, ks) is None and other.disk_run.state is RunState.SURVEY
@@ -264,9 +254,9 @@ def test_a_run_on_an_unmeasured_tier_is_surveyed_so_that_its_rows_calibrate_it(t
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e12)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=6)
     req = RequestScan(c, "r")
-    assert scan_to(c, req, ks, end=16 * len(ks)) is None
+    assert scan(c, req, ks, end=16 * len(ks)) is None
     assert req.disk_run.state is RunState.SURVEY and len(req.disk_run.keys) == 6
-    assert scan_to(c, req, ks, end=16 * len(ks)) == 0
+    assert scan(c, req, ks, end=16 * len(ks)) == 0
     assert c.file_tiers[0].stats["disk_runs_recomputed:unmeasured"] == 1
     c.wait_idle()
     assert c.file_tiers[0].stats["calibration_reads"] == 6
@@ -282,10 +272,10 @@ def test_a_run_that_pays_only_when_long_is_still_surveyed(tmp_path):
     assert not adv.first_chunk_pays(1, 0)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
     req = RequestScan(c, "r")
-    assert scan_to(c, req, ks, end=16 * 8) is None and req.disk_run.state is RunState.SURVEY
-    assert scan_to(c, req, ks, end=16 * 8) is None and req.disk_run.state is RunState.LOAD
+    assert scan(c, req, ks, end=16 * 8) is None and req.disk_run.state is RunState.SURVEY
+    assert scan(c, req, ks, end=16 * 8) is None and req.disk_run.state is RunState.LOAD
     c.wait_idle()
-    assert scan_to(c, req, ks, end=16 * 8) == 8
+    assert scan(c, req, ks, end=16 * 8) == 8
     c.close()
 
 
