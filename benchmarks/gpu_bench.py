@@ -819,11 +819,12 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
                           gpu_block_tokens: int, gpu_copy: str = "auto",
                           sync_load_bytes: int = 0,
                           max_loading_requests: int | None = None,
-                          disk: tuple[Path, int] | None = None) -> dict | None:
+                          disk: tuple[Path, int] | None = None,
+                          promote: str = "auto") -> dict | None:
     """The sweep's offloading setups: vLLM's CPUOffloadingSpec (``cpu``) or our spec with its
     CPU tier only (``ours``), offloading chunks of ``chunk_tokens`` (None: each spec's default,
     ``default_chunk_tokens``); ``ours-disk``: ours over a file tier at ``disk`` (folder,
-    capacity in bytes)."""
+    capacity in bytes), promoting disk hits by ``promote`` (the CPU tier's setting)."""
     if config == "none":
         return None
     extra: dict = {"cpu_bytes_to_use": cpu_bytes}
@@ -838,6 +839,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
         if config == SWEEP_DISK_CONFIG:
             if disk is None:
                 raise ValueError(f"prefill sweep: {config} needs a folder and a capacity")
+            if promote != "auto":
+                tiers[0]["promote"] = promote
             tiers.append({"medium": "file", "path": str(disk[0]), "policy": "lru",
                           "capacity": f"{disk[1] / 2**30:.3f}GiB", "io": "posix"})
         extra.update(spec_name="TieredOffloadingSpec", spec_module_path="tiering.vllm",
@@ -1017,7 +1020,8 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
         disk = (folder, int(batch_bytes * 2.5))
     kvt = sweep_transfer_config(config, cpu_bytes, chunk, block_tokens, a.gpu_copy,
                                 int(a.sweep_sync_load_mib * 2**20),
-                                None if a.sweep_max_loading < 0 else a.sweep_max_loading, disk)
+                                None if a.sweep_max_loading < 0 else a.sweep_max_loading, disk,
+                                a.promote)
     plan = sweep_batches(n, a.sweep_hit_rates)
     if config == "none":  # no cache of any kind: a fresh batch, then the same prompts again
         plan = [("hit", 0.0, list(range(n))), ("hit", 100.0, list(range(n)))]

@@ -8,7 +8,10 @@ Run on a machine with an NVIDIA GPU: ``bash scripts/gpu_check.sh [OUT_DIR]``.
    tensor). 512 random non-contiguous blocks (1 GiB) per job into random rows of a pinned
    staging region; store, load, and both at once, against one large ``copy_`` of the same bytes
    measured in the same run. Every moved byte is checked: the stored rows against the blocks,
-   then a load into other blocks against the originals.
+   then a load into other blocks against the originals. The ``chunk`` variants group 4 adjacent
+   blocks a row, as the product's default 64-token chunk does: in a cycled cache's descending
+   block order each tensor's part of a chunk is one 256 KiB copy, in a fresh cache's ascending
+   order four 64 KiB ones.
 2. The file tier with ``io=kvikio`` against ``io=posix`` on the same disk (``tiering bench``).
 """
 
@@ -28,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build-gpu"))
 
 import torch  # noqa: E402
 
-from tiering.backends.block_copy import CopyLayout, TensorInfo  # noqa: E402
+from tiering.backends.block_copy import CopyLayout, TensorInfo, merge_runs  # noqa: E402
 from tiering.backends.cuda_copy import CudaCopier  # noqa: E402
 from tiering.backends.slab_io import aligned_buffer  # noqa: E402
 
@@ -48,11 +51,27 @@ def median_time(fn, repeat=REPEAT) -> float:
     return statistics.median(times)
 
 
+def chunk_blocks(rng: np.random.Generator, lo: int, n_blocks: int, chunk: int, order: str
+                 ) -> np.ndarray:
+    """``n_blocks`` GPU block ids from ``[lo, lo + BLOCKS // 2)``, in chunks of ``chunk``
+    adjacent blocks at random places: in the chunk's logical order, ``descending`` (b, b-1, ...:
+    blocks vLLM hands out once its cache has cycled, freed tail first) or ``ascending`` (a fresh
+    cache's)."""
+    starts = lo + chunk * rng.choice(BLOCKS // 2 // chunk, n_blocks // chunk, replace=False)
+    step = np.arange(chunk)
+    runs = starts[:, None] + (step[::-1] if order == "descending" else step)[None, :]
+    return runs.ravel()
+
+
 def dma(layout_name: str, copy: str = "dma", staging: int = 64 << 20, api: str = "auto",
         batch_max: int = 1024, access_order: str = "stream", flags: int = 0,
-        streams: int = 1) -> dict:
-    row_bytes = LAYERS * PAGE
-    host = aligned_buffer(ROWS * row_bytes)
+        streams: int = 1, chunk: int = 1, order: str = "descending") -> dict:
+    """One copy path's store, load and both at once, against one ``copy_`` of the same bytes.
+    ``chunk`` > 1: ``chunk`` 16-token blocks per offloaded chunk (a row), as vLLM's offloading
+    connector groups them with ``block_size`` ``16 * chunk``; its blocks adjacent in ``order``."""
+    rows_total = ROWS // chunk  # the same 2 GiB of staging whatever the chunk
+    row_bytes = LAYERS * PAGE * chunk
+    host = aligned_buffer(rows_total * row_bytes)
     host_arr = np.frombuffer(host, np.uint8)
     host_base = host_arr.ctypes.data
     copier = CudaCopier(host_base, len(host_arr), api=api, batch_max=batch_max, copy=copy,
@@ -67,13 +86,21 @@ def dma(layout_name: str, copy: str = "dma", staging: int = 64 << 20, api: str =
         tensors = [torch.randint(-128, 127, (BLOCKS, row_bytes), dtype=torch.int8, device="cuda")]
         infos = [TensorInfo(tensors[0].data_ptr(), tensors[0].stride(0), row_bytes)]
         refs = [[(0, row_bytes)]]
-    layout = CopyLayout(infos, refs, host_base, row_bytes, 0, row_bytes, 1, torch_tensors=tensors)
+    if chunk > 1 and layout_name != "per-layer":
+        raise ValueError("chunks of several blocks: per-layer layout only")
+    layout = CopyLayout(infos, refs, host_base, row_bytes, 0, row_bytes, chunk,
+                        torch_tensors=tensors)
     rng = np.random.default_rng(0)
-    blocks = rng.choice(BLOCKS // 2, JOB, replace=False)  # store from the first half
-    other = BLOCKS // 2 + rng.choice(BLOCKS // 2, JOB, replace=False)  # load into the second
-    rows = rng.choice(ROWS, JOB, replace=False)
-    _, _, size = layout.descriptors(blocks, [JOB], [0], rows)
+    if chunk == 1:
+        blocks = rng.choice(BLOCKS // 2, JOB, replace=False)  # store from the first half
+        other = BLOCKS // 2 + rng.choice(BLOCKS // 2, JOB, replace=False)  # load into the second
+    else:
+        blocks = chunk_blocks(rng, 0, JOB, chunk, order)
+        other = chunk_blocks(rng, BLOCKS // 2, JOB, chunk, order)
+    rows = rng.choice(rows_total, JOB // chunk, replace=False)
+    dev_addr, host_addr, size = layout.descriptors(blocks, [JOB], [0], rows)
     nbytes = int(size.sum())
+    copies = len(merge_runs(dev_addr, host_addr, size)[0])  # what the dma path submits
     job = [0]
 
     def submit(blk, direction):
@@ -88,10 +115,13 @@ def dma(layout_name: str, copy: str = "dma", staging: int = 64 << 20, api: str =
         gpu_s[direction] += [f.seconds for f in copier.get_finished()]
 
     t_store = median_time(lambda: run(blocks, "store"))
-    # correctness 1: each stored row holds its block's pages in the row layout
+    # correctness 1: each stored row holds its chunk's pages in the row layout: tensor by
+    # tensor, within a tensor the chunk's blocks last position first (CopyLayout's doc)
     blk = torch.as_tensor(blocks, device="cuda")
-    expect = torch.cat([t[blk] for t in tensors], dim=1).cpu()
-    got = torch.from_numpy(host_arr.reshape(ROWS, row_bytes)[rows].view(np.int8))
+    last_first = torch.as_tensor(blocks.reshape(-1, chunk)[:, ::-1].ravel().copy(), device="cuda")
+    expect = torch.cat([t[last_first].reshape(len(rows), chunk * t.shape[1]) for t in tensors],
+                       dim=1).cpu()
+    got = torch.from_numpy(host_arr.reshape(rows_total, row_bytes)[rows].view(np.int8))
     rows_ok = torch.equal(expect, got)
     del expect, got
     snapshot = [t[blk].clone() for t in tensors]
@@ -129,10 +159,12 @@ def dma(layout_name: str, copy: str = "dma", staging: int = 64 << 20, api: str =
         "api": f"{copier.api}/{batch_max}" + (f"/{staging >> 20}M" if copier.copy == "staged"
                                                else "")
         + (f"/{access_order}" if access_order != "stream" else "")
-        + (f"/f{flags}" if flags else "") + (f"/{streams}s" if streams > 1 else ""),
+        + (f"/f{flags}" if flags else "") + (f"/{streams}s" if streams > 1 else "")
+        + (f"/chunk{chunk}-{order[:4]}" if chunk > 1 else ""),
+        "chunk_blocks": chunk, "block_order": order if chunk > 1 else None,
         "access_order": access_order, "flags": flags, "streams_per_direction": streams,
         "jobs_by_path": dict(copier.jobs_by_path),
-        "bytes": nbytes, "descriptors": len(size),
+        "bytes": nbytes, "descriptors": len(size), "copies": copies,
         "store_GBps": nbytes / t_store / GB, "load_GBps": nbytes / t_load / GB,
         "store_gpu_GBps": nbytes / statistics.median(gpu_s["store"]) / GB,
         "load_gpu_GBps": nbytes / statistics.median(gpu_s["load"]) / GB,
@@ -186,6 +218,11 @@ def main() -> None:
         ("per-layer", "dma", 0, {"batch_max": 4096}),
         ("per-layer", "dma", 0, {"batch_max": 256}),
         ("packed", "dma", 0, {"streams": 2}),
+        # the product's default chunk (64 tokens: 4 blocks a row), in recycled blocks (each
+        # tensor's part of a chunk one 256 KiB copy) and in a fresh cache's (page by page)
+        ("per-layer", "dma", 0, {"chunk": 4, "order": "descending"}),
+        ("per-layer", "dma", 0, {"chunk": 4, "order": "descending", "streams": 2}),
+        ("per-layer", "dma", 0, {"chunk": 4, "order": "ascending"}),
     ]
     pick = os.environ.get("GPU_CHECK_VARIANTS", "all")
     if pick == "both":  # the baseline and the both-ways candidates only
@@ -202,10 +239,10 @@ def main() -> None:
 
             traceback.print_exc()
             results["errors"].append(traceback.format_exc())
-    print(f"{'layout':<10} {'path':<7} {'api/batch/staging':<24} {'desc':>6} {'store':>7} {'load':>7} {'both':>7} | {'copy d2h':>8} "
+    print(f"{'layout':<10} {'path':<7} {'api/batch/staging':<24} {'desc':>6} {'copies':>6} {'store':>7} {'load':>7} {'both':>7} | {'copy d2h':>8} "
           f"{'copy h2d':>8} {'copy both':>9} | {'store%':>6} {'load%':>6} ok | gpu-side store% load%")
     for r in results["dma"]:
-        print(f"{r['layout']:<10} {r['copy']:<7} {r['api']:<24} {r['descriptors']:>6} {r['store_GBps']:>7.1f} "
+        print(f"{r['layout']:<10} {r['copy']:<7} {r['api']:<24} {r['descriptors']:>6} {r['copies']:>6} {r['store_GBps']:>7.1f} "
               f"{r['load_GBps']:>7.1f} {r['both_GBps']:>7.1f} | {r['copy_d2h_GBps']:>8.1f} "
               f"{r['copy_h2d_GBps']:>8.1f} {r['copy_both_GBps']:>9.1f} | "
               f"{100 * r['store_vs_copy']:>5.0f}% {100 * r['load_vs_copy']:>5.0f}% {r['correct']} | "

@@ -343,6 +343,10 @@ def test_sweep_configs_are_valid_and_set_the_chunk_size():
     dcfg = parse(dict(disk["kv_connector_extra_config"]))
     assert dcfg.cpu_bytes_to_use == 1 << 28
     assert [(f.path, f.capacity) for f in dcfg.files] == [("/x/kv", "3.000GiB")]
+    assert dcfg.cpu.promote == "auto"
+    always = gpu_bench.sweep_transfer_config("ours-disk", 1 << 28, None, 16,
+                                            disk=(Path("/x/kv"), 3 << 30), promote="always")
+    assert parse(dict(always["kv_connector_extra_config"])).cpu.promote == "always"
 
 
 def test_sweep_options_parse_and_reject_garbage(monkeypatch, capsys):
