@@ -17,6 +17,7 @@ from tiering.chain import Lookup, TierChain
 from tiering.cpu_tier import CpuTier
 from tiering.request_scan import DiskRun, IllegalRunTransition, RequestScan, RunState
 from tiering.settings import ADVISOR_RATE_MIN_ROWS, ADVISOR_REPROBE_AFTER
+from tiering.stats import LOAD_REASONS
 
 ROW = 8192
 MiB = 1 << 20
@@ -326,6 +327,34 @@ def test_a_run_that_pays_is_loaded_whole_and_bytes_round_trip(tmp_path):
     c.complete_load(ks)
     assert disk.stats["promotions"] == 5 and disk.stats["promotions_declined"] == 0
     assert (disk.stats["lookups"], disk.stats["hits"]) == (5, 5)
+    c.check()
+    c.close()
+
+
+def test_a_run_decided_load_with_no_cpu_row_is_counted_as_recomputed(tmp_path):
+    """A run the advisor would load, whose first chunk finds every CPU row pinned, is computed
+    by vLLM (its first chunk is a miss): it counts as recomputed for want of a row, not as
+    loaded (the H200's disk-backed sweep logged dozens of LOADs of which almost none read)."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1.0)  # slow engine
+    adv.observe_read_batch(1, 1 << 30, 1.0)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=4)
+    disk = c.file_tiers[0]
+    held = [key(f"held{i}") for i in range(c.cpu.num_rows)]
+    fill(c, held)
+    c.wait_idle()
+    c.prepare_load(held)  # vLLM loading them: every CPU row pinned
+    req = RequestScan(c, "r")
+    assert scan(c, req, ks) == 0  # the first chunk is a miss: vLLM computes the prompt
+    assert req.disk_run.state is RunState.LOAD
+    assert disk.stats["disk_runs_recomputed:no_cpu_row"] == 1
+    assert sum(disk.stats[f"disk_runs_loaded:{r}"] for r in LOAD_REASONS) == 0
+    assert disk.stats["promotions"] == 0 and not c.has_pending_work()
+    c.complete_load(held)
+    req2 = RequestScan(c, "r2")  # rows free again: the next request's run loads
+    assert scan(c, req2, ks) is None
+    assert disk.stats["disk_runs_loaded:faster"] == 1
+    c.wait_idle()
+    assert scan(c, req2, ks) == 4
     c.check()
     c.close()
 

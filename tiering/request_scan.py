@@ -24,7 +24,9 @@ here, in one object per live request (the vLLM adapter keeps them by request id)
   between them does, and the run is recomputed at once (``_longest_run_declined``).
 * **decide** — the decision (``tiering.advisor.Decision``) is counted by outcome and reason on
   the run's first tier (``disk_runs_loaded``/``disk_runs_recomputed``; ``promotions_declined``
-  per chunk) and logged at DEBUG, one line per decision. A run recomputed because its tier's
+  per chunk) and logged at DEBUG, one line per decision. A LOAD counts when its first chunk's
+  promotion gets a CPU row; one that finds every row pinned is a miss, which vLLM computes,
+  and counts as recomputed (``no_cpu_row``). A run recomputed because its tier's
   read rate is unknown has the chain calibrate the tier with the run's chunks.
 * **time the prefill** — ``offered``: vLLM offers a step's chunks for storing when it schedules
   their compute, so the chunks a request offers in a step are the prompt tokens that step
@@ -124,6 +126,7 @@ class RequestScan:
         # when it was decided; the bytes of reads queued on that tier then, and of writes)
         self._loading: tuple[int, float, int, int] | None = None
         self.promoted = 0  # chunks this request had promoted from a file tier
+        self._uncounted_load: str | None = None  # a LOAD's reason until its first promotion
 
     # -- lookups -----------------------------------------------------------------------------
     def lookup(self, key: bytes, first_token: int | None = None,
@@ -160,7 +163,24 @@ class RequestScan:
         found = chain.promote(key, i, self.counted)
         if found is Lookup.PENDING:
             self.promoted += 1
+        if self._uncounted_load is not None:
+            self._count_load(found, i)
         return found
+
+    def _count_load(self, first: Lookup, i: int) -> None:
+        """Count the run decided LOAD by what its first promotion got (``first``, from file tier
+        ``i``): loaded if a read started, else recomputed for want of a CPU row (vLLM computes
+        from a miss). Counting at the decision would report loads that never read: on the H200's
+        disk-backed sweep most LOADs of the 100% batch found every CPU row pinned."""
+        reason, self._uncounted_load = self._uncounted_load, None
+        stats = self.chain.tiers[i].stats
+        if first is Lookup.PENDING:
+            stats.add(f"disk_runs_loaded:{reason}")
+            return
+        stats.add("disk_runs_recomputed:no_cpu_row")
+        self._loading = None  # nothing is read: no load to learn from
+        log.debug("request %s: the disk run decided LOAD (%s) found no CPU row; recomputed",
+                  self.req_id, reason)
 
     def _disk_decision(self, key: bytes, i: int, first_token: int | None,
                        prompt_end: Callable[[], int | None] | None) -> RunState | None:
@@ -241,7 +261,7 @@ class RequestScan:
         first_tier = chain.tiers[run.tiers[j]]
         start, end = span if span is not None else run.token_span(j, advisor.chunk_tokens)
         if d.load:
-            first_tier.stats.add(f"disk_runs_loaded:{d.reason}")
+            self._uncounted_load = d.reason  # counted by its first promotion (_count_load)
             t = run.tiers[j]
             self._loading = (t, time.perf_counter(), chain.read_backlog_bytes()[t],
                              chain.write_backlog_bytes()[t])

@@ -30,7 +30,7 @@ class Metric:
 # Why the promotion advisor loaded or recomputed a request's run of disk hits (``disk_runs_loaded``
 # and ``disk_runs_recomputed`` label ``reason``; ``tiering.advisor.Decision``).
 LOAD_REASONS = ("faster", "engine_busy", "unmeasured")
-RECOMPUTE_REASONS = ("faster", "disk_busy", "unmeasured")
+RECOMPUTE_REASONS = ("faster", "disk_busy", "unmeasured", "no_cpu_row")
 
 # Why a chunk offered to a tier was not stored there (``rejections`` label ``reason``).
 REJECT_REASONS = ("threshold", "full", "error", "pinned")
@@ -65,7 +65,8 @@ METRICS: tuple[Metric, ...] = (
            "that the promotion advisor recomputed instead, by reason (faster: recomputing beats "
            "reading; disk_busy: reading alone would pay, but not behind the reads queued on the "
            "tier; unmeasured: the tier's read rate was not measured yet, a calibration read "
-           "measures it).", ("reason",), RECOMPUTE_REASONS),
+           "measures it; no_cpu_row: decided to load, but every CPU row was pinned when its "
+           "first chunk was to be read, so vLLM computed it).", ("reason",), RECOMPUTE_REASONS),
     Metric("calibration_reads", "counter", "Chunks read into scratch memory to measure this "
            "file tier's read rate (no request waits for them; also counted in promotions)."),
     Metric("evictions", "counter", "Chunks evicted from this tier by its policy."),
