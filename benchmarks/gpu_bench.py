@@ -948,7 +948,8 @@ class SweepEngine(Engine):
         outs, wall, src = self.timed_generate(prompts, sp)
         return {"wall_s": wall, "from_gpu": src["device"], "from_cpu": src["host"],
                 "from_disk": src["disk"], "cached_tokens": sum(o.num_cached_tokens for o in outs),
-                "first_tokens": [o.outputs[0].token_ids[0] for o in outs]}
+                "first_tokens": [o.outputs[0].token_ids[0] for o in outs],
+                "latency": latency_split(outs)}
 
     def profiled_batch(self, prompts: list[list[int]], profilers: list[str], stem: Path,
                        expect_s: float) -> dict:
@@ -1056,10 +1057,13 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
                    "blocks_per_s": res["from_cpu"] / block_tokens / res["wall_s"],
                    "kv_bytes_per_block": kvb * block_tokens, **res}
             rows.append(row)
+            lat = res["latency"]
+            slowest = "  ".join(f"{k} {v['requests']} (max {v['max_s']:.2f} s)"
+                                for k, v in lat.items() if v["max_s"] is not None)
             print(f"[sweep] {shape} {key:<9} {kind:<4} {rate:5.0f}% seen: "
                   f"{row['tokens_per_s']:9.0f} tok/s  {res['wall_s']:6.2f} s  from CPU "
-                  f"{res['from_cpu']:.0f} tokens ({row['blocks_per_s']:.0f} blocks/s)",
-                  flush=True)
+                  f"{res['from_cpu']:.0f} tokens ({row['blocks_per_s']:.0f} blocks/s)"
+                  + (f"  requests: {slowest}" if slowest else ""), flush=True)
             if on_disk:  # the file tier's writes of the batch's new prompts end first
                 row["settle"] = eng.settle(0.5, sync=True)
             elif kvt is not None:  # the batch's new prompts' stores finish before the next one
@@ -1077,6 +1081,25 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
         if disk is not None:
             shutil.rmtree(disk[0], ignore_errors=True)
     return rows, timings
+
+
+def latency_split(outs: list[Any]) -> dict[str, dict[str, float | int | None]]:
+    """A batch's first-token latencies (vLLM's ``first_token_latency``: seconds from arrival),
+    split into the requests served cached tokens (``loaded``: from the CPU tier, promoted from
+    a disk tier included) and those computed whole (``computed``): count, median and max of
+    each (None where vLLM gave no latency). A batch's wall time is its slowest request's: this
+    says which kind that was (the disk-backed sweep's slow 100% batch, docs/benchmarks.md)."""
+    parts: dict[str, list[float]] = {"loaded": [], "computed": []}
+    counts = dict.fromkeys(parts, 0)
+    for o in outs:
+        kind = "loaded" if (o.num_cached_tokens or 0) > 0 else "computed"
+        counts[kind] += 1
+        lat = getattr(o.metrics, "first_token_latency", 0.0) if o.metrics else 0.0
+        if lat and lat > 0:
+            parts[kind].append(float(lat))
+    return {k: {"requests": counts[k],
+                "median_s": statistics.median(v) if v else None,
+                "max_s": max(v) if v else None} for k, v in parts.items()}
 
 
 def sweep_table(rows: list[dict], rates: list[float]) -> str:

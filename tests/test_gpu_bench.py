@@ -426,3 +426,20 @@ def test_profile_summary_splits_time_by_part_of_the_code(tmp_path):
     assert profiling.group_of("/x/vllm/v1/kv_offload/cpu/gpu_worker.py", "f").startswith(
         "vLLM offloading: worker")
     assert profiling.group_of("~", "{built-in method time.sleep}").startswith("waiting")
+
+
+def test_latency_split_says_whether_the_slowest_request_loaded_or_computed():
+    from types import SimpleNamespace as NS
+
+    def out(cached: int, latency: float | None):
+        return NS(num_cached_tokens=cached,
+                  metrics=None if latency is None else NS(first_token_latency=latency))
+
+    outs = [out(0, 0.5), out(0, 1.5), out(0, 1.0), out(512, 2.6), out(448, 0.4), out(512, None)]
+    split = gpu_bench.latency_split(outs)
+    assert split["computed"] == {"requests": 3, "median_s": 1.0, "max_s": 1.5}
+    # a request without a latency still counts, and no latency is made up for it
+    assert split["loaded"] == {"requests": 3, "median_s": 1.5, "max_s": 2.6}
+    none = gpu_bench.latency_split([out(0, None)])
+    assert none["computed"] == {"requests": 1, "median_s": None, "max_s": None}
+    assert none["loaded"]["requests"] == 0
