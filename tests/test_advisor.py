@@ -264,22 +264,6 @@ def test_a_run_on_an_unmeasured_tier_is_surveyed_so_that_its_rows_calibrate_it(t
     c.close()
 
 
-def test_a_run_that_pays_only_when_long_is_still_surveyed(tmp_path):
-    """The longest run pays but the first chunk alone does not: the real run may be shorter,
-    so it is surveyed and decided on its measured length, as without the prompt's end."""
-    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
-    adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1  # attention-bound engine
-    adv.observe_read_batch(1, 16 * ROW, 16 * 0.5e-3)
-    assert not adv.first_chunk_pays(1, 0)
-    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
-    req = RequestScan(c, "r")
-    assert scan(c, req, ks, end=16 * 8) is None and req.disk_run.state is RunState.SURVEY
-    assert scan(c, req, ks, end=16 * 8) is None and req.disk_run.state is RunState.LOAD
-    c.wait_idle()
-    assert scan(c, req, ks, end=16 * 8) == 8
-    c.close()
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_a_declined_longest_run_means_every_shorter_run_is_declined(seed):
     """The reason the survey may be skipped, checked against the advisor's own pricing over
@@ -359,10 +343,12 @@ def test_a_run_decided_load_with_no_cpu_row_is_counted_as_recomputed(tmp_path):
     c.close()
 
 
-def test_a_run_whose_first_chunk_does_not_pay_can_still_pay_as_a_whole(tmp_path):
+@pytest.mark.parametrize("end", [None, 16 * 8])
+def test_a_run_whose_first_chunk_does_not_pay_can_still_pay_as_a_whole(tmp_path, end):
     """Reading costs the same per chunk, computing more per chunk the further into the prompt:
     a run that starts cheap to compute is surveyed, and loaded when its later, dearer chunks
-    make up for the first ones."""
+    make up for the first ones. Where the prompt's end is known and the longest run pays, it is
+    surveyed all the same: the real run may be shorter, and is decided on its measured length."""
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
     adv.prefill.a, adv.prefill.b, adv.prefill.samples = 1e-9, 1e-6, 1  # attention-bound engine
     # a chunk reads in 0.5 ms; computing one costs ~0.13 ms at token 0, ~1.9 ms at token 112:
@@ -371,10 +357,10 @@ def test_a_run_whose_first_chunk_does_not_pay_can_still_pay_as_a_whole(tmp_path)
     assert not adv.first_chunk_pays(1, 0)
     c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
     req = RequestScan(c, "r")
-    assert scan(c, req, ks) is None and req.disk_run.state is RunState.SURVEY
-    assert scan(c, req, ks) is None and req.disk_run.state is RunState.LOAD
+    assert scan(c, req, ks, end) is None and req.disk_run.state is RunState.SURVEY
+    assert scan(c, req, ks, end) is None and req.disk_run.state is RunState.LOAD
     c.wait_idle()
-    assert scan(c, req, ks) == 8
+    assert scan(c, req, ks, end) == 8
     c.close()
 
 
