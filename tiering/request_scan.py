@@ -228,9 +228,9 @@ class RequestScan:
         every length between (checked against the advisor by ``tests/test_advisor.py``).
 
         Without this, a request whose prompt starts with a disk run waits one step for a
-        decision that cannot load. On the H200 the disk-backed sweep's 100% batch, where almost
-        every request starts so, ran at 0.64-0.69x no offloading (docs/benchmarks.md, fourth
-        run). Only with one file tier: a run spread over tiers read in parallel could read
+        decision that cannot load. (That wait was suspected for the H200 disk-backed sweep's
+        slow 100% batch, 0.64-0.69x no offloading; with this in place the batch ran at 0.68x all
+        the same: docs/benchmarks.md, fifth run.) Only with one file tier: a run spread over tiers read in parallel could read
         faster than all of it on tier ``i``. A model with several KV groups reads one row per
         group and chunk: counting one row per chunk prices the load low, so a decline stays
         sound."""
