@@ -329,16 +329,47 @@ def test_a_run_decided_load_with_no_cpu_row_is_counted_as_recomputed(tmp_path):
     c.prepare_load(held)  # vLLM loading them: every CPU row pinned
     req = RequestScan(c, "r")
     assert scan(c, req, ks) == 0  # the first chunk is a miss: vLLM computes the prompt
-    assert req.disk_run.state is RunState.LOAD
+    assert req.disk_run.state is RunState.RECOMPUTE
     assert disk.stats["disk_runs_recomputed:no_cpu_row"] == 1
     assert sum(disk.stats[f"disk_runs_loaded:{r}"] for r in LOAD_REASONS) == 0
     assert disk.stats["promotions"] == 0 and not c.has_pending_work()
     c.complete_load(held)
-    req2 = RequestScan(c, "r2")  # rows free again: the next request's run loads
+    # vLLM had no room to schedule it in that step and asks again: the rows are free now, but
+    # the run stays recomputed (a read started now ends at a time no decision priced)
+    assert scan(c, req, ks) == 0
+    assert disk.stats["promotions"] == 0 and not c.has_pending_work()
+    assert disk.stats["disk_runs_recomputed:no_cpu_row"] == 1
+    req2 = RequestScan(c, "r2")  # the next request's run loads
     assert scan(c, req2, ks) is None
     assert disk.stats["disk_runs_loaded:faster"] == 1
     c.wait_idle()
     assert scan(c, req2, ks) == 4
+    c.check()
+    c.close()
+
+
+def test_a_loaded_run_cut_short_by_pinned_rows_reads_no_more_of_it_later(tmp_path):
+    """A run decided LOAD whose promotions take the free rows and then find the rest pinned is
+    loaded up to there and computed from there: vLLM asking again later (the request waits for
+    its reads) starts no read of the rest, which would end after the engine computed it."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1.0)  # slow engine
+    adv.observe_read_batch(1, 1 << 30, 1.0)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=8)
+    disk = c.file_tiers[0]
+    held = [key(f"held{i}") for i in range(c.cpu.num_rows - 3)]
+    fill(c, held)
+    c.wait_idle()
+    c.prepare_load(held)  # vLLM loading them: three rows left
+    req = RequestScan(c, "r")
+    assert scan(c, req, ks) is None  # three promotions pending, the fourth chunk a miss
+    assert c.read_backlog_bytes()[1] == 3 * ROW
+    c.complete_load(held)
+    c.wait_idle()
+    assert disk.stats["promotions"] == 3
+    for _ in range(2):  # the reads are in, the rows free: the run ends where it was cut
+        assert scan(c, req, ks) == 3
+    assert disk.stats["promotions"] == 3 and not c.has_pending_work()
+    assert disk.stats["disk_runs_loaded:faster"] == 1
     c.check()
     c.close()
 

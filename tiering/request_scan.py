@@ -14,6 +14,7 @@ here, in one object per live request (the vLLM adapter keeps them by request id)
 
       SURVEY --(scan came back to the run)--> LOAD       promotions start, vLLM loads them
             \\                             \\-> RECOMPUTE  the run's first chunk is a miss
+             LOAD --(its first chunk found no CPU row)--> RECOMPUTE
 
   On the first scan each disk chunk is only noted (answer: pending, nothing read). On the next
   scan the whole run is known and the promotion advisor decides once for all of it (``decide``:
@@ -26,7 +27,10 @@ here, in one object per live request (the vLLM adapter keeps them by request id)
   the run's first tier (``disk_runs_loaded``/``disk_runs_recomputed``; ``promotions_declined``
   per chunk) and logged at DEBUG, one line per decision. A LOAD counts when its first chunk's
   promotion gets a CPU row; one that finds every row pinned is a miss, which vLLM computes,
-  and counts as recomputed (``no_cpu_row``). A run recomputed because its tier's
+  and counts as recomputed (``no_cpu_row``). Either way the run ends where a promotion found
+  no row (``DiskRun.cut``): vLLM asks again while the request waits, and a read started then
+  would end at a time no decision priced (on the H200's disk-backed sweep, after the GPU had
+  computed the rest of the batch). A run recomputed because its tier's
   read rate is unknown has the chain calibrate the tier with the run's chunks.
 * **time the prefill** — ``offered``: vLLM offers a step's chunks for storing when it schedules
   their compute, so the chunks a request offers in a step are the prompt tokens that step
@@ -64,7 +68,8 @@ class IllegalRunTransition(AssertionError):
     pass
 
 
-_ALLOWED = {(RunState.SURVEY, RunState.LOAD), (RunState.SURVEY, RunState.RECOMPUTE)}
+_ALLOWED = {(RunState.SURVEY, RunState.LOAD), (RunState.SURVEY, RunState.RECOMPUTE),
+            (RunState.LOAD, RunState.RECOMPUTE)}
 
 
 @dataclass
@@ -76,6 +81,9 @@ class DiskRun:
     tiers: list[int] = field(default_factory=list)  # file tier (1-based chain index) per key
     first_token: int | None = None  # where the run starts in the prompt, when known
     starts: list[int | None] = field(default_factory=list)  # each key's first token, if known
+    # a LOAD whose promotion found no CPU row: loaded up to there (what was promoted), computed
+    # from there on; no later scan reads more of it
+    cut: bool = False
     _index: dict[bytes, int] = field(default_factory=dict, repr=False)
 
     def note(self, key: bytes, tier: int, first_token: int | None) -> None:
@@ -106,6 +114,14 @@ class DiskRun:
         if (self.state, to) not in _ALLOWED:
             raise IllegalRunTransition(f"disk run: {self.state.value} -> {to.value}")
         self.state = to
+
+    def cut_short(self, promoted: int) -> None:
+        """A LOAD's promotion found no CPU row after ``promoted`` of its chunks: the run ends
+        there, and with none promoted it is recomputed."""
+        assert self.state is RunState.LOAD, self.state
+        self.cut = True
+        if not promoted:
+            self.move(RunState.RECOMPUTE)
 
 
 class RequestScan:
@@ -158,11 +174,13 @@ class RequestScan:
         # counted once, whatever comes of it: vLLM asks again while the request waits (no CPU
         # row now, or the read fails and the chunk is a miss after all)
         self.counted.add(key)
-        if i is None:
+        if i is None or self.disk_run.cut:
             return Lookup.MISS
         found = chain.promote(key, i, self.counted)
         if found is Lookup.PENDING:
             self.promoted += 1
+        elif found is Lookup.MISS and self.disk_run.state is RunState.LOAD:
+            self.disk_run.cut_short(self.promoted)
         if self._uncounted_load is not None:
             self._count_load(found, i)
         return found
