@@ -251,9 +251,16 @@ def test_a_run_that_cannot_pay_to_the_prompts_end_is_recomputed_without_a_survey
 def test_a_run_on_an_unmeasured_tier_is_surveyed_so_that_its_rows_calibrate_it(tmp_path):
     """The prompt's end known, the tier's read rate not: the run is surveyed as before, and its
     decision (recompute while the tier is measured) calibrates the tier with the run's rows,
-    not with its first chunk alone."""
+    not with its first chunk alone. The tier was written by an earlier engine: this one has
+    written nothing it could calibrate with at a step's end (which would race the decision)."""
+    ks = [key(i) for i in range(6)]
+    writer = make_chain(tmp_path, rows=8, advisor=None)
+    fill(writer, ks)
+    writer.wait_idle()
+    writer.close()
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e12)
-    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=6)
+    c = make_chain(tmp_path, rows=8, advisor=adv)
+    assert adv.read_rate(1) is None
     req = RequestScan(c, "r")
     assert scan(c, req, ks, end=16 * len(ks)) is None
     assert req.disk_run.state is RunState.SURVEY and len(req.disk_run.keys) == 6
@@ -765,7 +772,9 @@ def test_a_calibration_reads_enough_rows_to_measure_a_rate(tmp_path):
     assert early.file_tiers[0].stats["calibration_reads"] == 4 + 16
     assert not adv.rate_is_provisional(1) and not adv.needs_measuring(1)
     early.close()
-    first = make_chain(tmp_path, rows=40, advisor=PromotionAdvisor(1, ROW, chunk_tokens=16))
+    measured = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    measured.observe_read_batch(1, 16 * ROW, 16 * ROW / 1e9)  # the tier keeps it at close
+    first = make_chain(tmp_path, rows=40, advisor=measured)
     fill(first, ks)
     first.wait_idle()
     first.close()

@@ -232,8 +232,12 @@ class TierChain:
         rows = max(least, min(ADVISOR_CALIBRATION_MAX_ROWS,
                               ADVISOR_CALIBRATION_BYTES // self.row_bytes))
         pick = [k for k in keys if tier.contains(k)][:rows]
-        if len(pick) < least:
-            pick = [k for k in self._written[i - 1] if tier.contains(k)][-rows:]
+        if len(pick) < least:  # too few for a rate: the rows last written, if they are more
+            # (an engine restarted over a full tier has written none: the few it has still
+            # give it a first rate, or its short runs would be recomputed unmeasured forever)
+            written = [k for k in self._written[i - 1] if tier.contains(k)][-rows:]
+            if len(written) > len(pick):
+                pick = written
         # fewer rows time latency, not a rate (on the H200 a calibration of the first 4 rows
         # written read at 1.14 GB/s, 2048 rows at 2.9): they give a tier with no rate a
         # provisional one, which the first full batch replaces; a tier too small to hold a full
