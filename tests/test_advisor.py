@@ -381,6 +381,49 @@ def test_a_loaded_run_cut_short_by_pinned_rows_reads_no_more_of_it_later(tmp_pat
     c.close()
 
 
+def test_while_a_tier_load_overhead_is_unmeasured_one_run_at_a_time_is_loaded(tmp_path):
+    """The first load of a tier is a probe: until it reached the GPU and taught the advisor what
+    a load costs beyond its reads, another run that would load is recomputed
+    (``load_unmeasured``); after it, runs load again."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1.0)  # slow engine
+    adv.observe_read_batch(1, 1 << 30, 1.0)
+    c = make_chain(tmp_path, rows=16, advisor=adv)
+    prompts = [[key(f"p{p}c{i}") for i in range(3)] for p in range(3)]
+    for ks in prompts:
+        fill(c, ks)
+    c.wait_idle()
+    c.reset()
+    disk = c.file_tiers[0]
+    probe, other = RequestScan(c, "probe"), RequestScan(c, "other")
+    assert scan(c, probe, prompts[0]) is None and probe.disk_run.state is RunState.LOAD
+    assert scan(c, other, prompts[1]) == 0 and other.disk_run.state is RunState.RECOMPUTE
+    assert disk.stats["disk_runs_recomputed:load_unmeasured"] == 1
+    c.wait_idle()
+    assert scan(c, probe, prompts[0]) == 3
+    c.prepare_load(prompts[0])
+    c.complete_load(prompts[0])
+    probe.load_completed()
+    assert adv.measured_load_overhead(1) is not None
+    third = RequestScan(c, "third")
+    assert scan(c, third, prompts[2]) is None and third.disk_run.state is RunState.LOAD
+    assert disk.stats["disk_runs_loaded:faster"] == 2
+    c.close()
+
+
+def test_a_probe_that_reports_nothing_holds_the_tier_for_a_bounded_time(tmp_path, monkeypatch):
+    """A probe whose request never reports its load (aborted) stops holding the tier after
+    ``ADVISOR_PROBE_HOLD_S``: loads are never declined for good."""
+    import tiering.advisor as advisor_mod
+
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    adv.probe_started(1, 100.0)
+    assert adv.probing(1, 100.0 + advisor_mod.ADVISOR_PROBE_HOLD_S / 2)
+    assert not adv.probing(1, 100.0 + advisor_mod.ADVISOR_PROBE_HOLD_S)
+    adv.probe_started(1, 200.0)
+    adv.probe_ended(1)
+    assert not adv.probing(1, 200.0)
+
+
 @pytest.mark.parametrize("end", [None, 16 * 8])
 def test_a_run_whose_first_chunk_does_not_pay_can_still_pay_as_a_whole(tmp_path, end):
     """Reading costs the same per chunk, computing more per chunk the further into the prompt:

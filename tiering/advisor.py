@@ -75,6 +75,7 @@ from tiering.settings import (
     ADVISOR_MIN_SAMPLE_TOKENS,
     ADVISOR_MODEL_WEIGHT,
     ADVISOR_PAYOFF_MARGIN,
+    ADVISOR_PROBE_HOLD_S,
     ADVISOR_RATE_MIN_BYTES,
     ADVISOR_RATE_MIN_ROWS,
     ADVISOR_RATE_MIN_RUNS,
@@ -304,6 +305,8 @@ class PromotionAdvisor:
         self._overhead = {t: _Ewma() for t in self._read}
         self._declined = dict.fromkeys(self._read, 0)
         self._remeasure = dict.fromkeys(self._read, False)
+        # tier -> when its probe (a load while its load overhead is unknown) was decided
+        self._probe: dict[int, float] = {}
         self._queued_s = 0.0  # compute given to the engine in the step being scheduled
 
     # -- measurements ------------------------------------------------------------------------
@@ -469,6 +472,24 @@ class PromotionAdvisor:
             if self._declined[t] >= ADVISOR_REPROBE_AFTER:
                 self._declined[t] = 0
                 self._remeasure[t] = True  # declined for long: measure the tier again
+
+    def probing(self, tier: int, now: float) -> bool:
+        """Is a probe of ``tier`` in flight: a run loaded from it while its load overhead is
+        unmeasured, decided less than ``ADVISOR_PROBE_HOLD_S`` ago? Then another run would be
+        priced with nothing known of what a load costs beyond its reads: it is recomputed."""
+        started = self._probe.get(tier)
+        if started is None or self._overhead[tier].value is not None:
+            return False
+        return now - started < ADVISOR_PROBE_HOLD_S
+
+    def probe_started(self, tier: int, now: float) -> None:
+        """A run of ``tier`` was decided LOAD (a probe, if its load overhead is unmeasured)."""
+        if self._overhead[tier].value is None:
+            self._probe[tier] = now
+
+    def probe_ended(self, tier: int) -> None:
+        """The probe of ``tier`` read nothing after all (no CPU row), or its request ended."""
+        self._probe.pop(tier, None)
 
     def measured_load_overhead(self, tier: int) -> float | None:
         """The measured part of ``load_overhead`` for ``tier``, or None if none was measured."""

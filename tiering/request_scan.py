@@ -197,6 +197,8 @@ class RequestScan:
             return
         stats.add("disk_runs_recomputed:no_cpu_row")
         self._loading = None  # nothing is read: no load to learn from
+        assert self.chain.advisor is not None
+        self.chain.advisor.probe_ended(i)
         log.debug("request %s: the disk run decided LOAD (%s) found no CPU row; recomputed",
                   self.req_id, reason)
 
@@ -274,6 +276,9 @@ class RequestScan:
         chain, run = self.chain, self.disk_run
         advisor = chain.advisor
         assert advisor is not None
+        now = time.perf_counter()
+        if d.load and advisor.probing(run.tiers[j], now):  # one unmeasured load at a time
+            d = Decision(False, "load_unmeasured", d.load_s, d.recompute_s)
         self.decision = d
         run.move(RunState.LOAD if d.load else RunState.RECOMPUTE)
         first_tier = chain.tiers[run.tiers[j]]
@@ -281,7 +286,8 @@ class RequestScan:
         if d.load:
             self._uncounted_load = d.reason  # counted by its first promotion (_count_load)
             t = run.tiers[j]
-            self._loading = (t, time.perf_counter(), chain.read_backlog_bytes()[t],
+            advisor.probe_started(t, now)
+            self._loading = (t, now, chain.read_backlog_bytes()[t],
                              chain.write_backlog_bytes()[t])
         else:
             first_tier.stats.add(f"disk_runs_recomputed:{d.reason}")

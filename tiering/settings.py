@@ -39,6 +39,13 @@ ADVISOR_LOAD_STEPS = 2
 # Load only if load time <= margin x recompute time: the copy to the GPU and measurement noise
 # are not in the model, and losing the bet costs TTFT.
 ADVISOR_PAYOFF_MARGIN = 0.9
+# While a tier's load overhead (what a load costs beyond its priced reads) is not measured yet,
+# one run at a time is loaded from it (the probe), the others recomputed (reason
+# ``load_unmeasured``), for at most this long after the probe was decided. On the H200's virtual
+# disk the first loads of a batch, decided with nothing known of that overhead, took ~1 s beyond
+# their reads behind the batch's writes; four of them at once ended 1.5 s after the GPU had
+# computed the rest. The hold bounds what a probe that never reports costs.
+ADVISOR_PROBE_HOLD_S = 5.0
 # A step is a prefill sample only if the requests' stores it offers cover at least this many
 # tokens: a step that completes one chunk of a decoding request computed one token, not 16.
 ADVISOR_MIN_SAMPLE_TOKENS = 64

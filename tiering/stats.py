@@ -30,7 +30,7 @@ class Metric:
 # Why the promotion advisor loaded or recomputed a request's run of disk hits (``disk_runs_loaded``
 # and ``disk_runs_recomputed`` label ``reason``; ``tiering.advisor.Decision``).
 LOAD_REASONS = ("faster", "engine_busy", "unmeasured")
-RECOMPUTE_REASONS = ("faster", "disk_busy", "unmeasured", "no_cpu_row")
+RECOMPUTE_REASONS = ("faster", "disk_busy", "unmeasured", "no_cpu_row", "load_unmeasured")
 
 # Why a chunk offered to a tier was not stored there (``rejections`` label ``reason``).
 REJECT_REASONS = ("threshold", "full", "error", "pinned")
