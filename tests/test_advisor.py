@@ -9,7 +9,7 @@ import pytest
 from tierutil import facts, key, row_for
 
 import tiering.backends.staging as staging
-from tiering.advisor import PrefillModel, PromotionAdvisor
+from tiering.advisor import Decision, PrefillModel, PromotionAdvisor
 from tiering.backends.file_tier import FileTier
 from tiering.backends.namespace import NamespaceError
 from tiering.backends.staging import StagingRegion
@@ -416,10 +416,12 @@ def test_a_probe_that_reports_nothing_holds_the_tier_for_a_bounded_time(tmp_path
     import tiering.advisor as advisor_mod
 
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
-    adv.probe_started(1, 100.0)
+    load = Decision(True, "faster")
+    assert adv.admit(load, 1, 100.0) is load  # the probe
     assert adv.probing(1, 100.0 + advisor_mod.ADVISOR_PROBE_HOLD_S / 2)
+    assert adv.admit(load, 1, 101.0).reason == "load_unmeasured"
     assert not adv.probing(1, 100.0 + advisor_mod.ADVISOR_PROBE_HOLD_S)
-    adv.probe_started(1, 200.0)
+    assert adv.admit(load, 1, 200.0) is load
     adv.probe_ended(1)
     assert not adv.probing(1, 200.0)
 

@@ -482,13 +482,22 @@ class PromotionAdvisor:
             return False
         return now - started < ADVISOR_PROBE_HOLD_S
 
-    def probe_started(self, tier: int, now: float) -> None:
-        """A run of ``tier`` was decided LOAD (a probe, if its load overhead is unmeasured)."""
+    def admit(self, d: Decision, tier: int, now: float) -> Decision:
+        """``d`` as it stands for a run whose first chunk is on ``tier``, decided at ``now``:
+        a LOAD while a probe of the tier is in flight becomes a recompute
+        (``load_unmeasured``); a LOAD while the tier's load overhead is unmeasured is its probe.
+        Every decision of a run passes here (``RequestScan``), whichever test made it."""
+        if not d.load:
+            return d
+        if self.probing(tier, now):
+            return Decision(False, "load_unmeasured", d.load_s, d.recompute_s)
         if self._overhead[tier].value is None:
             self._probe[tier] = now
+        return d
 
     def probe_ended(self, tier: int) -> None:
-        """The probe of ``tier`` read nothing after all (no CPU row), or its request ended."""
+        """The probe of ``tier`` read nothing after all (no CPU row). A probe that never
+        reports (its request aborted) holds the tier until ``ADVISOR_PROBE_HOLD_S`` ran out."""
         self._probe.pop(tier, None)
 
     def measured_load_overhead(self, tier: int) -> float | None:

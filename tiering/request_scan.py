@@ -277,8 +277,7 @@ class RequestScan:
         advisor = chain.advisor
         assert advisor is not None
         now = time.perf_counter()
-        if d.load and advisor.probing(run.tiers[j], now):  # one unmeasured load at a time
-            d = Decision(False, "load_unmeasured", d.load_s, d.recompute_s)
+        d = advisor.admit(d, run.tiers[j], now)  # one load at a time while its cost is unknown
         self.decision = d
         run.move(RunState.LOAD if d.load else RunState.RECOMPUTE)
         first_tier = chain.tiers[run.tiers[j]]
@@ -286,7 +285,6 @@ class RequestScan:
         if d.load:
             self._uncounted_load = d.reason  # counted by its first promotion (_count_load)
             t = run.tiers[j]
-            advisor.probe_started(t, now)
             self._loading = (t, now, chain.read_backlog_bytes()[t],
                              chain.write_backlog_bytes()[t])
         else:
