@@ -724,6 +724,10 @@ SWEEP_CONFIGS = ("none", "cpu", "ours")
 # batches over a file tier of 2.5 batches in --scratch, so that the disk holds most hits; the
 # tiers' writes are waited for between batches
 SWEEP_DISK_CONFIG = "ours-disk"
+# ours-sched: ours with vLLM's scheduler replaced by tiering.vllm.scheduler.TieringScheduler
+# (--scheduler-cls: the same scheduling, without vLLM's quadratic in-flight reservation sum)
+SWEEP_SCHED_CONFIG = "ours-sched"
+SCHEDULER_CLS = "tiering.vllm.scheduler.TieringScheduler"
 # N per shape: all three of 1b, 8b, 32b with none, cpu and ours in ~7 minutes of an H200
 # (a cold batch: ~3.3 s at 1b, ~3.6 s at 8b, ~5.4 s at 32b at the issue's no-offloading rates)
 SWEEP_PROMPTS = {"1b": 1024, "8b": 256, "32b": 96, "small": 64, "tiny": 8}
@@ -756,7 +760,8 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
                         "(default: --shape)")
     g.add_argument("--sweep-configs", default=",".join(SWEEP_CONFIGS),
                    help=f"comma-separated, of {', '.join(SWEEP_CONFIGS)} (ours: our spec with "
-                        f"its CPU tier only) and {SWEEP_DISK_CONFIG} (our spec, a small CPU "
+                        f"its CPU tier only), {SWEEP_SCHED_CONFIG} (ours under --scheduler-cls "
+                        f"{SCHEDULER_CLS}) and {SWEEP_DISK_CONFIG} (our spec, a small CPU "
                         "tier over a file tier in --scratch)")
     g.add_argument("--sweep-prompts", type=int, default=0,
                    help="N, prompts per batch (0: per shape, " +
@@ -785,6 +790,9 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-disk-cpu-factor", type=float, default=0.25,
                    help=f"{SWEEP_DISK_CONFIG}: CPU tier size / KV of one batch (its file tier "
                         "holds 2.5 batches)")
+    g.add_argument("--sweep-timeline-s", type=float, default=0.0,
+                   help="py-spy dump of the engine core every this many seconds during every "
+                        "batch of the offloading setups, into --out (0: off)")
     g.add_argument("--profile", default="",
                    help="comma-separated, of cprofile (in the engine-core process), py-spy "
                         "(py-spy record from outside): one more 100%%-hit batch per setup, "
@@ -802,11 +810,13 @@ def check_sweep_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None
     a.profile = [x for x in a.profile.split(",") if x]
     bad = (sorted(set(a.sweep_shapes) - set(SHAPES)) + sorted(set(a.sweep_configs)
                                                               - set(SWEEP_CONFIGS)
-                                                              - {SWEEP_DISK_CONFIG})
+                                                              - {SWEEP_DISK_CONFIG,
+                                                                 SWEEP_SCHED_CONFIG})
            + sorted(set(a.profile) - set(PROFILERS)))
     if bad:
         ap.error(f"prefill sweep: unknown shape/config/profiler {bad}; shapes {sorted(SHAPES)}, "
-                 f"configs {SWEEP_CONFIGS + (SWEEP_DISK_CONFIG,)}, profilers {PROFILERS}")
+                 f"configs {SWEEP_CONFIGS + (SWEEP_DISK_CONFIG, SWEEP_SCHED_CONFIG)}, "
+                 f"profilers {PROFILERS}")
     if (a.sweep_prompts < 0 or a.sweep_prompt_tokens < 16 or a.sweep_cpu_factor <= 0
             or a.sweep_disk_cpu_factor <= 0 or not 0 <= a.sweep_gpu_cache_batches < 1e6
             or 0 < a.sweep_gpu_cache_batches < 1):
@@ -834,7 +844,7 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
         extra["sync_load_budget_bytes"] = sync_load_bytes
     if config == "cpu":
         extra["spec_name"] = "CPUOffloadingSpec"
-    elif config in ("ours", SWEEP_DISK_CONFIG):
+    elif config in ("ours", SWEEP_DISK_CONFIG, SWEEP_SCHED_CONFIG):
         tiers: list[dict] = [{"medium": "cpu", "policy": "lru"}]
         if config == SWEEP_DISK_CONFIG:
             if disk is None:
@@ -859,7 +869,8 @@ def default_chunk_tokens(config: str, gpu_block_tokens: int, on_cuda: bool) -> i
     (``tiering.vllm.spec.default_blocks_per_chunk``, which decides it in the engine)."""
     from tiering.settings import CUDA_CHUNK_TOKENS
 
-    if (config in ("ours", SWEEP_DISK_CONFIG) and on_cuda and gpu_block_tokens < CUDA_CHUNK_TOKENS
+    if (config in ("ours", SWEEP_DISK_CONFIG, SWEEP_SCHED_CONFIG) and on_cuda
+            and gpu_block_tokens < CUDA_CHUNK_TOKENS
             and CUDA_CHUNK_TOKENS % gpu_block_tokens == 0):
         return CUDA_CHUNK_TOKENS
     return gpu_block_tokens
@@ -934,6 +945,60 @@ def _engine_core_pid() -> int | None:
         except psutil.Error:
             continue
     return kids[0].pid if kids else None
+
+
+class StackTimeline:
+    """``py-spy dump`` of the engine core every ``interval_s`` while a batch runs, each dump
+    with its time since the batch started: where the engine spends a batch that is slow only
+    once (the disk-backed sweep's slow 100% batch, which a repeat under a profiler never shows).
+    One JSON line per dump into ``path`` (gzip). Never raises into the sweep: what failed is
+    recorded in ``error``."""
+
+    def __init__(self, path: Path, interval_s: float) -> None:
+        self.path, self.interval_s = path, interval_s
+        self.exe, self.pid = _py_spy(), _engine_core_pid()
+        self.error = None if self.exe and self.pid else (
+            f"py-spy {self.exe or 'not found'}, engine core pid {self.pid}")
+        self.samples = 0
+        self._stop: Any = None
+        self._thread: Any = None
+
+    def start(self, label: str) -> None:
+        import threading
+
+        if self.error:
+            return
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(label,), daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _run(self, label: str) -> None:
+        import gzip
+        import subprocess
+
+        exe = self.exe
+        assert exe is not None
+        t0 = time.perf_counter()
+        try:
+            with gzip.open(self.path, "at") as fh:
+                while not self._stop.is_set():
+                    t = time.perf_counter() - t0
+                    r = subprocess.run([exe, "dump", "--pid", str(self.pid),
+                                        "--nonblocking", "--subprocesses"], capture_output=True, text=True,
+                                       timeout=10)
+                    fh.write(json.dumps({"batch": label, "t_s": round(t, 3),
+                                         "took_s": round(time.perf_counter() - t0 - t, 3),
+                                         "dump": r.stdout + r.stderr[-500:]}) + "\n")
+                    self.samples += 1
+                    self._stop.wait(max(0.0, self.interval_s - (time.perf_counter() - t0 - t)))
+        except Exception as e:  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {e}"
 
 
 class SweepEngine(Engine):
@@ -1031,6 +1096,8 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     engine_kw: dict = {}
     if a.sweep_max_batched_tokens:
         engine_kw["max_num_batched_tokens"] = a.sweep_max_batched_tokens
+    if config == SWEEP_SCHED_CONFIG:
+        engine_kw["scheduler_cls"] = SCHEDULER_CLS
     timings: dict = {"cpu_tier_bytes": cpu_bytes if kvt else 0}
     print(f"[sweep] {shape} {key}: {n} prompts x {tokens} tokens = "
           f"{batch_bytes / 2**30:.2f} GiB of KV a batch; CPU tier {cpu_bytes / 2**30:.2f} GiB",
@@ -1044,9 +1111,20 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     eng.gpu_block_tokens = block_tokens
     timings["init_s"], timings["weights_s"] = eng.init_s, eng.weights_s
     rows: list[dict] = []
+    timeline = None
+    if a.sweep_timeline_s > 0 and kvt is not None:
+        tl_path = out / f"prefill_sweep_{tag}_{shape}_{key.replace('@', '_')}.timeline.jsonl.gz"
+        timeline = StackTimeline(tl_path, a.sweep_timeline_s)
+        timings["timeline"] = {"file": tl_path.name, "error": timeline.error}
     try:
-        for kind, rate, batch in plan:
-            res = eng.run_batch([prompts[i] for i in batch])
+        for bi, (kind, rate, batch) in enumerate(plan):
+            if timeline is not None:
+                timeline.start(f"{bi}:{kind}:{rate:g}")
+            try:
+                res = eng.run_batch([prompts[i] for i in batch])
+            finally:
+                if timeline is not None:
+                    timeline.stop()
             seen = round(rate * n / 100) if kind == "hit" else 0
             row = {"shape": shape, "config": config,
                    "chunk_tokens": chunk or default_chunk_tokens(config, block_tokens,
@@ -1077,6 +1155,8 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
             print(f"[sweep] {shape} {key} profiled batch: {n * tokens / res['wall_s']:.0f} "
                   f"tok/s under the profilers; files {res['profile']}", flush=True)
     finally:
+        if timeline is not None:
+            timings["timeline"].update(samples=timeline.samples, error=timeline.error)
         eng.close()
         if disk is not None:
             shutil.rmtree(disk[0], ignore_errors=True)

@@ -349,6 +349,28 @@ def test_sweep_configs_are_valid_and_set_the_chunk_size():
     assert parse(dict(always["kv_connector_extra_config"])).cpu.promote == "always"
 
 
+def test_ours_sched_is_ours_under_our_scheduler():
+    """ours-sched: the same transfer config as ours; the sweep names our scheduler to vLLM."""
+    assert (gpu_bench.sweep_transfer_config("ours-sched", 1 << 30, None, 16)
+            == gpu_bench.sweep_transfer_config("ours", 1 << 30, None, 16))
+    assert gpu_bench.default_chunk_tokens("ours-sched", 16, True) == 64
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    cls = resolve_obj_by_qualname(gpu_bench.SCHEDULER_CLS)
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert issubclass(cls, Scheduler)
+
+
+def test_a_stack_timeline_without_py_spy_records_why_and_samples_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_bench, "_py_spy", lambda: None)
+    tl = gpu_bench.StackTimeline(tmp_path / "t.jsonl.gz", 0.1)
+    assert tl.error and "py-spy not found" in tl.error
+    tl.start("0:hit:100")
+    tl.stop()
+    assert tl.samples == 0 and not (tmp_path / "t.jsonl.gz").exists()
+
+
 def test_sweep_options_parse_and_reject_garbage(monkeypatch, capsys):
     base = ["gpu_bench", "--phases", "prefill-sweep"]
     monkeypatch.setattr(sys, "argv", base + ["--sweep-hit-rates", "100,0,50",

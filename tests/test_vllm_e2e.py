@@ -52,7 +52,10 @@ def scenario(tmp_path_factory):
             out = s.complete(prompts[name])
             rec[phase] = {"out": out["token_ids"], "before": before, "after": s.metrics()}
 
-    with serve("tiered-2", kv) as s:
+    # the restarted server runs under our scheduler (vLLM's --scheduler-cls, by name)
+    restart_args = [*args, "--scheduler-cls", "tiering.vllm.scheduler.TieringScheduler"]
+    with Server(model, kv, restart_args, log_path=work / "tiered-2.log") as s:
+        s.wait_ready()
         before = s.metrics()
         out = s.complete(prompts["A"])
         rec["restart"] = {"out": out["token_ids"], "before": before, "after": s.metrics()}
@@ -97,6 +100,13 @@ def test_a_again_is_a_gpu_hit(scenario):
     hits = (metric(p["after"], "vllm:prefix_cache_hits_total")
             - metric(p["before"], "vllm:prefix_cache_hits_total"))
     assert hits >= TOKENS - 128
+
+
+def test_the_restarted_server_ran_under_our_scheduler(scenario):
+    """vLLM built tiering.vllm.scheduler's scheduler from --scheduler-cls (its log line), and
+    the restart's hits and outputs (the test below) came through it."""
+    log = (scenario["work"] / "tiered-2.log").read_text()
+    assert "Scheduler: in-flight reservations remembered per request" in log
 
 
 def test_restart_keeps_disk_hits(scenario):

@@ -36,9 +36,11 @@ class Harness:
     def __init__(self, model: str, extra: dict | None, gpu_tokens: int = 5120, delay: int = 0,
                  max_len: int = 2048, hash_algo: str = "sha256",
                  config_context: bool = True, batched_tokens: int | None = None,
-                 max_num_seqs: int = 4, prefix_caching: bool = True) -> None:
+                 max_num_seqs: int = 4, prefix_caching: bool = True,
+                 scheduler_cls: type | None = None) -> None:
         """``config_context=False`` builds the scheduler as vLLM's EngineCore does, outside
-        ``set_current_vllm_config``; ``extra=None``: no connector (vLLM without offloading)."""
+        ``set_current_vllm_config``; ``extra=None``: no connector (vLLM without offloading);
+        ``scheduler_cls``: a subclass of vLLM's ``Scheduler`` to build instead of it."""
         from vllm.platforms import current_platform
 
         if not current_platform.device_type:  # CUDA vLLM on a machine without a GPU: the
@@ -65,13 +67,14 @@ class Harness:
             layer_stride=page * num_blocks, block_stride=page)],
             kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
         self.config.cache_config.num_gpu_blocks = num_blocks
+        cls = scheduler_cls or Scheduler
         if config_context:
             with set_current_vllm_config(self.config):
-                self.scheduler = Scheduler(self.config, kv, StructuredOutputManager(self.config),
-                                           bs, log_stats=True)
+                self.scheduler = cls(self.config, kv, StructuredOutputManager(self.config),
+                                     bs, log_stats=True)
         else:
-            self.scheduler = Scheduler(self.config, kv, StructuredOutputManager(self.config), bs,
-                                       log_stats=True)
+            self.scheduler = cls(self.config, kv, StructuredOutputManager(self.config), bs,
+                                 log_stats=True)
         connector = self.scheduler.connector
         self.manager = connector.connector_scheduler.manager if connector is not None else None
         init_none_hash(sha256)

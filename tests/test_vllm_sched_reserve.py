@@ -1,0 +1,208 @@
+"""tiering.vllm.scheduler inside vLLM 0.33's scheduler: the remembered in-flight reservation
+total equals vLLM's sum at every admission, the scheduler it drives decides exactly as vLLM's
+does, it computes far fewer terms, and it falls back to vLLM's sum rather than raise."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_harness import Harness  # noqa: E402
+
+from benchmarks.tiny_model import build  # noqa: E402
+
+sched_mod = pytest.importorskip("tiering.vllm.scheduler")
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+
+if not hasattr(Scheduler, "_inflight_prefill_reserved_blocks"):  # pragma: no cover
+    pytest.skip("this vLLM has no in-flight reservation (0.33 added it)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(build(tmp_path_factory.mktemp("m") / "model", layers=2, hidden=128, heads=2,
+                     kv_heads=2, intermediate=256, max_pos=4096))
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 500) for _ in range(n)]
+
+
+def _extra(rows: int) -> dict:
+    # 2 layers x 2 heads x 64 dims x 2 (K, V) x 4 bytes x 128 tokens = 256 KiB per chunk;
+    # no cap on requests loading at once, so that many loads are in flight together
+    return {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+            "block_size": 128, "cpu_bytes_to_use": rows * (256 << 10),
+            "tiers": [{"medium": "cpu", "policy": "lru"}], "max_loading_requests": 0}
+
+
+class _Spy:
+    """Counts the scheduler's calls of vLLM's per-request term, and records, at every admission
+    that asks for the in-flight reservation, (requests in flight, the answer given, vLLM's sum
+    computed independently)."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.terms = 0
+        self.asks: list[tuple[int, int, int]] = []
+        term = sched._request_remaining_blocks
+        reserved = sched._inflight_prefill_reserved_blocks
+
+        def counted_term(req):
+            self.terms += 1
+            return term(req)
+
+        def recorded_reserved():
+            got = reserved()
+            exact = sum(term(r) for r in sched._inflight_prefills)  # not counted
+            self.asks.append((len(sched._inflight_prefills), got, exact))
+            return got
+
+        sched._request_remaining_blocks = counted_term
+        sched._inflight_prefill_reserved_blocks = recorded_reserved
+
+
+def _run(model: str, cls: type | None, n: int = 10):
+    """n prompts of different lengths stored, the GPU prefix cache reset, then the n again with
+    n new ones interleaved (hits that load asynchronously, misses that prefill in chunks),
+    stepped by hand; what every step scheduled, per step."""
+    h = Harness(model, _extra(8 * n), gpu_tokens=6 * n * 512, delay=3, max_num_seqs=4 * n,
+                batched_tokens=1024, scheduler_cls=cls)
+    prompts = [prompt(300 + i, 384 + 64 * (i % 5)) for i in range(n)]
+    for i, p in enumerate(prompts):
+        h.add(f"fill{i}", p, max_tokens=1)
+    h.run()
+    h.reset_gpu_prefix_cache()
+    spy = _Spy(h.scheduler)
+    steps = []
+    for i, p in enumerate(prompts):
+        h.add(f"hit{i}", p, max_tokens=2)
+        h.add(f"new{i}", prompt(900 + i, 300 + 50 * i), max_tokens=2)
+    for _ in range(300):
+        if not h.scheduler.requests and not h._pending:
+            break
+        h.step()
+        steps.append((sorted(h.scheduler.requests), h.loads, h.stores,
+                      dict(sorted(h.cached.items()))))
+    h.run()
+    h.manager.shutdown()
+    return h, spy, steps
+
+
+def test_the_remembered_total_is_vllms_sum_and_scheduling_is_unchanged(model):
+    """Step by step, the same requests left, the same loads and stores issued and the same hits
+    found as under vLLM's own scheduler; at every admission the answer is vLLM's sum, with
+    several loads in flight; and vLLM's per-request term is computed far fewer times."""
+    theirs, their_spy, their_steps = _run(model, None)
+    ours, our_spy, our_steps = _run(model, sched_mod.TieringSyncScheduler)
+    assert our_steps == their_steps
+    assert ours.loads == theirs.loads >= 10
+    assert all(ours.cached[f"hit{i}"] >= 256 for i in range(10)), ours.cached
+    assert our_spy.asks == their_spy.asks
+    assert all(got == exact for _, got, exact in our_spy.asks)
+    assert max(k for k, _, _ in our_spy.asks) >= 5  # several in flight at an admission
+    assert any(exact > 0 for _, _, exact in our_spy.asks)  # the sum is not trivially 0
+    # vLLM: one term per request in flight per admission; ours: one per change of a request
+    assert their_spy.terms == sum(k for k, _, _ in their_spy.asks)
+    assert our_spy.terms * 3 < their_spy.terms, (our_spy.terms, their_spy.terms)
+
+
+def test_a_changed_request_is_recomputed(model):
+    """A remembered term is not reused once its inputs change: a request's blocks or computed
+    tokens change between two asks, and the answer follows vLLM's sum."""
+    h = Harness(model, _extra(16), gpu_tokens=8 * 512, delay=1,
+                scheduler_cls=sched_mod.TieringSyncScheduler)
+    s = h.scheduler
+    h.add("a", prompt(1, 512), max_tokens=1)
+    req = s.requests["a"]
+    s._inflight_prefills.add(req)  # as vLLM adds a request still prefilling
+    first = s._inflight_prefill_reserved_blocks()
+    assert first == s._request_remaining_blocks(req) == 512 // h.block_size
+    bs = h.block_size
+    assert s.kv_cache_manager.allocate_slots(req, bs) is not None  # one block held now
+    assert s._inflight_prefill_reserved_blocks() == s._request_remaining_blocks(req) == first - 1
+    assert s.kv_cache_manager.allocate_slots(req, 3 * bs) is not None  # only the count changes
+    assert s._inflight_prefill_reserved_blocks() == s._request_remaining_blocks(req) == first - 3
+    req.num_computed_tokens = 3 * bs  # as vLLM counts scheduled chunks: the same blocks needed
+    assert s._inflight_prefill_reserved_blocks() == s._request_remaining_blocks(req)
+    s._inflight_prefills.discard(req)
+    assert s._inflight_prefill_reserved_blocks() == 0
+    h.manager.shutdown()
+
+
+def test_a_failure_falls_back_to_vllms_sum_without_raising(model, caplog):
+    """Anything failing in the remembered total is logged once and answered with vLLM's own
+    sum, now and from then on: never an exception into vLLM's scheduler."""
+    h = Harness(model, _extra(16), gpu_tokens=8 * 512,
+                scheduler_cls=sched_mod.TieringSyncScheduler)
+    s = h.scheduler
+    h.add("a", prompt(2, 512), max_tokens=1)
+    s._inflight_prefills.add(s.requests["a"])
+    s._tiering_groups = ((None, None),)  # a layout the memo cannot read
+    with caplog.at_level(logging.ERROR, logger="tiering.vllm.scheduler"):
+        assert s._inflight_prefill_reserved_blocks() == 512 // h.block_size
+        assert s._inflight_prefill_reserved_blocks() == 512 // h.block_size
+    assert len([r for r in caplog.records if "remembering reservations failed" in r.message]) == 1
+    h.manager.shutdown()
+
+
+def test_the_check_mode_catches_a_wrong_remembered_term(model, caplog, monkeypatch):
+    """TIERING_SCHEDULER_CHECK=1: a remembered term that no longer matches vLLM's is reported
+    and vLLM's sum is returned (the check is not vacuous)."""
+    monkeypatch.setenv(sched_mod.CHECK_ENV, "1")
+    h = Harness(model, _extra(16), gpu_tokens=8 * 512,
+                scheduler_cls=sched_mod.TieringSyncScheduler)
+    s = h.scheduler
+    h.add("a", prompt(3, 512), max_tokens=1)
+    s._inflight_prefills.add(s.requests["a"])
+    exact = s._inflight_prefill_reserved_blocks()
+    key, term = s._tiering_terms["a"]
+    s._tiering_terms["a"] = (key, term + 5)  # what a missed input would leave behind
+    with caplog.at_level(logging.ERROR, logger="tiering.vllm.scheduler"):
+        assert s._inflight_prefill_reserved_blocks() == exact
+    assert any("!= vLLM's" in r.message for r in caplog.records)
+    h.manager.shutdown()
+
+
+def test_another_kv_cache_layout_is_summed_as_vllm_does(model):
+    """A manager other than plain full attention (here a stand-in subclass, as vLLM's sliding
+    window and sparse managers are) turns the memo off: vLLM's own sum is used."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    h = Harness(model, _extra(16), gpu_tokens=8 * 512,
+                scheduler_cls=sched_mod.TieringSyncScheduler)
+    s = h.scheduler
+    assert s._tiering_groups is not None
+    mgr = s.kv_cache_manager.coordinator.single_type_managers[0]
+
+    class Windowed(FullAttentionManager):
+        pass
+
+    mgr.__class__ = Windowed
+    assert s._full_attention_groups() is None
+    h.manager.shutdown()
+
+
+def test_the_scheduler_named_to_vllm_follows_its_async_setting(model):
+    """``--scheduler-cls tiering.vllm.scheduler.TieringScheduler``: vLLM builds what it names
+    whatever async scheduling is; it builds the async scheduler where that is on."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    h = Harness(model, None)
+    cls = resolve_obj_by_qualname("tiering.vllm.scheduler.TieringScheduler")
+    kv = h.scheduler.kv_cache_config
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    for on, base in ((True, AsyncScheduler), (False, Scheduler)):
+        h.config.scheduler_config.async_scheduling = on
+        s = cls(vllm_config=h.config, kv_cache_config=kv,
+                structured_output_manager=StructuredOutputManager(h.config),
+                block_size=h.block_size, log_stats=False)
+        assert isinstance(s, base) and isinstance(s, sched_mod._ReservationMemo)
+        assert isinstance(s, AsyncScheduler) == on
+        assert s._tiering_terms == {}

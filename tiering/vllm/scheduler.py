@@ -1,0 +1,174 @@
+"""A vLLM scheduler for engines that load many prefixes at once: vLLM's own scheduler with one
+quadratic admission cost made linear. Selected with vLLM's ``--scheduler-cls`` option:
+
+    vllm serve MODEL --kv-transfer-config '{...}' \\
+        --scheduler-cls tiering.vllm.scheduler.TieringScheduler
+
+Why: vLLM 0.33 admits an asynchronously loading request only if it fits beside the blocks every
+prefill already in flight still needs (``Scheduler._inflight_prefill_reserved_blocks``). It sums
+``_request_remaining_blocks`` over all of them at each such admission, a call through the KV
+cache coordinator per in-flight request, so admitting N hits in one step costs O(N^2) of those
+calls. Profiled on the H200 (docs/benchmarks.md, "The floor in vLLM"): 2.27 s of the scheduler's
+3.27 s for a batch of 1024 CPU hits of 512 tokens, 0.31 of 0.54 s at 256 hits of the 8B shape.
+
+What changes: each in-flight request's term is remembered with everything it is computed from
+(the request's token and computed-token counts, and per KV cache group the number of blocks it
+holds and whether its blocks were cached). A term is recomputed, by vLLM's own
+``_request_remaining_blocks``, only when one of those changed. That is exact only where the term
+depends on nothing else, which holds for plain full attention (``FullAttentionManager`` itself,
+not its subclasses: sliding windows, Mamba, cross-attention, sparse attention each compute it
+from more). For any other KV cache layout, the class behaves exactly as vLLM's scheduler.
+Scheduling decisions are unchanged by construction: same admissions, same order, same blocks
+(``tests/test_vllm_sched_reserve.py`` checks it against vLLM's scheduler step by step).
+
+Contract: the override runs on vLLM's scheduler thread inside ``schedule()``; it does no I/O and
+never raises: on any error it logs once and returns vLLM's own sum. With
+``TIERING_SCHEDULER_CHECK=1`` in the environment every call also computes vLLM's sum and logs an
+error (once) where the two differ, returning vLLM's (a debugging aid: that is the quadratic cost
+again).
+
+The upstream change that makes this class unnecessary: keep a running total of the in-flight
+reservations, updated where a request enters or leaves ``_inflight_prefills`` and where its
+blocks or computed tokens change, instead of re-summing at each admission.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+from tiering.vllm.compat import share_vllm_logging
+
+__all__ = ["TieringScheduler", "TieringAsyncScheduler", "TieringSyncScheduler"]
+
+log = logging.getLogger(__name__)
+
+CHECK_ENV = "TIERING_SCHEDULER_CHECK"
+
+# (num_tokens, num_computed_tokens, then per KV cache group: blocks held, blocks cached?)
+_Key = tuple[Any, ...]
+# per KV cache group, its manager's request -> blocks and request -> cached-block-count maps
+_Groups = tuple[tuple[dict[str, Any], dict[str, Any]], ...]
+
+
+class _ReservationMemo:
+    """The in-flight reservation total, with each request's term remembered against its inputs.
+
+    Mixed in before vLLM's ``Scheduler``/``AsyncScheduler``; owns ``_tiering_terms`` (request
+    id -> (inputs, term)) and nothing else of the scheduler's state. Reads vLLM's state only."""
+
+    _tiering_terms: dict[str, tuple[_Key, int]]
+    _tiering_groups: _Groups | None
+    _tiering_check: bool
+    _tiering_failed: bool
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        share_vllm_logging()  # also where no connector of ours did it already
+        self._tiering_terms = {}
+        self._tiering_check = os.environ.get(CHECK_ENV, "") not in ("", "0")
+        self._tiering_failed = False
+        self._tiering_groups = self._full_attention_groups()
+        if self._tiering_groups is None:
+            log.info("TieringScheduler: this KV cache layout is not plain full attention; "
+                     "in-flight reservations are summed as vLLM does")
+        else:
+            log.info("%s: in-flight reservations remembered per request "
+                     "(%d KV cache group(s)%s)", type(self).__name__, len(self._tiering_groups),
+                     ", checked against vLLM's sum" if self._tiering_check else "")
+
+    def _full_attention_groups(self) -> _Groups | None:
+        """Per KV cache group, the manager's (request -> blocks, request -> cached blocks)
+        maps, where every group is plain full attention; else None."""
+        try:
+            managers = self.kv_cache_manager.coordinator.single_type_managers  # type: ignore[attr-defined]
+            if not managers or any(type(m) is not FullAttentionManager for m in managers):
+                return None
+            return tuple((m.req_to_blocks, m.num_cached_block) for m in managers)
+        except AttributeError:  # a release that keeps these elsewhere: vLLM's sum
+            return None
+
+    def _vllm_sum(self) -> int:
+        """vLLM's own sum over the in-flight prefills (the quadratic one)."""
+        return int(super()._inflight_prefill_reserved_blocks())  # type: ignore[misc]
+
+    def _inflight_prefill_reserved_blocks(self) -> int:
+        if self._tiering_groups is None or self._tiering_failed:
+            return self._vllm_sum()
+        try:
+            total = self._remembered_total()
+        except Exception:  # never into vLLM's scheduler: its own sum from here on
+            self._tiering_failed = True
+            log.exception("TieringScheduler: remembering reservations failed; summing as vLLM "
+                          "does from now on")
+            return self._vllm_sum()
+        if self._tiering_check:
+            exact = self._vllm_sum()
+            if exact != total:
+                self._tiering_failed = True
+                log.error("TieringScheduler: remembered reservations %d != vLLM's %d; summing "
+                          "as vLLM does from now on", total, exact)
+                return exact
+        return total
+
+    def _remembered_total(self) -> int:
+        groups = self._tiering_groups
+        assert groups is not None
+        terms = self._tiering_terms
+        inflight = self._inflight_prefills  # type: ignore[attr-defined]
+        remaining = self._request_remaining_blocks  # type: ignore[attr-defined]
+        total = 0
+        if len(groups) == 1:  # the common case, without a loop over groups
+            (blocks, cached), = groups
+            for req in inflight:
+                rid = req.request_id
+                key = (req.num_tokens, req.num_computed_tokens, len(blocks.get(rid, ())),
+                       rid in cached)
+                hit = terms.get(rid)
+                if hit is None or hit[0] != key:
+                    hit = (key, remaining(req))
+                    terms[rid] = hit
+                total += hit[1]
+        else:
+            for req in inflight:
+                rid = req.request_id
+                key = (req.num_tokens, req.num_computed_tokens,
+                       *((len(b.get(rid, ())), rid in c) for b, c in groups))
+                hit = terms.get(rid)
+                if hit is None or hit[0] != key:
+                    hit = (key, remaining(req))
+                    terms[rid] = hit
+                total += hit[1]
+        if len(terms) > 2 * len(inflight) + 64:  # drop requests no longer in flight
+            live = {req.request_id for req in inflight}
+            for rid in [r for r in terms if r not in live]:
+                del terms[rid]
+        return total
+
+
+class TieringSyncScheduler(_ReservationMemo, Scheduler):
+    """vLLM's ``Scheduler`` (no async scheduling) with the linear reservation sum."""
+
+
+class TieringAsyncScheduler(_ReservationMemo, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with the linear reservation sum."""
+
+
+class TieringScheduler(TieringSyncScheduler):
+    """The name to give ``--scheduler-cls``: vLLM builds the scheduler it names whatever its
+    async-scheduling setting, so this class builds ``TieringAsyncScheduler`` where
+    ``scheduler_config.async_scheduling`` is on (vLLM 0.33's default) and
+    ``TieringSyncScheduler`` otherwise, as vLLM's own choice between its two would."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        sched = getattr(vllm_config, "scheduler_config", None)
+        if cls is TieringScheduler and getattr(sched, "async_scheduling", False):
+            # not an instance of cls, so Python runs no __init__ on it a second time
+            return TieringAsyncScheduler(*args, **kwargs)
+        return super().__new__(cls)
