@@ -161,8 +161,9 @@ def test_the_check_mode_catches_a_wrong_remembered_term(model, caplog, monkeypat
     h.add("a", prompt(3, 512), max_tokens=1)
     s._inflight_prefills.add(s.requests["a"])
     exact = s._inflight_prefill_reserved_blocks()
-    key, term = s._tiering_terms["a"]
-    s._tiering_terms["a"] = (key, term + 5)  # what a missed input would leave behind
+    (key,) = s._tiering_terms
+    assert key[0] == "a"
+    s._tiering_terms[key] += 5  # what a missed input would leave behind
     with caplog.at_level(logging.ERROR, logger="tiering.vllm.scheduler"):
         assert s._inflight_prefill_reserved_blocks() == exact
     assert any("!= vLLM's" in r.message for r in caplog.records)
@@ -205,4 +206,4 @@ def test_the_scheduler_named_to_vllm_follows_its_async_setting(model):
                 block_size=h.block_size, log_stats=False)
         assert isinstance(s, base) and isinstance(s, sched_mod._ReservationMemo)
         assert isinstance(s, AsyncScheduler) == on
-        assert s._tiering_terms == {}
+        assert s._tiering_terms == {} and s._inflight_prefill_reserved_blocks() == 0

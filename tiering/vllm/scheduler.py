@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import logging
 import os
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -50,8 +52,11 @@ log = logging.getLogger(__name__)
 
 CHECK_ENV = "TIERING_SCHEDULER_CHECK"
 
-# (num_tokens, num_computed_tokens, then per KV cache group: blocks held, blocks cached?)
+# (request id, tokens, computed tokens, then per KV cache group: blocks held, blocks cached?)
 _Key = tuple[Any, ...]
+_request_id = attrgetter("request_id")
+_token_ids = attrgetter("_all_token_ids")  # Request.num_tokens is len() of it, as a property
+_computed = attrgetter("num_computed_tokens")
 # per KV cache group, its manager's request -> blocks and request -> cached-block-count maps
 _Groups = tuple[tuple[dict[str, Any], dict[str, Any]], ...]
 
@@ -59,10 +64,11 @@ _Groups = tuple[tuple[dict[str, Any], dict[str, Any]], ...]
 class _ReservationMemo:
     """The in-flight reservation total, with each request's term remembered against its inputs.
 
-    Mixed in before vLLM's ``Scheduler``/``AsyncScheduler``; owns ``_tiering_terms`` (request
-    id -> (inputs, term)) and nothing else of the scheduler's state. Reads vLLM's state only."""
+    Mixed in before vLLM's ``Scheduler``/``AsyncScheduler``; owns ``_tiering_terms`` (a
+    request's id and inputs -> its term) and nothing else of the scheduler's state. Reads
+    vLLM's state only."""
 
-    _tiering_terms: dict[str, tuple[_Key, int]]
+    _tiering_terms: dict[_Key, int]
     _tiering_groups: _Groups | None
     _tiering_check: bool
     _tiering_failed: bool
@@ -117,37 +123,29 @@ class _ReservationMemo:
         return total
 
     def _remembered_total(self) -> int:
+        """The sum, with a term computed only for a (request, inputs) not seen before. The
+        inputs of every request in flight are gathered column by column with ``map`` (C loops,
+        no Python frame per request): this pass is still O(in flight), but about a tenth of
+        what one coordinator walk per request costs, and the walks happen once per change."""
         groups = self._tiering_groups
         assert groups is not None
+        reqs = list(self._inflight_prefills)  # type: ignore[attr-defined]
+        if not reqs:
+            return 0
+        rids = list(map(_request_id, reqs))
+        columns: list[list[Any]] = [rids, list(map(len, map(_token_ids, reqs))),
+                                    list(map(_computed, reqs))]
+        for blocks, cached in groups:
+            columns.append(list(map(len, map(blocks.get, rids, repeat((), len(rids))))))
+            columns.append(list(map(cached.__contains__, rids)))
+        keys = list(zip(*columns, strict=True))
         terms = self._tiering_terms
-        inflight = self._inflight_prefills  # type: ignore[attr-defined]
         remaining = self._request_remaining_blocks  # type: ignore[attr-defined]
-        total = 0
-        if len(groups) == 1:  # the common case, without a loop over groups
-            (blocks, cached), = groups
-            for req in inflight:
-                rid = req.request_id
-                key = (req.num_tokens, req.num_computed_tokens, len(blocks.get(rid, ())),
-                       rid in cached)
-                hit = terms.get(rid)
-                if hit is None or hit[0] != key:
-                    hit = (key, remaining(req))
-                    terms[rid] = hit
-                total += hit[1]
-        else:
-            for req in inflight:
-                rid = req.request_id
-                key = (req.num_tokens, req.num_computed_tokens,
-                       *((len(b.get(rid, ())), rid in c) for b, c in groups))
-                hit = terms.get(rid)
-                if hit is None or hit[0] != key:
-                    hit = (key, remaining(req))
-                    terms[rid] = hit
-                total += hit[1]
-        if len(terms) > 2 * len(inflight) + 64:  # drop requests no longer in flight
-            live = {req.request_id for req in inflight}
-            for rid in [r for r in terms if r not in live]:
-                del terms[rid]
+        for i in [i for i, k in enumerate(keys) if k not in terms]:
+            terms[keys[i]] = remaining(reqs[i])
+        total = sum(map(terms.__getitem__, keys))
+        if len(terms) > 2 * len(keys) + 64:  # forget inputs no request in flight has now
+            self._tiering_terms = {k: terms[k] for k in keys}
         return total
 
 
