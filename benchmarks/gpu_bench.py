@@ -738,6 +738,10 @@ SWEEP_PROMPTS = {"1b": 1024, "8b": 256, "32b": 96, "small": 64, "tiny": 8}
 # --gpu-mem instead, the H200's 8B cache held 6 batches: the 100% batch ran in fresh blocks.
 SWEEP_GPU_CACHE_BATCHES = 2.0
 PROFILERS = ("cprofile", "py-spy")
+# the warm-up's hit rounds (SweepEngine.warm_hits): batch sizes that give Triton's integer
+# specialisations (1, a multiple of 16, neither) and both attention variants (few requests
+# with short queries: 3-D split-KV; many: 2-D)
+WARM_HIT_SIZES = (1, 3, 16, 29)
 
 
 def _percentages(ap: argparse.ArgumentParser, option: str, text: str) -> list[float]:
@@ -790,6 +794,10 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-disk-cpu-factor", type=float, default=0.25,
                    help=f"{SWEEP_DISK_CONFIG}: CPU tier size / KV of one batch (its file tier "
                         "holds 2.5 batches)")
+    g.add_argument("--sweep-warm-hits", type=int, default=1,
+                   help="1: before the fill, unmeasured rounds of CPU hits (of "
+                        f"{', '.join(map(str, WARM_HIT_SIZES))} prompts) compile the kernels "
+                        "a batch of hits needs; 0: none (a batch then pays Triton's compiles)")
     g.add_argument("--sweep-timeline-s", type=float, default=0.0,
                    help="py-spy dump of the engine core every this many seconds during every "
                         "batch of the offloading setups, into --out (0: off)")
@@ -1016,6 +1024,34 @@ class SweepEngine(Engine):
                 "first_tokens": [o.outputs[0].token_ids[0] for o in outs],
                 "latency": latency_split(outs)}
 
+    def warm_hits(self, tokens: int, vocab: int, sizes: tuple[int, ...] = WARM_HIT_SIZES) -> dict:
+        """Unmeasured rounds that compile the attention kernels a batch of hits launches
+        before any batch is timed: per size k, k new prompts (stored), then the same k again
+        (CPU hits: each request computes only its tail over a loaded prefix). Triton compiles
+        a kernel for each new combination of its arguments' properties (the 3-D split-KV
+        variant for short queries over long contexts; integers equal to 1 or divisible by 16
+        specialise), ~1 s each on the H200: once, inside a measured batch, it made the
+        disk-backed 100% batch 0.55-0.69x (docs/benchmarks.md, "The H200, seventh run").
+        Prompts of their own (another seed): the sweep's prompts stay unseen."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        prompts = sweep_prompts(sum(sizes), tokens, vocab, seed=7)
+        hits = 0
+        at = 0
+        for k in sizes:
+            batch = prompts[at:at + k]
+            at += k
+            self.llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+            self.settle(0.3)
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in batch], sp,
+                                     use_tqdm=False)
+            hits += sum(1 for o in outs if (o.num_cached_tokens or 0) > 0)
+            self.settle(0.3)
+        return {"warm_hit_s": time.perf_counter() - t, "warm_hit_requests": hits,
+                "warm_hit_sizes": list(sizes)}
+
     def profiled_batch(self, prompts: list[list[int]], profilers: list[str], stem: Path,
                        expect_s: float) -> dict:
         """The batch again under the profilers: cProfile inside the engine core (started and
@@ -1109,6 +1145,11 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
                       max_num_seqs=a.sweep_max_num_seqs or None, prefix_caching=False,
                       engine_kw=engine_kw)
     eng.gpu_block_tokens = block_tokens
+    if kvt is not None and a.sweep_warm_hits:
+        timings.update(eng.warm_hits(tokens, vocab))
+        print(f"[sweep] {shape} {key}: kernels warmed by hit rounds of "
+              f"{timings['warm_hit_sizes']} prompts ({timings['warm_hit_requests']} hits, "
+              f"{timings['warm_hit_s']:.1f} s)", flush=True)
     timings["init_s"], timings["weights_s"] = eng.init_s, eng.weights_s
     rows: list[dict] = []
     timeline = None
