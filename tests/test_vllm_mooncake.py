@@ -61,9 +61,24 @@ def kv_config(master: MooncakeMaster) -> dict:
 def ask(server: Server, prompt: list[int]) -> dict:
     before = server.metrics()
     out = server.complete(prompt)
-    time.sleep(1.0)  # the chunks' stores into Mooncake finish within milliseconds
-    server.complete([5, 6, 7])  # one more step each: the last counters reach /metrics
-    return {"out": out["token_ids"], "before": before, "after": server.metrics()}
+    return {"out": out["token_ids"], "before": before, "after": settled_metrics(server)}
+
+
+def settled_metrics(server: Server, timeout: float = 30.0) -> dict:
+    """The server's metrics once its tier stores stopped counting: a small request a second
+    (one more step each, so that the last counters reach /metrics) until two readings agree.
+    A fixed second was too short with three servers and a master on 2 busy cores: A's metrics
+    were read with 4 of its 7 Mooncake stores counted (CI, 2026-12-03)."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        time.sleep(1.0)
+        server.complete([5, 6, 7])
+        now = server.metrics()
+        stores = sum(v for (name, _), v in now.items() if name == "vllm:kv_tier_stores_total")
+        if stores == last or time.monotonic() > deadline:
+            return now
+        last = stores
 
 
 def wait_reconnected(servers: dict[str, Server], marks: dict[str, int],
