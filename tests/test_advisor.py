@@ -9,7 +9,7 @@ import pytest
 from tierutil import facts, key, row_for
 
 import tiering.backends.staging as staging
-from tiering.advisor import Decision, PrefillModel, PromotionAdvisor
+from tiering.advisor import Decision, PrefillModel, PromotionAdvisor, stretch_features
 from tiering.backends.file_tier import FileTier
 from tiering.backends.namespace import NamespaceError
 from tiering.backends.staging import StagingRegion
@@ -1098,3 +1098,72 @@ def test_a_tier_smaller_than_a_full_batch_with_rows_of_no_power_of_two_is_measur
             c.check()
         finally:
             c.close()
+
+
+def test_the_waiting_requests_price_the_engines_backlog():
+    """A run whose reads take longer than its own compute is recomputed while nobody waits, and
+    loaded (engine_busy) while the requests waiting behind it give the engine more to compute
+    than the reads take; recent requests that computed nothing (all hits) price no backlog."""
+    adv = PromotionAdvisor(1, 8 * MiB, chunk_tokens=64)
+    adv.prefill.c, adv.prefill.a, adv.prefill.b, adv.prefill.samples = 0.05, 2e-5, 0.0, 1
+    adv.observe_read_batch(1, 64 * 8 * MiB, 64 * 8 * MiB / 1.2e9)  # the H200's virtual disk
+    run = [1] * 8  # 512 tokens: 56 ms to read, 10 ms to compute
+    assert adv.engine_backlog_s == 0.0
+    assert adv.decide(run, 0, 512).reason == "faster" and not adv.decide(run, 0, 512).load
+    for _ in range(100):
+        adv.request_waiting()
+    assert adv.engine_backlog_s == 0.0  # what a request computes is not known yet
+    for _ in range(20):
+        adv.request_finished(*stretch_features(0, 512))
+    assert adv.engine_backlog_s == pytest.approx(100 * 512 * 2e-5)
+    d = adv.decide(run, 0, 512)
+    assert (d.load, d.reason) == (True, "engine_busy") and d.recompute_s == adv.engine_backlog_s
+    # behind a disk queue longer than the backlog: recomputed
+    assert not adv.decide(run, 0, 512, {1: int(2 * 1.2e9)}).load
+    for _ in range(100):
+        adv.request_scheduled()
+    assert adv.waiting_requests == 0 and adv.engine_backlog_s == 0.0
+    adv.request_scheduled()  # never below zero
+    assert adv.waiting_requests == 0
+    for _ in range(50):
+        adv.request_waiting()
+    for _ in range(200):
+        adv.request_finished(0.0, 0.0)  # recent requests were all hits: nothing to compute
+    assert adv.engine_backlog_s < 1e-3 and not adv.decide(run, 0, 512).load
+
+
+def test_the_manager_counts_a_request_waiting_from_its_arrival_to_its_first_scan(tmp_path):
+    """vLLM announces each request (``on_new_request``) before its scheduler reaches it: it
+    waits until its first lookup or offer, or until it finishes without either (a prompt
+    shorter than a chunk); at its end the advisor learns the prompt tokens it computed."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from tiering.vllm.manager import TieredManager
+
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    c = make_chain(tmp_path, rows=64, advisor=adv)
+    m = TieredManager(c)
+    ctxs = [ReqContext(req_id=f"r{i}") for i in range(4)]
+    for ctx in ctxs:
+        m.on_new_request(ctx)
+        m.on_new_request(ctx)  # announced twice: counted once
+    assert adv.waiting_requests == 4
+    keys = [key(f"p{i}") for i in range(4)]
+    for i, k in enumerate(keys):
+        ctxs[0].set_offload_key_position(k, (i + 1) * 16)
+    assert m.lookup(keys[0], ctxs[0]).name == "MISS"
+    assert adv.waiting_requests == 3
+    m.lookup(keys[0], ctxs[0])  # a later scan: reached once
+    ctxs[1].set_offload_key_position(keys[0], 16)
+    m.prepare_store([keys[0]], ctxs[1])  # offered without a lookup (its hits were on the GPU)
+    assert adv.waiting_requests == 2
+    m.prepare_store(keys, ctxs[0])  # the step computes tokens [0, 64) of r0
+    m.on_request_finished(ctxs[0])
+    assert adv.recent_request()[0] == 64
+    m.on_request_finished(ctxs[2])  # finished unreached: waits no more, computed nothing
+    assert adv.waiting_requests == 1 and adv.recent_request()[0] < 64
+    m.on_request_finished(ctxs[1])
+    m.on_request_finished(ctxs[3])
+    assert adv.waiting_requests == 0 and m.live_requests() == 0
+    m.shutdown()

@@ -42,10 +42,22 @@ The decision is per request, for the whole run of chunks it would read from disk
 CPU hits). Loading costs the reads — the run's own bytes **plus the reads queued ahead of it on
 the same tier** (under many requests the disk is a shared queue) — plus the tier's load
 overhead (at least ``ADVISOR_LOAD_STEPS`` extra steps, ``c`` each); recomputing costs the run's ``a`` and ``b`` terms **plus the compute
-already given to the engine in this step** (requests decided, or missed, before this one). So
-the disk takes runs while its queue is shorter than the engine's, and the two work side by side:
-throughput approaches the engine's rate plus the disk's, and never falls below the engine's
-alone. Alone (nothing queued) this is the plain comparison of the two costs.
+already given to the engine in this step** (requests decided, or missed, before this one), or
+**the compute of the requests waiting behind it**, if more. So the disk takes runs while its
+queue is shorter than the engine's, and the two work side by side: throughput approaches the
+engine's rate plus the disk's, and never falls below the engine's alone. Alone (nothing queued,
+nobody waiting) this is the plain comparison of the two costs.
+
+The waiting requests (``engine_backlog_s``): vLLM's scheduler asks about a request only when it
+is about to schedule it, with the step's token budget left, so at a decision the requests behind
+it have not been seen; vLLM announces each one on arrival (``on_new_request``), without its
+length. The backlog is their number times the compute of a recent request (the prompt tokens
+it had computed when it finished, loaded ones not counted: a moving average of its per-token
+and attention features, priced with the fit). A run loaded while the engine computes those
+requests costs the engine nothing: without this, on the H200's disk-backed sweep (128 prompts
+at once) the advisor saw only the step it was scheduling and loaded 5-10 of 128 runs, and the
+disk added nothing. A loaded request waits for its reads up to what the last waiting one waits
+for the engine anyway (less the payoff margin).
 
 Reading costs the same per chunk wherever it is, computing costs more per chunk the further
 into the prompt, so the request's total time is concave in the number of disk chunks it loads,
@@ -70,6 +82,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiering.settings import (
+    ADVISOR_BACKLOG_WEIGHT,
     ADVISOR_EWMA_WEIGHT,
     ADVISOR_LOAD_STEPS,
     ADVISOR_MIN_SAMPLE_TOKENS,
@@ -102,13 +115,14 @@ def rate_min_rows(row_bytes: int) -> int:
 
 
 class _Ewma:
-    __slots__ = ("value",)
+    __slots__ = ("value", "weight")
 
-    def __init__(self) -> None:
+    def __init__(self, weight: float = ADVISOR_EWMA_WEIGHT) -> None:
         self.value: float | None = None
+        self.weight = weight
 
     def add(self, x: float) -> None:
-        w = ADVISOR_EWMA_WEIGHT
+        w = self.weight
         self.value = x if self.value is None else (1 - w) * self.value + w * x
 
 
@@ -284,7 +298,9 @@ class Decision:
     load: bool
     reason: str  # LOAD_REASONS if load, else RECOMPUTE_REASONS
     load_s: float = math.nan  # reads (queue ahead included) + the load's extra steps
-    recompute_s: float = math.nan  # the run's compute + what the engine was given before it
+    # the run's compute + what the engine was given before it, or the waiting requests'
+    # compute if more (what a load may take without costing the engine anything)
+    recompute_s: float = math.nan
 
     @property
     def outcome(self) -> str:
@@ -308,6 +324,11 @@ class PromotionAdvisor:
         # tier -> when its probe (a load while its load overhead is unknown) was decided
         self._probe: dict[int, float] = {}
         self._queued_s = 0.0  # compute given to the engine in the step being scheduled
+        # requests announced and not yet scheduled, and what a recent request computed (its
+        # prompt tokens and their attention term): the engine's backlog (engine_backlog_s)
+        self.waiting_requests = 0
+        self._request_tokens = _Ewma(ADVISOR_BACKLOG_WEIGHT)
+        self._request_attention = _Ewma(ADVISOR_BACKLOG_WEIGHT)
 
     # -- measurements ------------------------------------------------------------------------
     def observe_read_batch(self, tier: int, nbytes: int, seconds: float,
@@ -363,6 +384,35 @@ class PromotionAdvisor:
         tokens, attention = self.clock.last_step()
         last = self.prefill.a * tokens + self.prefill.b * attention
         return max(self._queued_s, last)
+
+    def request_waiting(self) -> None:
+        """A request arrived: the engine has it to compute, not yet scheduled."""
+        self.waiting_requests += 1
+
+    def request_scheduled(self) -> None:
+        """A waiting request was reached by the scheduler (its first lookup or offer)."""
+        self.waiting_requests = max(0, self.waiting_requests - 1)
+
+    def request_finished(self, tokens: float, attention: float) -> None:
+        """A request ended having computed prompt tokens with these features (the sums of
+        ``stretch_features`` over its steps; zeros for one that computed none)."""
+        if tokens >= 0 and attention >= 0:
+            self._request_tokens.add(tokens)
+            self._request_attention.add(attention)
+
+    def recent_request(self) -> tuple[float | None, float | None]:
+        """What a recent request computed: the moving averages of its prompt tokens and their
+        attention term (None before any request finished)."""
+        return self._request_tokens.value, self._request_attention.value
+
+    @property
+    def engine_backlog_s(self) -> float:
+        """The compute of the requests waiting to be scheduled, priced as the recent ones: what
+        the engine has to do while a run decided now loads."""
+        tokens, attention = self.recent_request()
+        if not self.waiting_requests or tokens is None or attention is None:
+            return 0.0
+        return self.waiting_requests * (self.prefill.a * tokens + self.prefill.b * attention)
 
     def step_end(self, now: float) -> None:
         self.clock.step_end(now)
@@ -420,7 +470,8 @@ class PromotionAdvisor:
         m = ADVISOR_PAYOFF_MARGIN
         return (self.row_bytes / slowest <= m * compute
                 and (ahead + self.row_bytes) / rate + self.load_overhead([tier])
-                <= m * max(self._queued_s + compute, self.engine_queue_s))
+                <= m * max(self._queued_s + compute, self.engine_queue_s,
+                           self.engine_backlog_s))
 
     def decide(self, tiers: Sequence[int], first_token: int, end_token: int | None = None,
                backlog_bytes: Mapping[int, int] | None = None,
@@ -452,7 +503,8 @@ class PromotionAdvisor:
         end = end_token if end_token is not None else first_token + len(tiers) * self.chunk_tokens
         compute = self.prefill.seconds(first_token, end)
         m, steps = ADVISOR_PAYOFF_MARGIN, self.load_overhead(list(own))
-        load_s, recompute_s = read + steps, max(compute + self._queued_s, self.engine_queue_s)
+        load_s = read + steps
+        recompute_s = max(compute + self._queued_s, self.engine_queue_s, self.engine_backlog_s)
         alone_pays = alone_read + steps <= m * compute
         if load_s <= m * recompute_s:
             return Decision(True, "faster" if alone_pays else "engine_busy", load_s, recompute_s)
@@ -546,5 +598,7 @@ class PromotionAdvisor:
                 "prefill_s_per_token": self.prefill.a if known else None,
                 "prefill_s_per_token_per_context_token": self.prefill.b if known else None,
                 "engine_queue_s": self.engine_queue_s,
+                "engine_backlog_s": self.engine_backlog_s,
+                "waiting_requests": self.waiting_requests,
                 **{f"read_bytes_per_s[{i}]": r.value for i, r in self._read.items()},
                 **{f"load_overhead_s[{i}]": o.value for i, o in self._overhead.items()}}

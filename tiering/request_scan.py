@@ -35,6 +35,9 @@ here, in one object per live request (the vLLM adapter keeps them by request id)
 * **time the prefill** — ``offered``: vLLM offers a step's chunks for storing when it schedules
   their compute, so the chunks a request offers in a step are the prompt tokens that step
   computes for it; the advisor's step clock times the step (``tiering.advisor.StepClock``).
+* **wait in the engine's queue** — ``arrived`` (vLLM announced the request) until its first
+  lookup or offer (the scheduler reached it): the advisor counts it among the requests waiting
+  behind a decision (``engine_backlog_s``); at ``finished`` it learns what the request computed.
 
 The chain (``tiering.chain``) does the routing: ``find_cpu``, ``find_file``, ``promote``,
 ``read_backlog_bytes``, ``calibrate``. Scheduler thread only.
@@ -49,7 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tiering.advisor import Decision, device_ahead
+from tiering.advisor import Decision, device_ahead, stretch_features
 from tiering.tier import Lookup
 
 if TYPE_CHECKING:
@@ -143,6 +146,31 @@ class RequestScan:
         self._loading: tuple[int, float, int, int] | None = None
         self.promoted = 0  # chunks this request had promoted from a file tier
         self._uncounted_load: str | None = None  # a LOAD's reason until its first promotion
+        self.waiting = False  # announced, not reached by the scheduler yet (``arrived``)
+        # the prompt tokens it computed and their attention term (``offered``)
+        self.computed_tokens = 0.0
+        self.computed_attention = 0.0
+
+    # -- the engine's queue ------------------------------------------------------------------
+    def arrived(self) -> None:
+        """vLLM announced the request (it waits to be scheduled)."""
+        advisor = self.chain.advisor
+        if advisor is not None and not self.waiting and self.computed_to is None:
+            self.waiting = True
+            advisor.request_waiting()
+
+    def _reached(self) -> None:
+        if self.waiting:
+            self.waiting = False
+            assert self.chain.advisor is not None
+            self.chain.advisor.request_scheduled()
+
+    def finished(self) -> None:
+        """vLLM finished the request: it waits no more, and the advisor learns what it
+        computed."""
+        self._reached()
+        if self.chain.advisor is not None:
+            self.chain.advisor.request_finished(self.computed_tokens, self.computed_attention)
 
     # -- lookups -----------------------------------------------------------------------------
     def lookup(self, key: bytes, first_token: int | None = None,
@@ -151,6 +179,7 @@ class RequestScan:
         caller knows. HIT, PENDING (ask again next step), RETRY (a remote tier is still asking:
         ask again next step) or MISS (vLLM computes from here). ``prompt_end``, when the caller
         can tell: where the request's last chunk ends (asked only when a disk run starts)."""
+        self._reached()
         chain = self.chain
         count = key not in self.counted
         # a re-ask after a remote tier's RETRY: the tiers above it counted this lookup already
@@ -329,6 +358,7 @@ class RequestScan:
         advisor = self.chain.advisor
         if advisor is None or not ends:
             return
+        self._reached()
         step, n = self.chain.steps, max(ends)
         k = min(ends) - advisor.chunk_tokens
         if self.computed_to is not None:
@@ -338,5 +368,9 @@ class RequestScan:
                 # from where it got to (a chunk vLLM did not offer was computed all the same)
                 k = self.computed_to if k >= self.computed_to else k
         advisor.computes(k, n)
+        if 0 <= k < n:
+            tokens, attention = stretch_features(k, n)
+            self.computed_tokens += tokens
+            self.computed_attention += attention
         self.computed_to = max(n, self.computed_to or 0)
         self.last_offer_step = step

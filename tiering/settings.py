@@ -31,6 +31,10 @@ ADVISOR_EWMA_WEIGHT = 0.3
 # Weight of a new sample in the least-squares fit of the prefill cost model (c per step,
 # a + b * position per token): about the last ten steps, enough lengths to tell the terms apart.
 ADVISOR_MODEL_WEIGHT = 0.1
+# Weight of a finished request in the moving average of what a request computes (its prompt
+# tokens and their attention term), which prices the requests waiting to be scheduled (the
+# engine's backlog, ``PromotionAdvisor.engine_backlog_s``): about the last twenty requests.
+ADVISOR_BACKLOG_WEIGHT = 0.05
 # Steps a load adds to a request's time to first token, each costing the fitted per-step cost:
 # the reads land in CPU rows and are seen at the next step, then vLLM copies them to the GPU
 # asynchronously and schedules the request a step later. (A surveyed run's survey step is

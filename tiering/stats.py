@@ -107,6 +107,12 @@ METRICS: tuple[Metric, ...] = (
            "of the engine (no tier label): term=step (c, seconds a step costs whatever it "
            "computes), term=token (a, seconds per prompt token), term=attention (b, seconds per "
            "token per earlier token in its prompt).", ("term",), per_tier=False),
+    Metric("advisor_engine_backlog_seconds", "gauge", "The promotion advisor's estimate of the "
+           "compute waiting in the engine's queue (no tier label): the requests announced and "
+           "not yet scheduled, priced as the recent ones. A disk run loads while its reads "
+           "take less than this (disk_runs_loaded{reason=engine_busy}).", per_tier=False),
+    Metric("advisor_waiting_requests", "gauge", "Requests announced to the connector and not "
+           "yet reached by the scheduler (no tier label).", per_tier=False),
     Metric("advisor_load_overhead_seconds", "gauge", "What a load from a file tier costs beyond "
            "its reads, as this engine measured it (decision to KV on the GPU, less the reads; 0 "
            "until a load was measured or restored from the tier's advisor.json)."),

@@ -117,7 +117,9 @@ class TieredManager(OffloadingManager):
         its store completions need no scan) and its place among the loading requests."""
         req_id = getattr(req_context, "req_id", "")
         self.load_gate.forget(req_id)
-        self._scans.pop(req_id, None)
+        scan = self._scans.pop(req_id, None)
+        if scan is not None:
+            scan.finished()
 
     def get_load_source(self, key: bytes, req_context: ReqContext) -> Any:
         return _SOURCE[self.chain.hit_source(key if type(key) is bytes else bytes(key))]
@@ -161,6 +163,10 @@ class TieredManager(OffloadingManager):
         self.chain.complete_store(_as_bytes(keys), success)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """A request arrived: its scan starts now, counted among the requests waiting to be
+        scheduled (the advisor's engine backlog) until vLLM first asks about it."""
+        if self.chain.advisor is not None:
+            self._scan(req_context).arrived()
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:

@@ -82,6 +82,8 @@ class TierMetrics:
             for term, cost in (("step", adv.prefill.c), ("token", adv.prefill.a),
                                ("attention", adv.prefill.b)):
                 stats.set_gauge(PREFIX + "advisor_prefill_seconds", cost, (term,))
+            stats.set_gauge(PREFIX + "advisor_engine_backlog_seconds", adv.engine_backlog_s, ())
+            stats.set_gauge(PREFIX + "advisor_waiting_requests", adv.waiting_requests, ())
             for i, backlog in chain.read_backlog_bytes().items():
                 label = tier_label(i, chain.tiers[i].medium)
                 rate = adv.read_rate(i) or 0.0
