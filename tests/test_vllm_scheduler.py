@@ -531,3 +531,23 @@ def test_recycled_gpu_blocks_come_in_descending_order_and_the_namespace_records_
     meta = json.loads(next((tmp_path / "disk").glob("*/meta.json")).read_text())
     assert meta["extra"]["block_order"] == "last_first"
     h.manager.shutdown()
+
+
+def test_vllm_announces_each_request_and_the_advisor_counts_it_waiting(model, tmp_path):
+    """vLLM's scheduler announces every request to the connector on arrival
+    (``on_new_request``) and asks about it only when its token budget reaches it: the
+    advisor counts the requests in between as the engine's backlog, and learns what each
+    computed when it finishes (tiering/advisor.py, ``engine_backlog_s``)."""
+    h = Harness(model, extra(tmp_path, promote="auto"), batched_tokens=512, max_num_seqs=8)
+    adv = h.manager.chain.advisor
+    assert adv is not None
+    for i in range(6):
+        h.add(f"r{i}", prompt(100 + i))
+    assert adv.waiting_requests == 6
+    h.step()  # a budget of 512 tokens: the scheduler reaches the first request only
+    assert adv.waiting_requests == 5
+    h.run()
+    assert adv.waiting_requests == 0 and h.manager.live_requests() == 0
+    tokens, attention = adv.recent_request()
+    assert tokens == pytest.approx(512) and attention == pytest.approx(512 * 512 / 2)
+    h.manager.shutdown()
