@@ -16,7 +16,11 @@ from tiering.backends.staging import StagingRegion
 from tiering.chain import Lookup, TierChain
 from tiering.cpu_tier import CpuTier
 from tiering.request_scan import DiskRun, IllegalRunTransition, RequestScan, RunState
-from tiering.settings import ADVISOR_RATE_MIN_ROWS, ADVISOR_REPROBE_AFTER
+from tiering.settings import (
+    ADVISOR_BACKLOG_HORIZON_S,
+    ADVISOR_RATE_MIN_ROWS,
+    ADVISOR_REPROBE_AFTER,
+)
 from tiering.stats import LOAD_REASONS
 
 ROW = 8192
@@ -1120,6 +1124,14 @@ def test_the_waiting_requests_price_the_engines_backlog():
     assert (d.load, d.reason) == (True, "engine_busy") and d.recompute_s == adv.engine_backlog_s
     # behind a disk queue longer than the backlog: recomputed
     assert not adv.decide(run, 0, 512, {1: int(2 * 1.2e9)}).load
+    # a backlog of minutes does not queue minutes of reads (GPU blocks held, a request's wait)
+    for _ in range(10_000):
+        adv.request_waiting()
+    assert adv.engine_backlog_s > 60
+    assert adv.decide(run, 0, 512, {1: int(1.0 * 1.2e9)}).load
+    assert not adv.decide(run, 0, 512, {1: int(ADVISOR_BACKLOG_HORIZON_S * 1.2e9)}).load
+    for _ in range(10_000):
+        adv.request_scheduled()
     for _ in range(100):
         adv.request_scheduled()
     assert adv.waiting_requests == 0 and adv.engine_backlog_s == 0.0

@@ -57,7 +57,8 @@ and attention features, priced with the fit). A run loaded while the engine comp
 requests costs the engine nothing: without this, on the H200's disk-backed sweep (128 prompts
 at once) the advisor saw only the step it was scheduling and loaded 5-10 of 128 runs, and the
 disk added nothing. A loaded request waits for its reads up to what the last waiting one waits
-for the engine anyway (less the payoff margin).
+for the engine anyway (less the payoff margin), and never more than
+``ADVISOR_BACKLOG_HORIZON_S``: vLLM holds a loading request's GPU blocks from the decision on.
 
 Reading costs the same per chunk wherever it is, computing costs more per chunk the further
 into the prompt, so the request's total time is concave in the number of disk chunks it loads,
@@ -82,6 +83,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiering.settings import (
+    ADVISOR_BACKLOG_HORIZON_S,
     ADVISOR_BACKLOG_WEIGHT,
     ADVISOR_EWMA_WEIGHT,
     ADVISOR_LOAD_STEPS,
@@ -414,6 +416,10 @@ class PromotionAdvisor:
             return 0.0
         return self.waiting_requests * (self.prefill.a * tokens + self.prefill.b * attention)
 
+    def _backlog_term(self) -> float:
+        """The backlog as a decision may use it: at most ``ADVISOR_BACKLOG_HORIZON_S``."""
+        return min(self.engine_backlog_s, ADVISOR_BACKLOG_HORIZON_S)
+
     def step_end(self, now: float) -> None:
         self.clock.step_end(now)
         self._queued_s = 0.0
@@ -470,8 +476,7 @@ class PromotionAdvisor:
         m = ADVISOR_PAYOFF_MARGIN
         return (self.row_bytes / slowest <= m * compute
                 and (ahead + self.row_bytes) / rate + self.load_overhead([tier])
-                <= m * max(self._queued_s + compute, self.engine_queue_s,
-                           self.engine_backlog_s))
+                <= m * max(self._queued_s + compute, self.engine_queue_s, self._backlog_term()))
 
     def decide(self, tiers: Sequence[int], first_token: int, end_token: int | None = None,
                backlog_bytes: Mapping[int, int] | None = None,
@@ -504,7 +509,7 @@ class PromotionAdvisor:
         compute = self.prefill.seconds(first_token, end)
         m, steps = ADVISOR_PAYOFF_MARGIN, self.load_overhead(list(own))
         load_s = read + steps
-        recompute_s = max(compute + self._queued_s, self.engine_queue_s, self.engine_backlog_s)
+        recompute_s = max(compute + self._queued_s, self.engine_queue_s, self._backlog_term())
         alone_pays = alone_read + steps <= m * compute
         if load_s <= m * recompute_s:
             return Decision(True, "faster" if alone_pays else "engine_busy", load_s, recompute_s)

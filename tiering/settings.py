@@ -35,6 +35,12 @@ ADVISOR_MODEL_WEIGHT = 0.1
 # tokens and their attention term), which prices the requests waiting to be scheduled (the
 # engine's backlog, ``PromotionAdvisor.engine_backlog_s``): about the last twenty requests.
 ADVISOR_BACKLOG_WEIGHT = 0.05
+# The most of that backlog a load may use: a run is loaded for the backlog's sake only if its
+# reads (behind the tier's queue) end within this many seconds. vLLM allocates a loading
+# request's GPU blocks when the load is decided, so the disk's queue is GPU KV held idle (at
+# 1.5 GB/s, 2 s is 3 GB); and a loaded request waits that long for its first token. The disk
+# stays busy all the same: the queue is bounded, not its use.
+ADVISOR_BACKLOG_HORIZON_S = 2.0
 # Steps a load adds to a request's time to first token, each costing the fitted per-step cost:
 # the reads land in CPU rows and are seen at the next step, then vLLM copies them to the GPU
 # asynchronously and schedules the request a step later. (A surveyed run's survey step is
