@@ -52,7 +52,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tiering.advisor import Decision, device_ahead, stretch_features
+from tiering.advisor import Decision, device_ahead
+from tiering.prefill_model import stretch_features
 from tiering.tier import Lookup
 
 if TYPE_CHECKING:

