@@ -1,4 +1,4 @@
-"""The staged copy path's layout plan (``cuda_copy.plan_staged``), executed on host memory.
+"""The staged copy path's layout plan (``staged_plan.plan_staged``), executed on host memory.
 
 The GPU engine runs the plan as kernels (page gathers/scatters) and batched row copies; here
 the same plan is run with ``memmove`` over numpy buffers standing in for device memory, so the
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tiering.backends.block_copy import CopyLayout, TensorInfo
-from tiering.backends.cuda_copy import plan_staged
+from tiering.backends.staged_plan import plan_staged
 
 
 def build(pages=(512, 1024, 512), num_blocks=40, bpc=1, rows=24, rank=0, world=1, seed=0):
