@@ -20,7 +20,8 @@ demo: env
 VLLM033_TESTS := tests/test_vllm_spec.py tests/test_vllm_adapters.py tests/test_vllm_secondary.py \
                  tests/test_vllm_worker.py tests/test_vllm_mooncake_secondary.py \
                  tests/test_vllm_scheduler.py tests/test_vllm_sched_reserve.py \
-                 tests/test_engine_facts.py tests/test_advisor.py tests/vllm_contract
+                 tests/test_engine_facts.py tests/test_advisor.py tests/test_backlog_hostile.py \
+                 tests/vllm_contract
 
 test: env
 	$(VENV)/bin/ruff check .

@@ -1146,10 +1146,11 @@ def test_the_waiting_requests_price_the_engines_backlog():
 
 def test_the_manager_counts_a_request_waiting_from_its_arrival_to_its_first_scan(tmp_path):
     """vLLM announces each request (``on_new_request``) before its scheduler reaches it: it
-    waits until its first lookup or offer, or until it finishes without either (a prompt
-    shorter than a chunk); at its end the advisor learns the prompt tokens it computed."""
+    waits until its first lookup or offer, or vLLM's report at the step's end that it
+    scheduled it (a prompt shorter than a chunk has neither), or until it finishes (aborted
+    while waiting); at its end the advisor learns the prompt tokens it computed, if it ran."""
     pytest.importorskip("vllm")
-    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
 
     from tiering.vllm.manager import TieredManager
 
@@ -1173,9 +1174,12 @@ def test_the_manager_counts_a_request_waiting_from_its_arrival_to_its_first_scan
     m.prepare_store(keys, ctxs[0])  # the step computes tokens [0, 64) of r0
     m.on_request_finished(ctxs[0])
     assert adv.recent_request()[0] == 64
-    m.on_request_finished(ctxs[2])  # finished unreached: waits no more, computed nothing
-    assert adv.waiting_requests == 1 and adv.recent_request()[0] < 64
+    m.on_request_finished(ctxs[2])  # aborted while waiting: waits no more, teaches nothing
+    assert adv.waiting_requests == 1 and adv.recent_request()[0] == 64
+    m.on_schedule_end(ScheduleEndContext(new_req_ids=["r3"], preempted_req_ids=()))
+    assert adv.waiting_requests == 0  # scheduled without a chunk to look up or offer
+    m.on_request_finished(ctxs[3])  # it ran and offered nothing: it computed nothing
+    assert adv.recent_request()[0] < 64
     m.on_request_finished(ctxs[1])
-    m.on_request_finished(ctxs[3])
     assert adv.waiting_requests == 0 and m.live_requests() == 0
     m.shutdown()

@@ -218,7 +218,7 @@ class PromotionAdvisor:
     def request_finished(self, tokens: float, attention: float) -> None:
         """A request ended having computed prompt tokens with these features (the sums of
         ``stretch_features`` over its steps; zeros for one that computed none)."""
-        if tokens >= 0 and attention >= 0:
+        if 0 <= tokens < math.inf and 0 <= attention < math.inf:  # NaN fails both
             self._request_tokens.add(tokens)
             self._request_attention.add(attention)
 
@@ -294,9 +294,13 @@ class PromotionAdvisor:
         queued = (backlog_bytes or {}).get(tier, 0)
         ahead = device_ahead(queued, self.row_bytes, (writing_bytes or {}).get(tier, 0))
         m = ADVISOR_PAYOFF_MARGIN
+        # against the run's own compute behind the step's only: a fixed amount of other work
+        # (the last step's compute, the waiting requests) that pays for one chunk's reads does
+        # not pay for a longer run's, whose reads grow by a chunk's per chunk: those runs are
+        # surveyed, and ``decide`` prices them whole
         return (self.row_bytes / slowest <= m * compute
                 and (ahead + self.row_bytes) / rate + self.load_overhead([tier])
-                <= m * max(self._queued_s + compute, self.engine_queue_s, self._backlog_term()))
+                <= m * (self._queued_s + compute))
 
     def decide(self, tiers: Sequence[int], first_token: int, end_token: int | None = None,
                backlog_bytes: Mapping[int, int] | None = None,

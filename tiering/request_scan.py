@@ -35,9 +35,10 @@ here, in one object per live request (the vLLM adapter keeps them by request id)
 * **time the prefill** — ``offered``: vLLM offers a step's chunks for storing when it schedules
   their compute, so the chunks a request offers in a step are the prompt tokens that step
   computes for it; the advisor's step clock times the step (``tiering.advisor.StepClock``).
-* **wait in the engine's queue** — ``arrived`` (vLLM announced the request) until its first
-  lookup or offer (the scheduler reached it): the advisor counts it among the requests waiting
-  behind a decision (``engine_backlog_s``); at ``finished`` it learns what the request computed.
+* **wait in the engine's queue** — ``arrived`` (vLLM announced the request) until the
+  scheduler reached it (``reached``: its first lookup or offer, or vLLM's report that it
+  scheduled it): the advisor counts it among the requests waiting behind a decision
+  (``engine_backlog_s``); at ``finished`` it learns what the request computed, if it ran.
 
 The chain (``tiering.chain``) does the routing: ``find_cpu``, ``find_file``, ``promote``,
 ``read_backlog_bytes``, ``calibrate``. Scheduler thread only.
@@ -148,6 +149,7 @@ class RequestScan:
         self.promoted = 0  # chunks this request had promoted from a file tier
         self._uncounted_load: str | None = None  # a LOAD's reason until its first promotion
         self.waiting = False  # announced, not reached by the scheduler yet (``arrived``)
+        self.was_reached = False  # looked up, offered or scheduled at least once
         # the prompt tokens it computed and their attention term (``offered``)
         self.computed_tokens = 0.0
         self.computed_attention = 0.0
@@ -160,17 +162,25 @@ class RequestScan:
             self.waiting = True
             advisor.request_waiting()
 
-    def _reached(self) -> None:
+    def reached(self) -> None:
+        """The scheduler reached the request: its first lookup or offer, or vLLM's report that
+        it scheduled it (a prompt without a full chunk is neither looked up nor offered)."""
+        self.was_reached = True
         if self.waiting:
             self.waiting = False
             assert self.chain.advisor is not None
             self.chain.advisor.request_scheduled()
 
     def finished(self) -> None:
-        """vLLM finished the request: it waits no more, and the advisor learns what it
-        computed."""
-        self._reached()
-        if self.chain.advisor is not None:
+        """vLLM finished the request: it waits no more, and the advisor learns what it computed
+        — if the scheduler ever reached it: one aborted while waiting, or never tracked,
+        computed nothing because it never ran, which says nothing of what requests compute."""
+        reached = self.was_reached
+        if self.waiting:
+            self.waiting = False
+            assert self.chain.advisor is not None
+            self.chain.advisor.request_scheduled()
+        if reached and self.chain.advisor is not None:
             self.chain.advisor.request_finished(self.computed_tokens, self.computed_attention)
 
     # -- lookups -----------------------------------------------------------------------------
@@ -180,7 +190,7 @@ class RequestScan:
         caller knows. HIT, PENDING (ask again next step), RETRY (a remote tier is still asking:
         ask again next step) or MISS (vLLM computes from here). ``prompt_end``, when the caller
         can tell: where the request's last chunk ends (asked only when a disk run starts)."""
-        self._reached()
+        self.reached()
         chain = self.chain
         count = key not in self.counted
         # a re-ask after a remote tier's RETRY: the tiers above it counted this lookup already
@@ -359,15 +369,20 @@ class RequestScan:
         advisor = self.chain.advisor
         if advisor is None or not ends:
             return
-        self._reached()
+        self.reached()
         step, n = self.chain.steps, max(ends)
         k = min(ends) - advisor.chunk_tokens
         if self.computed_to is not None:
             if self.last_offer_step is not None and self.last_offer_step < step - 1:
                 k = n  # decoding
             else:
-                # from where it got to (a chunk vLLM did not offer was computed all the same)
-                k = self.computed_to if k >= self.computed_to else k
+                # from where it got to: a chunk vLLM did not offer was computed all the same,
+                # and one it offers again was not. vLLM offers a request's chunks from the
+                # first again after a connector reset, and after a preemption, when the
+                # resumed request loads them from the CPU tier it stored them in (vLLM 0.33):
+                # neither is compute. (A preempted request whose chunks were lost recomputes
+                # them uncounted: the rarer case, and a sample too small, not a wrong one.)
+                k = max(k, self.computed_to)
         advisor.computes(k, n)
         if 0 <= k < n:
             tokens, attention = stretch_features(k, n)

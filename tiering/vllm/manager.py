@@ -175,6 +175,12 @@ class TieredManager(OffloadingManager):
             yield OffloadingEvent(keys=e.keys, medium=medium, removed=e.removed)
 
     def on_schedule_end(self, context: object) -> None:
+        # vLLM's ScheduleEndContext: the requests scheduled for the first time in this step
+        # (reached, whether or not they had a chunk to look up)
+        for req_id in getattr(context, "new_req_ids", None) or ():
+            scan = self._scans.get(req_id)
+            if scan is not None:
+                scan.reached()
         self.load_gate.end_step()
         self.chain.on_schedule_end()
 
