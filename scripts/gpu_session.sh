@@ -19,6 +19,10 @@
 #   phases-ramdisk  gpu-bench, 8B, 2k/8k/32k, none,ours,vtier-fs, cold,recompute,disk,restart,
 #               the file tiers on the RAM disk; then fio on it (OUT/fio_ramdisk.json)   ~4.5 min
 #   throughput-wb   gpu-bench's throughput step for none,ours,ours-wb, CPU tier 0.5x  ~2.5 min
+#   disk-sweep  gpu-bench prefill sweep with the disk holding the hits (issue 14 §3): 8B, 128
+#               prompts, none,ours-disk at 0/50/100% on this machine's disk, then ours-disk
+#               on the RAM disk (its none is the first one's); the advisor's decision lines
+#               (VLLM_LOGGING_LEVEL=DEBUG) in OUT/disk_sweep_*_decisions.txt         ~5 min
 # The RAM disk: ext4 on a loop device over a file in /dev/shm (O_DIRECT works, as on NVMe),
 # RAMDISK_GIB (default 26) or what /dev/shm has free less RAMDISK_SPARE_GIB (default 12, for the
 # CPU tiers' shared memory); made by the first step that needs it, removed at exit. Needs root.
@@ -36,14 +40,14 @@ OUT=${1:?usage: BUDGET_S=540 bash scripts/gpu_session.sh OUT [tests|phases|throu
 shift
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(tests phases throughput 32b)
-STEP_NAMES="tests, phases, throughput, 32b, sweep, disk-hit, phases-ramdisk, throughput-wb"
+STEP_NAMES="tests, phases, throughput, 32b, sweep, disk-hit, phases-ramdisk, throughput-wb, disk-sweep"
 BUDGET_S=${BUDGET_S:-540}
 TAG=${TAG:-h200}
 MARGIN_S=15  # for gpu-bench to write its table and exit after its last step
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 for step in "${STEPS[@]}"; do
-  case $step in tests|phases|throughput|32b|sweep|disk-hit|phases-ramdisk|throughput-wb) ;;
+  case $step in tests|phases|throughput|32b|sweep|disk-hit|phases-ramdisk|throughput-wb|disk-sweep) ;;
     *) echo "gpu_session: unknown step '$step' ($STEP_NAMES)" >&2; exit 2 ;;
   esac
 done
@@ -201,6 +205,23 @@ for step in "${STEPS[@]}"; do
     throughput-wb)
       run throughput-wb 90 "$BUDGET_S" "${bench[@]}" --tag "${TAG}tpwb" --shape 8b --phases throughput \
         --configs none,ours,ours-wb --tp-cpu-fraction 0.5 "${extra[@]}" ;;
+    disk-sweep)
+      dsweep=(--phases prefill-sweep --sweep-shapes 8b --sweep-prompts 128 --sweep-hit-rates 0,50,100)
+      VLLM_LOGGING_LEVEL=DEBUG run disk-sweep-vdisk 150 "$BUDGET_S" "${bench[@]}" \
+        --tag "${TAG}dsv" "${dsweep[@]}" --sweep-configs none,ours-disk "${sweep_extra[@]}" "${extra[@]}"
+      grep -E "request_scan|promotion advisor|\[sweep\]" "$OUT/disk-sweep-vdisk.log" \
+        > "$OUT/disk_sweep_vdisk_decisions.txt" 2>/dev/null
+      gzip -f "$OUT/disk-sweep-vdisk.log"
+      if ramdisk_up; then
+        bench[7]=$(($(left) - MARGIN_S))  # --budget-s: what is left now
+        VLLM_LOGGING_LEVEL=DEBUG run disk-sweep-ramdisk 90 "$BUDGET_S" "${bench[@]}" \
+          --scratch "$ram_mnt/scratch" --tag "${TAG}dsr" "${dsweep[@]}" --sweep-configs ours-disk \
+          "${sweep_extra[@]}" "${extra[@]}"
+        grep -E "request_scan|promotion advisor|\[sweep\]" "$OUT/disk-sweep-ramdisk.log" \
+          > "$OUT/disk_sweep_ramdisk_decisions.txt" 2>/dev/null
+        gzip -f "$OUT/disk-sweep-ramdisk.log"
+        rm -rf "$ram_mnt/scratch"
+      fi ;;
   esac
 done
 echo "[session] done in ${SECONDS}s; results in $OUT" | tee -a "$summary"
