@@ -9,12 +9,13 @@ import pytest
 from tierutil import facts, key, row_for
 
 import tiering.backends.staging as staging
-from tiering.advisor import Decision, PrefillModel, PromotionAdvisor, stretch_features
+from tiering.advisor import Decision, PromotionAdvisor
 from tiering.backends.file_tier import FileTier
 from tiering.backends.namespace import NamespaceError
 from tiering.backends.staging import StagingRegion
 from tiering.chain import Lookup, TierChain
 from tiering.cpu_tier import CpuTier
+from tiering.prefill_model import PrefillModel, stretch_features
 from tiering.request_scan import DiskRun, IllegalRunTransition, RequestScan, RunState
 from tiering.settings import (
     ADVISOR_BACKLOG_HORIZON_S,
@@ -1131,11 +1132,11 @@ def test_the_waiting_requests_price_the_engines_backlog():
     assert adv.decide(run, 0, 512, {1: int(1.0 * 1.2e9)}).load
     assert not adv.decide(run, 0, 512, {1: int(ADVISOR_BACKLOG_HORIZON_S * 1.2e9)}).load
     for _ in range(10_000):
-        adv.request_scheduled()
+        adv.request_dequeued()
     for _ in range(100):
-        adv.request_scheduled()
+        adv.request_dequeued()
     assert adv.waiting_requests == 0 and adv.engine_backlog_s == 0.0
-    adv.request_scheduled()  # never below zero
+    adv.request_dequeued()  # never below zero
     assert adv.waiting_requests == 0
     for _ in range(50):
         adv.request_waiting()
@@ -1183,3 +1184,28 @@ def test_the_manager_counts_a_request_waiting_from_its_arrival_to_its_first_scan
     m.on_request_finished(ctxs[1])
     assert adv.waiting_requests == 0 and m.live_requests() == 0
     m.shutdown()
+
+
+def test_a_request_scans_queue_state_moves_only_forward(tmp_path):
+    """UNANNOUNCED -> WAITING -> REACHED -> GONE (or straight to REACHED or GONE); an announcement
+    after the scheduler reached the request counts nothing, and no move leaves GONE."""
+    from tiering.request_scan import QueueState
+
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    c = make_chain(tmp_path, rows=16, advisor=adv)
+    late = RequestScan(c, "late")
+    late.reached()
+    late.arrived()  # announced after it was looked up: not waiting
+    assert late.queue is QueueState.REACHED and adv.waiting_requests == 0
+    s = RequestScan(c, "s")
+    s.arrived()
+    s.arrived()
+    assert s.queue is QueueState.WAITING and adv.waiting_requests == 1
+    s.reached()
+    s.reached()
+    assert s.queue is QueueState.REACHED and adv.waiting_requests == 0
+    s.finished()
+    assert s.queue is QueueState.GONE
+    with pytest.raises(AssertionError, match="gone -> reached"):
+        s.reached()
+    c.close()

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiering.advisor import PrefillModel, PromotionAdvisor, stretch_features
+from tiering.advisor import PromotionAdvisor
+from tiering.prefill_model import PrefillModel, stretch_features
 from tiering.settings import ADVISOR_CALIBRATION_BYTES, ADVISOR_LOAD_STEPS, ADVISOR_PAYOFF_MARGIN
 
 DATA = json.loads((Path(__file__).parent / "data" / "h200_2026-12-01.json").read_text())
@@ -249,7 +250,7 @@ def serve(policy: str, hit_rate: float, n: int = 400, tokens: int = 512, rate: f
         while waiting and budget >= tokens:
             r = waiting.pop(0)
             if announce:
-                adv.request_scheduled()
+                adv.request_dequeued()
             if on_disk[r] and policy != "none":
                 if policy == "all":
                     load = True

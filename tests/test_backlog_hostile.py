@@ -14,7 +14,8 @@ import random
 
 import pytest
 
-from tiering.advisor import PromotionAdvisor, stretch_features
+from tiering.advisor import PromotionAdvisor
+from tiering.prefill_model import stretch_features
 from tiering.settings import ADVISOR_BACKLOG_HORIZON_S, ADVISOR_PAYOFF_MARGIN
 
 CHUNK = 128  # the harness spec's tokens per chunk (extra()["block_size"])
@@ -23,6 +24,13 @@ FEATURES_512 = stretch_features(0, PROMPT)  # (512.0, 131072.0)
 
 
 # -- a real vLLM scheduler -------------------------------------------------------------------
+
+def assert_learned_512(adv: PromotionAdvisor) -> None:
+    """What a recent request computed is a 512-token prompt's features."""
+    tokens, attention = adv.recent_request()
+    assert tokens == pytest.approx(FEATURES_512[0], rel=1e-6), tokens
+    assert attention == pytest.approx(FEATURES_512[1], rel=1e-6)
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
@@ -126,9 +134,7 @@ def test_vllms_untracked_request_path_does_not_pull_the_recent_request_to_zero(m
                           sampling_params=sp, pooling_params=None, block_hasher=h._hasher)
             assert connector.request_finished(req) == (False, None)
         assert adv.waiting_requests == 0 and h.manager.live_requests() == 0
-        tokens, attention = adv.recent_request()
-        assert tokens == pytest.approx(FEATURES_512[0], rel=1e-6), tokens
-        assert attention == pytest.approx(FEATURES_512[1], rel=1e-6)
+        assert_learned_512(adv)
     finally:
         h.manager.shutdown()
 
@@ -151,9 +157,7 @@ def test_a_connector_reset_keeps_the_waiting_count_and_counts_no_prompt_twice(mo
         assert adv.waiting_requests == 1 and h.manager.live_requests() == 2
         h.run()
         assert adv.waiting_requests == 0 and h.manager.live_requests() == 0
-        tokens, attention = adv.recent_request()
-        assert tokens == pytest.approx(FEATURES_512[0], rel=1e-6), tokens
-        assert attention == pytest.approx(FEATURES_512[1], rel=1e-6)
+        assert_learned_512(adv)
     finally:
         h.manager.shutdown()
 

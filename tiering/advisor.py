@@ -65,7 +65,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tiering.prefill_model import PrefillModel, StepClock, stretch_features
+from tiering.prefill_model import PrefillModel, StepClock
 from tiering.settings import (
     ADVISOR_BACKLOG_HORIZON_S,
     ADVISOR_BACKLOG_WEIGHT,
@@ -79,9 +79,6 @@ from tiering.settings import (
     ADVISOR_REPROBE_AFTER,
 )
 from tiering.stats import LOAD_REASONS, RECOMPUTE_REASONS  # noqa: F401 (Decision.reason)
-
-__all__ = ["Decision", "PrefillModel", "PromotionAdvisor", "StepClock", "device_ahead",
-           "rate_min_rows", "stretch_features"]
 
 
 def device_ahead(queued: int, own: int, writing: int) -> int:
@@ -211,8 +208,8 @@ class PromotionAdvisor:
         """A request arrived: the engine has it to compute, not yet scheduled."""
         self.waiting_requests += 1
 
-    def request_scheduled(self) -> None:
-        """A waiting request was reached by the scheduler (its first lookup or offer)."""
+    def request_dequeued(self) -> None:
+        """A waiting request left the queue: the scheduler reached it, or it finished first."""
         self.waiting_requests = max(0, self.waiting_requests - 1)
 
     def request_finished(self, tokens: float, attention: float) -> None:

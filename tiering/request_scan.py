@@ -73,6 +73,21 @@ class IllegalRunTransition(AssertionError):
     pass
 
 
+class QueueState(enum.Enum):
+    """Where the request stands in the engine's queue, as the advisor's backlog counts it."""
+
+    UNANNOUNCED = "unannounced"  # scanned without vLLM's announcement (tools, tests)
+    WAITING = "waiting"  # announced, not reached by the scheduler yet: counted in the backlog
+    REACHED = "reached"  # looked up, offered or scheduled at least once
+    GONE = "gone"  # finished
+
+
+_QUEUE_MOVES = {QueueState.UNANNOUNCED: {QueueState.WAITING, QueueState.REACHED, QueueState.GONE},
+                QueueState.WAITING: {QueueState.REACHED, QueueState.GONE},
+                QueueState.REACHED: {QueueState.GONE},
+                QueueState.GONE: set()}
+
+
 _ALLOWED = {(RunState.SURVEY, RunState.LOAD), (RunState.SURVEY, RunState.RECOMPUTE),
             (RunState.LOAD, RunState.RECOMPUTE)}
 
@@ -148,8 +163,7 @@ class RequestScan:
         self._loading: tuple[int, float, int, int] | None = None
         self.promoted = 0  # chunks this request had promoted from a file tier
         self._uncounted_load: str | None = None  # a LOAD's reason until its first promotion
-        self.waiting = False  # announced, not reached by the scheduler yet (``arrived``)
-        self.was_reached = False  # looked up, offered or scheduled at least once
+        self.queue = QueueState.UNANNOUNCED
         # the prompt tokens it computed and their attention term (``offered``)
         self.computed_tokens = 0.0
         self.computed_attention = 0.0
@@ -157,31 +171,32 @@ class RequestScan:
     # -- the engine's queue ------------------------------------------------------------------
     def arrived(self) -> None:
         """vLLM announced the request (it waits to be scheduled)."""
-        advisor = self.chain.advisor
-        if advisor is not None and not self.waiting and self.computed_to is None:
-            self.waiting = True
-            advisor.request_waiting()
+        if self.chain.advisor is not None and self.queue is QueueState.UNANNOUNCED:
+            self._queue_move(QueueState.WAITING)
+            self.chain.advisor.request_waiting()
 
     def reached(self) -> None:
         """The scheduler reached the request: its first lookup or offer, or vLLM's report that
         it scheduled it (a prompt without a full chunk is neither looked up nor offered)."""
-        self.was_reached = True
-        if self.waiting:
-            self.waiting = False
-            assert self.chain.advisor is not None
-            self.chain.advisor.request_scheduled()
+        if self.queue is not QueueState.REACHED:
+            self._queue_move(QueueState.REACHED)
 
     def finished(self) -> None:
         """vLLM finished the request: it waits no more, and the advisor learns what it computed
         — if the scheduler ever reached it: one aborted while waiting, or never tracked,
         computed nothing because it never ran, which says nothing of what requests compute."""
-        reached = self.was_reached
-        if self.waiting:
-            self.waiting = False
-            assert self.chain.advisor is not None
-            self.chain.advisor.request_scheduled()
-        if reached and self.chain.advisor is not None:
+        ran = self.queue is QueueState.REACHED
+        self._queue_move(QueueState.GONE)
+        if ran and self.chain.advisor is not None:
             self.chain.advisor.request_finished(self.computed_tokens, self.computed_attention)
+
+    def _queue_move(self, to: QueueState) -> None:
+        if to not in _QUEUE_MOVES[self.queue]:
+            raise AssertionError(f"request queue state: {self.queue.value} -> {to.value}")
+        if self.queue is QueueState.WAITING:  # it leaves the backlog
+            assert self.chain.advisor is not None
+            self.chain.advisor.request_dequeued()
+        self.queue = to
 
     # -- lookups -----------------------------------------------------------------------------
     def lookup(self, key: bytes, first_token: int | None = None,
