@@ -39,6 +39,7 @@ import numpy as np
 
 from tiering.backends.mooncake_config import MooncakeTierConfig
 from tiering.backends.mooncake_value import HEADER_BYTES, META_NAME, ValueCodec, namespace_prefix
+from tiering.settings import MOONCAKE_READ_AGAIN_WITHIN
 
 log = logging.getLogger(__name__)
 
@@ -321,15 +322,33 @@ class MooncakeClient:
                 lambda: self._store.batch_put_from_multi_buffers(names, ptrs, sizes), len(items),
                 lambda codes: ["" if c in (0, ALREADY_EXISTS) else reason_of(c) for c in codes])
             return BatchDone(batch, reasons, secs, fault, detail)
-        reasons, fault, detail, secs = self._call(
-            lambda: self._store.batch_get_into_multi_buffers(names, ptrs, sizes), len(items),
-            lambda codes: [reason_of(c) if c < 0 else ("" if c == HEADER_BYTES + rb else "short")
-                           for c in codes])
+        reasons, fault, detail, secs = self._read(names, ptrs, sizes)
+        again = [i for i, r in enumerate(reasons) if r == "transfer"]
+        if again and not fault and secs < MOONCAKE_READ_AGAIN_WITHIN * self.cfg.timeout_s:
+            log.debug("mooncake: %d of %d reads failed (%s); reading them again", len(again),
+                      len(items), detail)
+            reasons2, fault, detail2, secs2 = self._read(
+                [names[i] for i in again], [ptrs[i] for i in again], [sizes[i] for i in again])
+            for i, r in zip(again, reasons2, strict=True):
+                reasons[i] = r
+            if any(reasons2):
+                detail = detail2
+            elif not any(reasons):
+                detail = ""
+            secs += secs2
         for i, (it, b) in enumerate(zip(items, bufs, strict=True)):
             if not reasons[i]:
                 reasons[i] = self.codec.check(it.key, hview[i * HEADER_BYTES:(i + 1) * HEADER_BYTES],
                                               b, self.cfg.verify)
         return BatchDone(batch, reasons, secs, fault, detail)
+
+    def _read(self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+              ) -> tuple[list[str], str, str, float]:
+        rb = self.codec.row_bytes
+        return self._call(
+            lambda: self._store.batch_get_into_multi_buffers(names, ptrs, sizes), len(names),
+            lambda codes: [reason_of(c) if c < 0 else ("" if c == HEADER_BYTES + rb else "short")
+                           for c in codes])
 
     def _remove(self, batch: Batch) -> BatchDone:
         reasons, fault, detail, secs = self._call(

@@ -469,3 +469,41 @@ def test_tiers_config_places_the_mooncake_tier_last(tmp_path):
         parse(extra({"medium": "redis"}))
     with pytest.raises(ValueError, match=r"tiers\[1\]\.segment: 16777216 bytes holds no value"):
         check_sizes(parse(extra({**MC, "segment": "16MiB"})), 16 << 20)
+
+
+class FlakyTransfers:
+    """The real store, except that its first ``fail`` batch reads report Mooncake's transfer
+    failure (-800) for every item: what a TCP transfer under load returned in CI."""
+
+    def __init__(self, store: object, fail: int) -> None:
+        self._store, self.fail, self.calls = store, fail, 0
+
+    def batch_get_into_multi_buffers(self, names, ptrs, sizes):
+        self.calls += 1
+        if self.calls <= self.fail:
+            return [-800] * len(names)
+        return self._store.batch_get_into_multi_buffers(names, ptrs, sizes)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("fail, served", [(1, True), (2, False)])
+def test_a_transient_transfer_failure_is_read_again_once(open_tier, staging, fail, served):
+    buf, rows = staging
+    writer, reader = open_tier(), open_tier()
+    keys = unique_keys("flaky", 4)
+    assert all(c.ok for c in store(writer, keys, buf))
+    assert resolve(reader, keys) == [Lookup.HIT] * 4
+    flaky = FlakyTransfers(reader.client._store, fail)
+    reader.client._store = flaky
+    rows[8:12] = 0
+    assert reader.get([(k, view(buf, 8 + i), i) for i, k in enumerate(keys)]) == [True] * 4
+    reads = reader.wait_idle(timeout=30)
+    assert [c.ok for c in sorted(reads, key=lambda c: c.token)] == [served] * 4
+    assert flaky.calls == 2, "one read again, never more"
+    if served:
+        assert np.array_equal(rows[8:12], rows[0:4])
+        assert reader.stats["remote_errors:transfer"] == 0
+    else:
+        assert reader.stats["remote_errors:transfer"] == 4
