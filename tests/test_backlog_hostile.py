@@ -315,20 +315,24 @@ def test_the_backlog_with_a_fixed_prefill_rate_an_unknown_engine_and_a_huge_queu
         assert not d.load or d.load_s <= ADVISOR_PAYOFF_MARGIN * ADVISOR_BACKLOG_HORIZON_S
 
 
-def test_the_throughput_replay_depends_on_the_backlog():
-    """Guard against tests/test_advisor_replay.py passing vacuously: with the backlog priced at
-    nothing, its 100%-hit claim (the disk adds its rate to the engine's) must fail, and the
-    blind advisor must stay below 1.1x no offloading."""
+@pytest.mark.parametrize("n", [128, 400])
+def test_the_throughput_replay_depends_on_the_backlog(n):
+    """Guard against tests/test_advisor_replay.py passing vacuously: the waiting prompts, priced,
+    are what lifts the disk-backed throughput; priced at nothing (or never announced) the same
+    replay must come out measurably lower. (Since a load's wait behind busy steps is no longer
+    taken for its overhead, the last step's compute alone lets the disk take a share: the
+    backlog adds the rest, 3-6% of compute plus disk here.)"""
     from test_advisor_replay import DATA, serve
 
-    none, _ = serve("none", 1.0)
-    seeing, reasons = serve("advisor", 1.0, announce=True)
+    none, _ = serve("none", 1.0, n=n)
+    seeing, reasons = serve("advisor", 1.0, n=n, announce=True)
+    blind, _ = serve("advisor", 1.0, n=n)
     disk = 1.5e9 / DATA["shapes"]["8b"]["kv_bytes_per_token"]
-    assert seeing >= 0.9 * (none + disk) and reasons.get("load:engine_busy", 0) > 0
+    assert seeing >= 0.95 * (none + disk) and reasons.get("load:engine_busy", 0) > 0
     mp = pytest.MonkeyPatch()
     try:
         mp.setattr(PromotionAdvisor, "_backlog_term", lambda self: 0.0)
-        priced_at_nothing, _ = serve("advisor", 1.0, announce=True)
+        priced_at_nothing, _ = serve("advisor", 1.0, n=n, announce=True)
     finally:
         mp.undo()
-    assert priced_at_nothing < 1.1 * none < 0.9 * (none + disk)
+    assert priced_at_nothing * 1.02 < seeing and blind * 1.02 < seeing

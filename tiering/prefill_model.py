@@ -173,6 +173,9 @@ class StepClock:
         # (tokens, attention) of the last steps, newest last, and the last step end's time
         self._recent: deque[tuple[float, float]] = deque(maxlen=max(1, lag + 1))
         self._last_end: float | None = None
+        # the end of the last interval between step ends in which a step computing prompt
+        # tokens ran (None before one did)
+        self.busy_until: float | None = None
 
     def computes(self, k: int, n: int) -> None:
         """The step being scheduled computes prompt tokens ``[k, n)`` of one request."""
@@ -184,12 +187,16 @@ class StepClock:
     def step_end(self, now: float) -> None:
         """The scheduler finished scheduling a step at ``now``."""
         if self.lag < 0:  # the tokens reported since the last step end ran until now
-            if self._last_end is not None and self._tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
-                self.model.add_step(self._tokens, self._attention, now - self._last_end)
+            if self._last_end is not None and self._tokens > 0:
+                self.busy_until = now
+                if self._tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
+                    self.model.add_step(self._tokens, self._attention, now - self._last_end)
         elif self._last_end is not None and len(self._recent) == self._recent.maxlen:
             tokens, attention = self._recent[0]  # the step that ran in this interval
-            if tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
-                self.model.add_step(tokens, attention, now - self._last_end)
+            if tokens > 0:
+                self.busy_until = now
+                if tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
+                    self.model.add_step(tokens, attention, now - self._last_end)
         self._recent.append((self._tokens, self._attention))
         self._tokens = self._attention = 0.0
         self._last_end = now

@@ -362,7 +362,7 @@ class RequestScan:
         """vLLM finished loading the request's hits to the GPU: if a disk run was loaded, the
         advisor learns what the load cost beyond its reads (its promoted bytes and the reads
         queued ahead of them and the writes they shared the device with, at the tier's read rate
-        now)."""
+        now) and beyond the engine's steps that computed prompts meanwhile."""
         advisor = self.chain.advisor
         if self._loading is None or advisor is None:
             return
@@ -372,7 +372,8 @@ class RequestScan:
         if rate and self.promoted:
             own = self.promoted * self.chain.row_bytes
             read_s = (device_ahead(backlog, own, writing) + own) / rate
-            advisor.observe_load(tier, read_s, (now or time.perf_counter()) - decided)
+            advisor.observe_load(tier, read_s, (now or time.perf_counter()) - decided,
+                                 advisor.engine_busy_s(decided))
 
     # -- computed tokens ---------------------------------------------------------------------
     def offered(self, ends: Sequence[int]) -> None:
