@@ -4,6 +4,8 @@ the prompt (attention), measured from the requests vLLM computes."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from tierutil import facts, key, row_for
@@ -882,6 +884,35 @@ def test_a_measured_load_overhead_turns_a_close_load_into_a_recompute():
     adv.observe_load(1, 0.35, 0.50)
     assert not adv.loading_pays([1] * (8192 // 16), first_token=0)
     assert adv.loading_pays([1] * (32768 // 16), first_token=0)
+
+
+@pytest.mark.parametrize("read_s, seconds, engine_s", [
+    (0.1, math.nan, 0.0), (0.1, math.inf, 0.0), (0.1, -1.0, 0.0), (math.nan, 0.5, 0.0),
+    (math.inf, 0.5, 0.0), (-0.1, 0.5, 0.0), (0.1, 0.5, math.nan), (0.1, 0.5, math.inf),
+    (0.1, 0.5, -0.2), (0.1, 0.0, 0.0)])
+def test_a_load_measured_as_garbage_leaves_the_learned_overhead_alone(
+        read_s: float, seconds: float, engine_s: float) -> None:
+    """A clock that went backwards or a NaN from a broken timer must not move what a load
+    costs beyond its reads: the overhead learned before stays, and decisions with it."""
+    adv = measured_advisor()
+    before = adv.measured_load_overhead(1)
+    assert before is not None and 0 < before < 0.2
+    tiers = [1] * (8192 // 16)
+    decided = adv.decide(tiers, 0)
+    adv.observe_load(1, read_s, seconds, engine_s)
+    assert adv.measured_load_overhead(1) == before
+    assert math.isfinite(adv.load_overhead([1]))
+    assert adv.decide(tiers, 0).load == decided.load
+
+
+def test_a_load_that_waited_for_the_engine_learns_only_what_is_left_beyond_it() -> None:
+    """0.5 s to land, 0.1 s of reads, the engine busy for 0.45 s of it: 0.05 s is the load's own."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    adv.observe_load(1, 0.1, 0.5, 0.45)
+    assert adv.measured_load_overhead(1) == pytest.approx(0.05)
+    adv2 = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    adv2.observe_load(1, 0.1, 0.5, 0.7)  # the engine outlasted the load: nothing of its own
+    assert adv2.measured_load_overhead(1) == 0.0
 
 
 def measured_advisor() -> PromotionAdvisor:
