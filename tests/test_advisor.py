@@ -1000,7 +1000,8 @@ def test_a_provisional_rate_stays_provisional_across_a_restart(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["garbage", "not_ours", "bad_types", "negative", "huge",
-                                    "symlink", "directory", "bad_prefill", "bad_flag"])
+                                    "symlink", "directory", "bad_prefill", "bad_flag",
+                                    "nan_step", "old_prefill"])
 def test_a_damaged_advisor_file_is_ignored_with_one_warning(tmp_path, caplog, damage):
     import json
 
@@ -1027,7 +1028,15 @@ def test_a_damaged_advisor_file_is_ignored_with_one_warning(tmp_path, caplog, da
     elif damage == "bad_flag":
         saved.write_text(json.dumps({**good, "read_rate_provisional": "yes"}))
     elif damage == "bad_prefill":
-        saved.write_text(json.dumps({**good, "prefill": {**good["prefill"], "s": [[1, 2]]}}))
+        saved.write_text(json.dumps({**good, "prefill": {**good["prefill"], "steps": [[1, 2]]}}))
+    elif damage == "nan_step":
+        steps = good["prefill"]["steps"]
+        saved.write_text(json.dumps({**good, "prefill": {**good["prefill"],
+                                                         "steps": [*steps, [64, 2048, "NaN"]]}}))
+    elif damage == "old_prefill":  # the decayed sums saved before the fit kept its steps
+        saved.write_text(json.dumps({**good, "prefill": {
+            "s": [[1, 2, 3]] * 3, "r": [1, 2, 3], "tt": 1.0, "samples": 3,
+            "coef": [0.3, 0.0, 7e-9]}}))
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
     if damage in ("symlink", "directory"):  # planted in our folder: refused as any such entry
         with pytest.raises(NamespaceError, match="advisor.json"):

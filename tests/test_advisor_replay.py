@@ -366,3 +366,70 @@ def test_a_batch_s_last_loads_land_before_the_engine_is_done(n, rate):
     advised, reasons = serve("advisor", 1.0, n=n, rate=rate, announce=True)
     disk = rate / DATA["shapes"]["8b"]["kv_bytes_per_token"]
     assert advised >= 0.9 * (none + disk), reasons
+
+
+# -- the phases step's own step samples (H200, 2026-12-03): a stalled first step ---------------
+STEPS = json.loads((Path(__file__).parent / "data" / "h200_2026-12-03_phases_steps.json")
+                   .read_text())
+
+
+def phases_advisor(samples: list[list[float]]) -> PromotionAdvisor:
+    adv = PromotionAdvisor(1, row_bytes=STEPS["row_bytes"], chunk_tokens=STEPS["chunk_tokens"])
+    for tokens, attention, seconds in samples:
+        adv.prefill.add_step(tokens, attention, seconds)
+    rate = STEPS["disk_read_bytes_per_s_priced"]
+    adv.observe_read_batch(1, 64 * STEPS["row_bytes"], 64 * STEPS["row_bytes"] / rate)
+    return adv
+
+
+def test_the_engine_s_stalled_first_step_does_not_price_the_32k_disk_hit_out():
+    """The first engine's first prefill step (64 tokens of the warm-up, kernels compiling) took
+    1.70 s; the 2k steps 35-60 ms. The old fit took a step cost of 0.14-0.84 s and no per-token
+    cost from it: at the 32k disk phase (after 19 steps) it priced recomputing at 4.17 s (its
+    two steps then took 4.47 s) and a load at 3.84 s, and recomputed (4577 ms TTFT) the run the
+    restarted engine then loaded in 2862 ms."""
+    adv = phases_advisor(STEPS["engine_steps"][:19])
+    fastest = min(s for _, _, s in STEPS["engine_steps"][:19])
+    assert adv.prefill.c <= fastest  # no step is faster than a step's fixed cost
+    assert adv.prefill.outliers == 1  # the compiling step
+    halves = STEPS["engine_steps"][19:21]  # the 32k prompt's two steps, computed after it
+    assert sum(s for *_, s in halves) == pytest.approx(
+        adv.prefill.seconds(0, 32768) + 2 * adv.prefill.c, rel=0.05)
+    n = STEPS["chunk_tokens"]
+    d = adv.decide([1] * (32768 // n), 0)
+    assert d.load and d.reason == "faster", d
+    for length in (2048, 8192):  # the virtual disk at 1.2 GB/s: recomputing them is right
+        d = adv.decide([1] * (length // n), 0)
+        assert not d.load, (length, d)
+
+
+def test_a_restarted_engine_s_stalled_first_step_is_left_out_too():
+    """The restarted engine's first step took 0.14 s for 64 tokens; with the saved steps
+    restored it is one step among many, and the 32k run still loads."""
+    first = phases_advisor(STEPS["engine_steps"])
+    adv = phases_advisor([])
+    adv.prefill.restore(first.prefill.state())
+    for tokens, attention, seconds in STEPS["restart_steps"]:
+        adv.prefill.add_step(tokens, attention, seconds)
+    assert adv.prefill.c <= min(s for *_, s in STEPS["restart_steps"])
+    assert adv.decide([1] * (32768 // STEPS["chunk_tokens"]), 0).load
+
+
+def test_only_steps_far_slower_than_the_fit_are_left_out():
+    """A 2x slower engine is learned (its steps are not outliers), and rejection never takes
+    more than half of the kept steps: a 4x slower engine is learned within a window."""
+    def engine(scale: float) -> list[tuple[int, int, float]]:
+        return [(k, n, scale * (0.01 + 2e-5 * (n - k) + 7e-9 * (n * n - k * k) / 2))
+                for k, n in ((0, 2048), (0, 8192), (0, 16384), (16384, 32768))]
+
+    m = PrefillModel()
+    for k, n, s in engine(1.0) * 3:
+        m.add(k, n, s)
+    assert m.outliers == 0
+    base = m.seconds(0, 32768)
+    for k, n, s in engine(2.0):
+        m.add(k, n, s)
+    assert m.outliers == 0
+    for k, n, s in engine(4.0) * 16:
+        m.add(k, n, s)
+    assert m.seconds(0, 32768) == pytest.approx(4 * base, rel=0.05)

@@ -4,7 +4,7 @@ A step costs ``c`` whatever it computes, and a prompt token at position ``p`` co
 ``a + b * p`` (``a``: the per-token layers; ``b``: attention over the ``p`` tokens before it). A
 step that computes tokens ``[k, n)`` of one request takes ``c + a (n - k) + b (n^2 - k^2) / 2``;
 of several, the sums. The three are fitted by least squares, non-negative, with exponential
-forgetting (``PrefillModel``), to the steps the engine ran: the requests' stores vLLM offers in
+forgetting over the last steps, a stalled step left out (``PrefillModel``), to the steps the engine ran: the requests' stores vLLM offers in
 a step are the chunks that step computes (``StepClock``), and the step's time is the interval
 between two of the scheduler's step ends (one later under vLLM's asynchronous scheduling, which
 schedules the next step while the current one runs). A fixed ``prefill_tokens_per_s`` in the
@@ -29,7 +29,13 @@ from collections import deque
 
 import numpy as np
 
-from tiering.settings import ADVISOR_MIN_SAMPLE_TOKENS, ADVISOR_MODEL_WEIGHT
+from tiering.settings import (
+    ADVISOR_MIN_SAMPLE_TOKENS,
+    ADVISOR_MODEL_WEIGHT,
+    ADVISOR_MODEL_WINDOW,
+    ADVISOR_OUTLIER_MIN_S,
+    ADVISOR_OUTLIER_RATIO,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,21 +53,34 @@ class PrefillModel:
     ``c`` is what a step costs whatever it computes (scheduling, launches, the store copy):
     loading does not save it (the request still needs a step for its last tokens) and pays it
     again for each extra step a load takes. ``a`` and ``b`` are the per-token and attention
-    costs that loading saves. Fitted to samples by least squares with exponential forgetting
-    (each new sample weighs ``ADVISOR_MODEL_WEIGHT`` against the decayed history), every
-    coefficient non-negative: of the fits on a subset of the three terms, the best one, the
-    richer subsets preferred on a tie (samples of one length fit a per-token cost alone exactly,
-    and a constant alone too: the per-token reading is the one that lets a disk hit pay)."""
+    costs that loading saves.
+
+    The fit: weighted least squares over the last ``ADVISOR_MODEL_WINDOW`` steps, each step's
+    weight ``(1 - ADVISOR_MODEL_WEIGHT)`` times the next one's (exponential forgetting), every
+    coefficient non-negative. Of the fits on a subset of the three terms the best one wins,
+    the richer subsets preferred on a tie (samples of one length fit a per-token cost alone
+    exactly, and a constant alone too: the per-token reading is the one that lets a disk hit
+    pay). Two rules keep one bad step from owning the fit:
+
+    * ``c`` is at most the shortest kept step's time: every term is non-negative, so no step
+      takes less than ``c``. Without it, the H200's 2k and 8k steps (35-60 and 370-400 ms) and
+      one first step of 64 tokens that took 1.7 s (kernels compiled) fitted ``c`` = 0.27 s with
+      no per-token cost: a load was priced at two such steps and recomputing a 32k prompt at
+      3.2 s instead of 4.5, and the first engine recomputed the 32k disk hit its restart loaded
+      in 2.9 s.
+    * a step that took more than ``ADVISOR_OUTLIER_RATIO`` times what the fit of all kept steps
+      predicts (and ``ADVISOR_OUTLIER_MIN_S`` more) is left out, and the rest fitted again;
+      never more than half of them."""
 
     # term subsets, preferred first on equal error: (c, a, b) flags
     _SUBSETS = ((1, 1, 1), (0, 1, 1), (1, 1, 0), (0, 1, 0), (1, 0, 1), (0, 0, 1), (1, 0, 0))
 
     def __init__(self, tokens_per_s: float | None = None) -> None:
         self.fixed = tokens_per_s
-        self._s = np.zeros((3, 3))  # decayed sum of f f^T, f = (1, x1, x2)
-        self._r = np.zeros(3)  # decayed sum of f t
-        self._tt = 0.0  # decayed sum of t^2
-        self.samples = 0
+        # the kept steps, oldest first: (tokens, attention, seconds)
+        self._steps: deque[tuple[float, float, float]] = deque(maxlen=ADVISOR_MODEL_WINDOW)
+        self.samples = 0  # steps added since the model began (restores included)
+        self.outliers = 0  # kept steps the last fit left out
         self.c, self.a, self.b = 0.0, (1.0 / tokens_per_s if tokens_per_s else 0.0), 0.0
 
     def add(self, k: int, n: int, seconds: float) -> None:
@@ -73,73 +92,110 @@ class PrefillModel:
     def add_step(self, tokens: float, attention: float, seconds: float) -> None:
         """A step computed ``tokens`` prompt tokens with attention term ``attention`` (sums
         over its requests) in ``seconds``."""
-        if self.fixed or not tokens > 0 or not attention > 0 or not 0 < seconds < math.inf:
+        if (self.fixed or not 0 < tokens < math.inf or not 0 < attention < math.inf
+                or not 0 < seconds < math.inf):
             return
-        f = np.array([1.0, tokens, attention])
-        keep = 1.0 - ADVISOR_MODEL_WEIGHT if self.samples else 0.0
-        self._s = keep * self._s + np.outer(f, f)
-        self._r = keep * self._r + f * seconds
-        self._tt = keep * self._tt + seconds * seconds
+        self._steps.append((float(tokens), float(attention), float(seconds)))
         self.samples += 1
         self._solve()
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("prefill sample: %d tokens, attention %.4g, %.4f s; fit c %.4g a %.4g b %.4g",
-                      tokens, attention, seconds, self.c, self.a, self.b)
+            log.debug("prefill sample: %d tokens, attention %.4g, %.4f s; fit c %.4g a %.4g b %.4g"
+                      " (%d of %d steps left out)", tokens, attention, seconds, self.c, self.a,
+                      self.b, self.outliers, len(self._steps))
 
     def _solve(self) -> None:
+        steps = np.array(self._steps)
+        x = np.column_stack([np.ones(len(steps)), steps[:, 0], steps[:, 1]])
+        t = steps[:, 2]
+        w = (1.0 - ADVISOR_MODEL_WEIGHT) ** np.arange(len(steps) - 1, -1, -1.0)
+        coef = self._fit(x, t, w)
+        if coef is None:
+            return  # nothing fits: keep the last model
+        predicted = x @ coef
+        slow = (t > ADVISOR_OUTLIER_RATIO * predicted) & (t > predicted + ADVISOR_OUTLIER_MIN_S)
+        self.outliers = 0
+        if slow.any() and 2 * int(slow.sum()) <= len(t):
+            refit = self._fit(x[~slow], t[~slow], w[~slow])
+            if refit is not None:
+                coef, self.outliers = refit, int(slow.sum())
+        self.c, self.a, self.b = (float(v) for v in coef)
+
+    @classmethod
+    def _fit(cls, x: np.ndarray, t: np.ndarray, w: np.ndarray) -> np.ndarray | None:
+        """The best non-negative fit of ``t ~ x @ (c, a, b)`` with weights ``w`` and ``c`` at
+        most ``min(t)``, over the term subsets; None if no subset fits."""
+        cap = float(t.min())
         # scale the columns to comparable sizes so the small systems stay well conditioned
-        scale = np.sqrt(np.maximum(np.diag(self._s), 1e-300))
-        s = self._s / np.outer(scale, scale)
-        r = self._r / scale
+        scale = np.sqrt(np.maximum(w @ (x * x), 1e-300))
+        xs = x / scale
+        s = xs.T @ (w[:, None] * xs)
+        r = xs.T @ (w * t)
+        norm = float(w @ (t * t)) or 1.0
         best, best_err = None, math.inf
-        for flags in self._SUBSETS:
+        for flags in cls._SUBSETS:
             idx = [i for i in range(3) if flags[i]]
             sub = s[np.ix_(idx, idx)]
             if np.linalg.cond(sub) > 1e8:  # these terms cannot be told apart by the samples
                 continue
-            beta = np.linalg.solve(sub, r[idx])
-            if np.any(beta < 0):
+            coef = np.zeros(3)
+            coef[idx] = np.linalg.solve(sub, r[idx])
+            if flags[0] and coef[0] / scale[0] > cap:
+                # no step is faster than c: fix it at the fastest step, fit the rest to what
+                # is left of each step
+                coef[:] = 0.0
+                coef[0] = cap * scale[0]
+                rest = idx[1:]
+                if rest:
+                    left = t - cap
+                    sub_rest = s[np.ix_(rest, rest)]
+                    if np.linalg.cond(sub_rest) > 1e8:
+                        continue
+                    coef[rest] = np.linalg.solve(sub_rest, xs[:, rest].T @ (w * left))
+            if np.any(coef < 0):
                 continue
-            err = float(self._tt / (self._tt or 1.0) - (2 * beta @ r[idx] - beta @ sub @ beta)
-                        / (self._tt or 1.0))
+            resid = t - xs @ coef
+            err = float(w @ (resid * resid)) / norm
             if best is None or err < best_err - 1e-9:
-                best, best_err = (idx, beta), err
-        if best is None:
-            return  # nothing fits: keep the last model
-        coef = np.zeros(3)
-        coef[best[0]] = best[1]
-        coef /= scale
-        self.c, self.a, self.b = (float(x) for x in coef)
+                best, best_err = coef, err
+        return None if best is None else best / scale
 
     def known(self) -> bool:
         return bool(self.fixed) or self.samples > 0
 
     def state(self) -> dict[str, object]:
-        """The fit's decayed sums and coefficients, as JSON values (``restore`` takes them)."""
-        return {"s": self._s.tolist(), "r": self._r.tolist(), "tt": self._tt,
-                "samples": self.samples, "coef": [self.c, self.a, self.b]}
+        """The kept steps and the fit, as JSON values (``restore`` takes them)."""
+        return {"steps": [list(step) for step in self._steps], "samples": self.samples,
+                "coef": [self.c, self.a, self.b]}
 
     def restore(self, state: dict[str, object]) -> None:
         """Continue the fit from ``state`` (a ``state()`` of an earlier engine); ValueError,
-        and nothing changed, if it is not one. A fixed rate keeps its fixed model."""
+        and nothing changed, if it is not one. A fixed rate keeps its fixed model. (The fit's
+        decayed sums that versions before the kept steps saved are not one: that engine's fit
+        starts afresh.)"""
         try:
-            s = np.array(state["s"], dtype=float)
-            r = np.array(state["r"], dtype=float)
-            tt = float(state["tt"])  # type: ignore[arg-type]
+            steps = np.array(state["steps"], dtype=float)
+            if not steps.size:
+                steps = steps.reshape(0, 3)
             samples = state["samples"]
             coef = np.array(state["coef"], dtype=float)
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"prefill model: expected s, r, tt, samples, coef ({exc})") from None
-        if (s.shape != (3, 3) or r.shape != (3,) or coef.shape != (3,)
-                or not isinstance(samples, int) or isinstance(samples, bool) or samples < 0
-                or not all(np.isfinite(x).all() for x in (s, r, coef)) or not math.isfinite(tt)
-                or (coef < 0).any()):
-            raise ValueError("prefill model: expected 3x3, 3 and 3 finite numbers (coefficients "
-                             ">= 0) and a sample count >= 0")
+            raise ValueError(f"prefill model: expected steps, samples, coef ({exc})") from None
+        if (steps.ndim != 2 or steps.shape[1] != 3 or len(steps) > ADVISOR_MODEL_WINDOW
+                or coef.shape != (3,)
+                or not isinstance(samples, int) or isinstance(samples, bool)
+                or samples < len(steps) or not np.isfinite(coef).all() or (coef < 0).any()
+                or not ((steps > 0) & (steps < math.inf)).all()):
+            raise ValueError(f"prefill model: expected at most {ADVISOR_MODEL_WINDOW} steps of "
+                             "3 numbers > 0, 3 coefficients >= 0 and a sample count >= the steps")
         if self.fixed:
             return
-        self._s, self._r, self._tt, self.samples = s, r, tt, samples
-        self.c, self.a, self.b = (float(x) for x in coef)
+        self._steps = deque((tuple(float(v) for v in step) for step in steps),  # type: ignore[misc]
+                            maxlen=ADVISOR_MODEL_WINDOW)
+        self.samples = samples
+        if self._steps:
+            self._solve()
+        else:
+            self.c, self.a, self.b = (float(v) for v in coef)
 
     def seconds(self, k: int, n: int) -> float:
         """Predicted seconds of the tokens ``[k, n)`` alone (the per-token and attention terms:

@@ -31,6 +31,16 @@ ADVISOR_EWMA_WEIGHT = 0.3
 # Weight of a new sample in the least-squares fit of the prefill cost model (c per step,
 # a + b * position per token): about the last ten steps, enough lengths to tell the terms apart.
 ADVISOR_MODEL_WEIGHT = 0.1
+# The last steps the fit keeps (older ones weigh under 0.9^64 = 0.1%): kept raw, so that a step
+# far slower than the fit of the others (an engine's first step compiles kernels: 1.7 s for 64
+# tokens on the H200) can be left out after the fact.
+ADVISOR_MODEL_WINDOW = 64
+# A step is left out of the fit if it took more than this many times what the fit of all the
+# kept steps predicts for it, and at least ADVISOR_OUTLIER_MIN_S more (a step that slow stalled
+# on something the model does not hold: a compile, a page fault storm, another process's
+# kernels). Never more than half of the kept steps: a slower engine is learned, not rejected.
+ADVISOR_OUTLIER_RATIO = 3.0
+ADVISOR_OUTLIER_MIN_S = 0.05
 # Weight of a finished request in the moving average of what a request computes (its prompt
 # tokens and their attention term), which prices the requests waiting to be scheduled (the
 # engine's backlog, ``PromotionAdvisor.engine_backlog_s``): about the last twenty requests.
