@@ -433,3 +433,25 @@ def test_only_steps_far_slower_than_the_fit_are_left_out():
     for k, n, s in engine(4.0) * 16:
         m.add(k, n, s)
     assert m.seconds(0, 32768) == pytest.approx(4 * base, rel=0.05)
+
+
+def test_a_stalled_first_step_of_few_tokens_is_not_taken_for_the_step_cost():
+    """Without 2k prompts the warm-up's 64-token first step (0.12-0.15 s) is the fastest step an
+    engine has, so the cap on ``c`` lets it explain itself: the restarted RAM-disk engine fitted
+    c = 0.10 s from it (logged). Judged against the fit without a step cost it is a stall."""
+    ram = STEPS["ramdisk"]
+    first = PrefillModel()
+    for tokens, attention, seconds in ram["engine_steps"]:
+        first.add_step(tokens, attention, seconds)
+    assert first.outliers == 1 and first.c < 0.05
+    again = PrefillModel()
+    again.restore(first.state())
+    for tokens, attention, seconds in ram["restart_steps"]:
+        again.add_step(tokens, attention, seconds)
+    assert again.outliers == 2 and again.c < 0.05
+    assert ram["logged_fit_after_restart_first_step"]["c"] > 0.1  # what the old rule did
+    halves = [[s for tokens, x2, s in ram["engine_steps"] if tokens == 16384
+               and x2 == pytest.approx(a, rel=1e-3)]
+              for a in (16384 * 16384 / 2, (32768 * 32768 - 16384 * 16384) / 2)]
+    measured = sum(float(np.mean(h)) for h in halves)  # a 32k prompt's two steps
+    assert again.seconds(0, 32768) + 2 * again.c == pytest.approx(measured, rel=0.05)

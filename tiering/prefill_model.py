@@ -69,8 +69,8 @@ class PrefillModel:
       3.2 s instead of 4.5, and the first engine recomputed the 32k disk hit its restart loaded
       in 2.9 s.
     * a step that took more than ``ADVISOR_OUTLIER_RATIO`` times what the fit of all kept steps
-      predicts (and ``ADVISOR_OUTLIER_MIN_S`` more) is left out, and the rest fitted again;
-      never more than half of them."""
+      without a step cost predicts (and ``ADVISOR_OUTLIER_MIN_S`` more) is left out, and the
+      rest fitted again; never more than half of them."""
 
     # term subsets, preferred first on equal error: (c, a, b) flags
     _SUBSETS = ((1, 1, 1), (0, 1, 1), (1, 1, 0), (0, 1, 0), (1, 0, 1), (0, 0, 1), (1, 0, 0))
@@ -111,7 +111,12 @@ class PrefillModel:
         coef = self._fit(x, t, w)
         if coef is None:
             return  # nothing fits: keep the last model
-        predicted = x @ coef
+        # judged against the best fit without a step cost: with one, a lone stalled step of
+        # few tokens can explain itself as c (the restarted H200 engine's 64-token first step,
+        # 0.15 s, was the fastest step it had and became c = 0.10 s); the floor of
+        # ADVISOR_OUTLIER_MIN_S keeps a real step cost below it from being judged
+        plain = self._fit(x, t, w, with_step=False)
+        predicted = x @ (coef if plain is None else plain)
         slow = (t > ADVISOR_OUTLIER_RATIO * predicted) & (t > predicted + ADVISOR_OUTLIER_MIN_S)
         self.outliers = 0
         if slow.any() and 2 * int(slow.sum()) <= len(t):
@@ -121,9 +126,11 @@ class PrefillModel:
         self.c, self.a, self.b = (float(v) for v in coef)
 
     @classmethod
-    def _fit(cls, x: np.ndarray, t: np.ndarray, w: np.ndarray) -> np.ndarray | None:
+    def _fit(cls, x: np.ndarray, t: np.ndarray, w: np.ndarray,
+             with_step: bool = True) -> np.ndarray | None:
         """The best non-negative fit of ``t ~ x @ (c, a, b)`` with weights ``w`` and ``c`` at
-        most ``min(t)``, over the term subsets; None if no subset fits."""
+        most ``min(t)`` (``c`` = 0 unless ``with_step``), over the term subsets; None if no
+        subset fits."""
         cap = float(t.min())
         # scale the columns to comparable sizes so the small systems stay well conditioned
         scale = np.sqrt(np.maximum(w @ (x * x), 1e-300))
@@ -133,6 +140,8 @@ class PrefillModel:
         norm = float(w @ (t * t)) or 1.0
         best, best_err = None, math.inf
         for flags in cls._SUBSETS:
+            if flags[0] and not with_step:
+                continue
             idx = [i for i in range(3) if flags[i]]
             sub = s[np.ix_(idx, idx)]
             if np.linalg.cond(sub) > 1e8:  # these terms cannot be told apart by the samples

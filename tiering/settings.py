@@ -36,9 +36,10 @@ ADVISOR_MODEL_WEIGHT = 0.1
 # tokens on the H200) can be left out after the fact.
 ADVISOR_MODEL_WINDOW = 64
 # A step is left out of the fit if it took more than this many times what the fit of all the
-# kept steps predicts for it, and at least ADVISOR_OUTLIER_MIN_S more (a step that slow stalled
-# on something the model does not hold: a compile, a page fault storm, another process's
-# kernels). Never more than half of the kept steps: a slower engine is learned, not rejected.
+# kept steps (without a step cost) predicts for it, and at least ADVISOR_OUTLIER_MIN_S more (a
+# step that slow stalled on something the model does not hold: a compile, a page fault storm,
+# another process's kernels). Never more than half of the kept steps: a slower engine is
+# learned, not rejected.
 ADVISOR_OUTLIER_RATIO = 3.0
 ADVISOR_OUTLIER_MIN_S = 0.05
 # Weight of a finished request in the moving average of what a request computes (its prompt
