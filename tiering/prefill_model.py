@@ -35,6 +35,7 @@ from tiering.settings import (
     ADVISOR_MODEL_WINDOW,
     ADVISOR_OUTLIER_MIN_S,
     ADVISOR_OUTLIER_RATIO,
+    ADVISOR_OUTLIER_ROUNDS,
 )
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,10 @@ class PrefillModel:
       no per-token cost: a load was priced at two such steps and recomputing a 32k prompt at
       3.2 s instead of 4.5, and the first engine recomputed the 32k disk hit its restart loaded
       in 2.9 s.
-    * a step that took more than ``ADVISOR_OUTLIER_RATIO`` times what the fit of all kept steps
-      without a step cost predicts (and ``ADVISOR_OUTLIER_MIN_S`` more) is left out, and the
-      rest fitted again; never more than half of them."""
+    * a step that took more than ``ADVISOR_OUTLIER_RATIO`` times what the other kept steps
+      predict for it (and ``ADVISOR_OUTLIER_MIN_S`` more) is left out, the worst first, and
+      the rest fitted again, for up to ``ADVISOR_OUTLIER_ROUNDS`` rounds; never more than
+      half of them."""
 
     # term subsets, preferred first on equal error: (c, a, b) flags
     _SUBSETS = ((1, 1, 1), (0, 1, 1), (1, 1, 0), (0, 1, 0), (1, 0, 1), (0, 0, 1), (1, 0, 0))
@@ -111,18 +113,31 @@ class PrefillModel:
         coef = self._fit(x, t, w)
         if coef is None:
             return  # nothing fits: keep the last model
-        # judged against the best fit without a step cost: with one, a lone stalled step of
-        # few tokens can explain itself as c (the restarted H200 engine's 64-token first step,
-        # 0.15 s, was the fastest step it had and became c = 0.10 s); the floor of
-        # ADVISOR_OUTLIER_MIN_S keeps a real step cost below it from being judged
-        plain = self._fit(x, t, w, with_step=False)
-        predicted = x @ (coef if plain is None else plain)
-        slow = (t > ADVISOR_OUTLIER_RATIO * predicted) & (t > predicted + ADVISOR_OUTLIER_MIN_S)
+        # Each step is judged against what the others predict for it (its leave-one-out
+        # prediction: a lone stalled step of few tokens, such as the restarted H200 engine's
+        # 64-token first step of 0.15 s, fits itself as c when it is in the fit); the worst
+        # stall is left out, then the next is looked for among the rest, a few rounds. The
+        # floor of ADVISOR_OUTLIER_MIN_S keeps a step cost below it from being judged.
+        out = np.zeros(len(t), dtype=bool)
         self.outliers = 0
-        if slow.any() and 2 * int(slow.sum()) <= len(t):
-            refit = self._fit(x[~slow], t[~slow], w[~slow])
-            if refit is not None:
-                coef, self.outliers = refit, int(slow.sum())
+        for _ in range(ADVISOR_OUTLIER_ROUNDS):
+            keep = ~out
+            if 2 * (int(out.sum()) + 1) > len(t):
+                break  # never more than half: a slower engine is learned, not rejected
+            others = np.full(len(t), np.nan)
+            others[keep] = _leave_one_out(x[keep], t[keep], w[keep])
+            others = np.maximum(others, 0.0)
+            stalled = (keep & np.isfinite(others) & (t > ADVISOR_OUTLIER_RATIO * others)
+                       & (t > others + ADVISOR_OUTLIER_MIN_S))
+            if not stalled.any():
+                break
+            worst = int(np.argmax(np.where(stalled, t - others, -np.inf)))
+            out[worst] = True
+            refit = self._fit(x[~out], t[~out], w[~out])
+            if refit is None:
+                out[worst] = False
+                break
+            coef, self.outliers = refit, int(out.sum())
         self.c, self.a, self.b = (float(v) for v in coef)
 
     @classmethod
@@ -211,6 +226,22 @@ class PrefillModel:
         what computing them adds to a step, and so what loading them saves)."""
         x1, x2 = stretch_features(k, n)
         return self.a * x1 + self.b * x2
+
+
+def _leave_one_out(x: np.ndarray, t: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Each sample's prediction by the weighted least-squares fit of all the others (the
+    three terms, unconstrained: a judge of stalls, not the model), from the fit of all of them
+    and its leverages; NaN where the others do not determine it."""
+    scale = np.sqrt(np.maximum(w @ (x * x), 1e-300))
+    xs = x / scale
+    inv = np.linalg.pinv(xs.T @ (w[:, None] * xs))
+    residual = t - xs @ (inv @ (xs.T @ (w * t)))
+    leverage = w * ((xs @ inv) * xs).sum(axis=1)
+    others: np.ndarray
+    with np.errstate(divide="ignore", invalid="ignore"):
+        others = t - residual / (1.0 - leverage)
+    others[~np.isfinite(others) | (leverage > 1.0 - 1e-6)] = np.nan
+    return others
 
 
 class StepClock:

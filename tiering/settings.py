@@ -35,13 +35,15 @@ ADVISOR_MODEL_WEIGHT = 0.1
 # far slower than the fit of the others (an engine's first step compiles kernels: 1.7 s for 64
 # tokens on the H200) can be left out after the fact.
 ADVISOR_MODEL_WINDOW = 64
-# A step is left out of the fit if it took more than this many times what the fit of all the
-# kept steps (without a step cost) predicts for it, and at least ADVISOR_OUTLIER_MIN_S more (a
-# step that slow stalled on something the model does not hold: a compile, a page fault storm,
-# another process's kernels). Never more than half of the kept steps: a slower engine is
-# learned, not rejected.
-ADVISOR_OUTLIER_RATIO = 3.0
+# A step is left out of the fit if it took more than this many times what the other kept steps
+# predict for it, and at least ADVISOR_OUTLIER_MIN_S more (a step that slow stalled on something
+# the model does not hold: a compile, a page fault storm, another process's kernels). Never more
+# than half of the kept steps: a slower engine is learned, not rejected.
+ADVISOR_OUTLIER_RATIO = 1.5
 ADVISOR_OUTLIER_MIN_S = 0.05
+# Rounds of that judgement, the worst stall left out in each: a big stall pulls the others'
+# fit up enough to hide a smaller one until it is out.
+ADVISOR_OUTLIER_ROUNDS = 3
 # Weight of a finished request in the moving average of what a request computes (its prompt
 # tokens and their attention term), which prices the requests waiting to be scheduled (the
 # engine's backlog, ``PromotionAdvisor.engine_backlog_s``): about the last twenty requests.
