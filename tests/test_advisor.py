@@ -492,6 +492,8 @@ def test_prefill_is_timed_per_step_from_the_chunks_each_step_offers(tmp_path, mo
             req = reqs[i] if j == 0 else RequestScan(c, f"extra{i}")
             if k:  # an earlier step computed up to k
                 req.computed_to, req.last_offer_step = k, c.steps - 1
+            else:  # vLLM looks a request up before it computes it: its first chunk misses
+                assert req.lookup(key(f"first-{i}-{j}"), 0) is Lookup.MISS
             req.offered(list(range(k + 16, n + 1, 16)))
         c.on_schedule_end()  # the step was scheduled; it runs, then the next one is scheduled
         clock[0] += c0 + sum(a * (n - k) + b * (n * n - k * k) / 2 for k, n in stretches)
@@ -556,6 +558,7 @@ def test_decoding_is_no_prefill_sample(tmp_path):
     c = make_chain(tmp_path, rows=4, advisor=adv)
     req = RequestScan(c, "r")
     c.on_schedule_end()
+    assert req.lookup(key("first"), 0) is Lookup.MISS
     req.offered(list(range(16, 129, 16)) + [128] * 4)  # the prompt in one step (2 KV groups)
     c.on_schedule_end()
     c.on_schedule_end()
@@ -1277,3 +1280,48 @@ def test_prefill_fit_survives_stalled_steps_anywhere(seed: int) -> None:
             truth = cost(a, b, 0, n) + c * len(range(0, n, 16384))
             fitted = m.seconds(0, n) + m.c * len(range(0, n, 16384))
             assert fitted == pytest.approx(truth, rel=tol), (seed, c, a, b, n, stalled)
+
+
+def test_a_prompt_cached_on_the_gpu_is_not_timed_as_computed(tmp_path, monkeypatch):
+    """vLLM offers a request's chunks for storing from its first one, those its GPU prefix
+    cache already held included, and looks up only from where the GPU cache ends (nothing at
+    all when less than a chunk is left). On the H200 a 32k prompt cached on the GPU was timed
+    as 32,768 tokens computed in 36 ms: the fit lost its per-token cost and priced recomputing
+    the 32k prompt at 3.3 s instead of 4.5. Only the tokens from the first lookup on are
+    computed; a request offered without any lookup computed less than a chunk."""
+    pytest.importorskip("vllm")
+    import time
+
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from tiering.vllm.manager import TieredManager
+
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    c = make_chain(tmp_path, rows=512, advisor=adv)
+    m = TieredManager(c)
+    clock = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    def step(ctx: ReqContext, keys: list[bytes], first_lookup: int | None, seconds: float
+             ) -> None:
+        for i, k in enumerate(keys):
+            ctx.set_offload_key_position(k, (i + 1) * 16)
+        if first_lookup is not None:
+            assert m.lookup(keys[first_lookup], ctx).name == "MISS"
+        m.prepare_store(keys, ctx)
+        m.on_schedule_end(None)
+        clock[0] += seconds
+        m.on_schedule_end(None)  # the step ran until here
+        m.on_request_finished(ctx)
+
+    step(ReqContext(req_id="cold"), [key(f"a{i}") for i in range(64)], 0, 1.024)
+    assert adv.prefill.samples == 1
+    assert adv.prefill.seconds(0, 1024) == pytest.approx(1.024)
+    # all but the last 16 tokens on the GPU: no lookup, every chunk offered, 5 ms
+    step(ReqContext(req_id="gpu"), [key(f"b{i}") for i in range(64)], None, 0.005)
+    assert adv.prefill.samples == 1  # no sample: what it computed is less than a chunk
+    # the first 960 tokens on the GPU: looked up from chunk 60 on, 64 ms for 64 tokens
+    step(ReqContext(req_id="part"), [key(f"c{i}") for i in range(64)], 60, 0.064)
+    assert adv.prefill.samples == 2
+    assert adv.prefill.seconds(0, 1024) == pytest.approx(1.024, rel=0.05)
+    m.shutdown()
