@@ -66,8 +66,11 @@ def make_manager(system: str, folder: Path, cpu_bytes: int, disk_bytes: int, thr
     if system == "ours":
         from tiering.vllm import TieredOffloadingSpec
 
+        # the rows are one block each: named, so that on a CUDA machine the spec does not
+        # choose its 64-token default chunk (4x the rows' bytes: the CPU tier then held a
+        # quarter of the rows and refused the prompt's second step)
         extra = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
-                 "cpu_bytes_to_use": cpu_bytes,
+                 "cpu_bytes_to_use": cpu_bytes, "blocks_per_chunk": 1,
                  "tiers": [{"medium": "cpu", "policy": "lru", "promote": promote},
                            {"medium": "file", **file_tier}]}
         return TieredOffloadingSpec(_config(extra, engine, row_bytes)).get_manager()
