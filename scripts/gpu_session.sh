@@ -16,6 +16,9 @@
 #               shape's rows) through our spec's manager and through vLLM's
 #               TieringOffloadingSpec over our FileTier, first and after a restart, on this
 #               machine's disk and then on the RAM disk, fio reading the same slab file  ~2 min
+#   disk-hit-ab docs/bench_disk_hit.py on both disks, ours only, a 16k prompt, one knob at a
+#               time (DISKHIT_AB: run<MiB>:t<threads> ..., default 2/4/8 MiB runs at 8 threads,
+#               4 and 2 MiB at 16): fio and plain preadv into distinct rows beside each  ~4 min
 #   phases-ramdisk  gpu-bench, 8B, 2k/8k/32k, none,ours,vtier-fs, cold,recompute,disk,restart,
 #               the file tiers on the RAM disk; then fio on it (OUT/fio_ramdisk.json)   ~4.5 min
 #   throughput-wb   gpu-bench's throughput step for none,ours,ours-wb, CPU tier 0.5x  ~2.5 min
@@ -40,14 +43,14 @@ OUT=${1:?usage: BUDGET_S=540 bash scripts/gpu_session.sh OUT [tests|phases|throu
 shift
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(tests phases throughput 32b)
-STEP_NAMES="tests, phases, throughput, 32b, sweep, disk-hit, phases-ramdisk, throughput-wb, disk-sweep"
+STEP_NAMES="tests, phases, throughput, 32b, sweep, disk-hit, disk-hit-ab, phases-ramdisk, throughput-wb, disk-sweep"
 BUDGET_S=${BUDGET_S:-540}
 TAG=${TAG:-h200}
 MARGIN_S=15  # for gpu-bench to write its table and exit after its last step
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 for step in "${STEPS[@]}"; do
-  case $step in tests|phases|throughput|32b|sweep|disk-hit|phases-ramdisk|throughput-wb|disk-sweep) ;;
+  case $step in tests|phases|throughput|32b|sweep|disk-hit|disk-hit-ab|phases-ramdisk|throughput-wb|disk-sweep) ;;
     *) echo "gpu_session: unknown step '$step' ($STEP_NAMES)" >&2; exit 2 ;;
   esac
 done
@@ -194,6 +197,21 @@ for step in "${STEPS[@]}"; do
           --json "$OUT/disk_hit_ramdisk.json"
         rm -rf "$ram_mnt/disk-hit"
       fi ;;
+    disk-hit-ab)
+      # the read path's two knobs, one at a time, on both disks: the largest vectored read
+      # (MAX_READ_RUN_BYTES) and the I/O threads; a 16k prompt (1024 chunks of 2 MiB), ours only
+      for where in vdisk ramdisk; do
+        dir="${TIERING_BENCH_DIR:-/tmp}/tiering-disk-hit-ab"
+        if [ "$where" = ramdisk ]; then ramdisk_up || continue; dir="$ram_mnt/disk-hit-ab"; fi
+        for knob in ${DISKHIT_AB:-run2:t8 run4:t8 run8:t8 run4:t16 run2:t16}; do
+          mib=${knob%%:*}; mib=${mib#run}; thr=${knob##*:t}
+          run "disk-hit-ab-$where-$mib-$thr" 30 60 python3 -P docs/bench_disk_hit.py \
+            --chunks "${DISKHIT_AB_CHUNKS:-1024}" --row-mib 2 --threads "$thr" --rounds 1 \
+            --systems ours --read-run-mib "$mib" "$dir" \
+            --json "$OUT/disk_hit_ab_${where}_${mib}_${thr}.json"
+          rm -rf "$dir"
+        done
+      done ;;
     phases-ramdisk)
       if ramdisk_up; then
         run phases-ramdisk 120 "$BUDGET_S" "${bench[@]}" --scratch "$ram_mnt/scratch" \
