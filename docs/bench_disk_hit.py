@@ -59,12 +59,18 @@ def _config(extra: dict[str, Any], engine: str, block_bytes: int) -> Any:
 
 
 def make_manager(system: str, folder: Path, cpu_bytes: int, disk_bytes: int, threads: int,
-                 row_bytes: int, promote: str, engine: str) -> Any:
+                 row_bytes: int, promote: str, engine: str, switch_ms: float | None = None
+                 ) -> Any:
     """The scheduler-side manager of ``system``, built by its spec (as vLLM builds it)."""
     file_tier = {"path": str(folder), "capacity": disk_bytes, "policy": "lru", "io": "posix",
                  "io_threads": threads}
     if system == "ours":
         from tiering.vllm import TieredOffloadingSpec
+
+        if switch_ms is not None:  # the bench's own switch interval, not the spec's
+            extra_ours = {"switch_interval_ms": 0}
+        else:
+            extra_ours = {}
 
         # the rows are one block each: named, so that on a CUDA machine the spec does not
         # choose its 64-token default chunk (4x the rows' bytes: the CPU tier then held a
@@ -72,7 +78,7 @@ def make_manager(system: str, folder: Path, cpu_bytes: int, disk_bytes: int, thr
         extra = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
                  "cpu_bytes_to_use": cpu_bytes, "blocks_per_chunk": 1,
                  "tiers": [{"medium": "cpu", "policy": "lru", "promote": promote},
-                           {"medium": "file", **file_tier}]}
+                           {"medium": "file", **file_tier}], **extra_ours}
         return TieredOffloadingSpec(_config(extra, engine, row_bytes)).get_manager()
     if system == "vtier-ours":
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
@@ -238,7 +244,7 @@ def run_system(system: str, root: Path, a: argparse.Namespace, row: int,
     out = []
     engine = f"diskhit-{system}-{rnd}"
     mgr = make_manager(system, folder, cpu_rows * row, disk_bytes, a.threads, row, a.promote,
-                       engine)
+                       engine, a.switch_ms)
     try:
         prompt = keys_of(rnd * 1000, n)
         store(mgr, "prompt", prompt)
@@ -251,7 +257,7 @@ def run_system(system: str, root: Path, a: argparse.Namespace, row: int,
     finally:
         mgr.shutdown()
     mgr = make_manager(system, folder, cpu_rows * row, disk_bytes, a.threads, row, a.promote,
-                       engine + "r")
+                       engine + "r", a.switch_ms)
     try:
         r = disk_hit(mgr, "restart", prompt)
         out.append({"system": system, "phase": "restart", "round": rnd, **r})
@@ -280,7 +286,13 @@ def main() -> int:
     ap.add_argument("--read-run-mib", type=float, default=None,
                     help="the largest vectored read of adjacent slots (tiering.settings."
                          "MAX_READ_RUN_BYTES; default: the setting's value), for A/B runs")
+    ap.add_argument("--switch-ms", type=float, default=None,
+                    help="the interpreter's switch interval (sys.setswitchinterval) in ms "
+                         "for every system, ours' spec told to leave it (default: ours' spec "
+                         "lowers it to its switch_interval_ms for the rest of the process)")
     a = ap.parse_args()
+    if a.switch_ms is not None:
+        sys.setswitchinterval(a.switch_ms / 1000)
     if a.read_run_mib is not None:
         from tiering.backends import slot_reads
 

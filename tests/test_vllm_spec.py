@@ -67,6 +67,10 @@ def good(tmp_path, **over) -> dict:
     (lambda e: e.update(gpu_copy="fast"), "gpu_copy: expected one of auto, dma, staged, direct"),
     (lambda e: e.update(max_loading_requests=-1), "max_loading_requests: expected an integer"),
     (lambda e: e.update(max_loading_requests="8"), "max_loading_requests: expected an integer"),
+    (lambda e: e.update(switch_interval_ms=-1), "switch_interval_ms: expected a number"),
+    (lambda e: e.update(switch_interval_ms="0.5"), "switch_interval_ms: expected a number"),
+    (lambda e: e.update(switch_interval_ms=True), "switch_interval_ms: expected a number"),
+    (lambda e: e.update(switch_interval_ms=1e9), "switch_interval_ms: expected a number"),
 ])
 def test_bad_config_is_one_clear_error_before_allocation(tmp_path, mutate, message):
     extra = good(tmp_path)
@@ -84,6 +88,39 @@ def test_integral_float_cpu_bytes_is_accepted(tmp_path, value):
     assert spec.cfg.cpu_bytes_to_use == int(value)
     assert isinstance(spec.cfg.cpu_bytes_to_use, int)
     assert spec.num_rows == int(value) // spec.row_bytes
+
+
+@pytest.fixture
+def switch_interval():
+    """Python's switch interval, restored after the test (it is the process's)."""
+    import sys
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    yield sys
+    sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("extra, tiers, want", [
+    ({}, "file", 0.0005),  # the default, with I/O threads
+    ({"switch_interval_ms": 2}, "file", 0.002),
+    ({"switch_interval_ms": 0}, "file", 0.005),  # 0: Python's own
+    ({"switch_interval_ms": 50}, "file", 0.005),  # never raised
+    ({}, "cpu", 0.005),  # no tier runs I/O threads: left alone
+])
+def test_a_file_tier_shortens_the_switch_interval(tmp_path, switch_interval, extra, tiers, want):
+    """The tiers' I/O threads take the GIL back after each read while the scheduler thread
+    runs Python: the engine process's switch interval is lowered when a tier has them."""
+    cfg = good(tmp_path, **extra)
+    if tiers == "cpu":
+        cfg["tiers"] = cfg["tiers"][:1]
+    spec = TieredOffloadingSpec(config(cfg, engine=f"switch-{tiers}-{len(extra)}"))
+    assert switch_interval.getswitchinterval() == 0.005  # nothing changes before the manager
+    m = spec.get_manager()
+    try:
+        assert switch_interval.getswitchinterval() == pytest.approx(want)
+    finally:
+        m.shutdown()
 
 
 def test_manager_store_lookup_promote_through_vllm_types(tmp_path):

@@ -15,7 +15,7 @@ from tiering.backends.file_config import FileTierConfig, check_types, validate
 from tiering.backends.mooncake_config import MooncakeTierConfig, check_row
 from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
-from tiering.settings import MAX_LOADING_REQUESTS
+from tiering.settings import IO_SWITCH_INTERVAL_S, MAX_LOADING_REQUESTS
 
 # Keys that vLLM itself reads from kv_connector_extra_config: accepted and passed through.
 VLLM_KEYS = {
@@ -23,7 +23,7 @@ VLLM_KEYS = {
     "self_describing_kv_events", "canonical_layout", "sync_load_budget_bytes",
     "enable_kv_cache_events",
 }
-OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests"}
+OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests", "switch_interval_ms"}
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
                  "prefill_tokens_per_s"}
@@ -51,6 +51,9 @@ class TieredConfig:
     gpu_copy: str = "auto"  # how GPU workers move KV pages (backends/cuda_copy.py)
     # requests with a load to the GPU in flight at once (tiering.vllm.load_gate); 0: no cap
     max_loading_requests: int = MAX_LOADING_REQUESTS
+    # the engine process's switch interval while tiers run I/O threads; 0: Python's own
+    # (tiering.settings.IO_SWITCH_INTERVAL_S says why)
+    switch_interval_ms: float = IO_SWITCH_INTERVAL_S * 1000
 
 
 def _int(value: Any, where: str, low: int) -> int:
@@ -81,6 +84,11 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
                        max_loading_requests=_int(extra.get("max_loading_requests",
                                                            MAX_LOADING_REQUESTS),
                                                  "max_loading_requests", 0))
+    switch = extra.get("switch_interval_ms", IO_SWITCH_INTERVAL_S * 1000)
+    if isinstance(switch, bool) or not isinstance(switch, int | float) or not 0 <= switch <= 100:
+        raise ValueError(f"switch_interval_ms: expected a number of milliseconds from 0 (leave "
+                         f"Python's own) to 100, got {switch!r}")
+    cfg.switch_interval_ms = float(switch)
     for i, tier in enumerate(tiers):
         where = f"tiers[{i}]"
         if not isinstance(tier, dict):

@@ -116,6 +116,17 @@ ADVISOR_RATE_MIN_ROWS = 16
 # (8B 42.6k and 174.6k against 150.2k in one call) and was reverted.
 MAX_LOADING_REQUESTS = 256
 
+# -- the engine process's GIL --------------------------------------------------------------------
+# The interpreter's switch interval in an engine process whose tiers run I/O threads (file and
+# mooncake tiers; ``switch_interval_ms`` in the spec's config; 0 leaves Python's own). A thread
+# that wants the GIL back (an I/O thread whose pread returned) waits up to this long while
+# another thread runs Python; vLLM's scheduler thread does so all the time while a request waits
+# for its disk hit (it scans the request's chunks every step). Each read takes the GIL back three
+# or four times (the task, the syscall, the checksums): with Python's 5 ms, the H200's RAM-disk
+# promotions read at 1.6 GB/s against 3.6-4.5 for plain preadv into distinct rows
+# (docs/benchmarks.md, "Promotion reads and the GIL").
+IO_SWITCH_INTERVAL_S = 0.0005
+
 # -- file tier ---------------------------------------------------------------------------------
 # LMDB map size: a fixed headroom plus a generous per-slot share (a record is 44 bytes plus the
 # key and B-tree overhead; copy-on-write needs room for a second copy of touched pages).
