@@ -195,42 +195,16 @@ def fio_read(path: Path, row_bytes: int, total: int, threads: int) -> dict[str, 
 
 
 def rows_read(path: Path, row_bytes: int, total: int, threads: int, run_rows: int) -> dict[str, Any]:
-    """The floor of our read path without the tier: ``threads`` Python threads ``preadv`` the
-    first ``total`` bytes of ``path`` (O_DIRECT), ``run_rows`` rows a call, each row into its
-    own row of a populated anonymous mapping of ``total`` bytes, as promotions land in distinct
-    CPU rows. fio reads every block of a job into the same few buffers, hot in the CPU's
-    caches; where the device is memory (a RAM disk, whose loop thread copies every byte), that
-    is an advantage no promotion can have, and this rate says how much of it is."""
-    import mmap
-    import threading
+    """The floor of our read path without the tier: plain ``preadv`` into distinct rows
+    (``bench_read_floor.one_read``, no checksum, an idle main thread, this process's switch
+    interval). fio reads every block of a job into the same few buffers, hot in the CPU's
+    caches; where the device is memory (a RAM disk) that is an advantage no promotion has."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_read_floor import one_read
 
-    region = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-                       | getattr(mmap, "MAP_POPULATE", 0))
-    view = memoryview(region)
-    runs = [(o, min(run_rows * row_bytes, total - o)) for o in range(0, total, run_rows * row_bytes)]
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    lock = threading.Lock()
-
-    def work() -> None:
-        while True:
-            with lock:
-                if not runs:
-                    return
-                off, n = runs.pop(0)
-            bufs = [view[o:o + row_bytes] for o in range(off, off + n, row_bytes)]
-            os.preadv(fd, bufs, off)
-
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=work) for _ in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    seconds = time.perf_counter() - t0
-    os.close(fd)
-    view.release()
-    region.close()
-    return {"GBps": total / seconds / 1e9, "bytes": total, "run_rows": run_rows}
+    gbps = one_read(str(path), total, row_bytes, threads, run_rows, "anon", False, False,
+                    sys.getswitchinterval())
+    return {"GBps": gbps, "bytes": total, "run_rows": run_rows}
 
 
 def run_system(system: str, root: Path, a: argparse.Namespace, row: int,
