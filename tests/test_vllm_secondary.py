@@ -288,3 +288,31 @@ def test_rows_in_vllms_canonical_layout_are_another_namespace(tmp_path, primary)
     assert direct.lookup(key, ReqContext(req_id="r")) is LookupResult.HIT
     assert direct.lookup(KEYS[1], ReqContext(req_id="r")) is LookupResult.MISS
     direct.shutdown()
+
+
+@pytest.mark.parametrize("cfg, want", [
+    ({}, 0.0005),  # the default: our I/O threads read while vLLM's scheduler thread runs Python
+    ({"switch_interval_ms": 2}, 0.002),
+    ({"switch_interval_ms": 0}, 0.005),  # 0: Python's own
+    ({"switch_interval_ms": 50}, 0.005),  # never raised
+])
+def test_the_file_tier_under_vllms_spec_shortens_the_switch_interval(tmp_path, primary, cfg, want):
+    """Under vLLM's TieringOffloadingSpec our file tier's reads wait for the GIL as under ours
+    (docs/benchmarks.md, the eleventh run): the process's interval is lowered the same way."""
+    import sys
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        tier = make_tier(tmp_path, primary, **cfg)
+        assert sys.getswitchinterval() == pytest.approx(want)
+        tier.shutdown()
+    finally:
+        sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("value", [-1, "0.5", True, 1e9])
+def test_a_bad_switch_interval_is_one_clear_error(tmp_path, primary, value):
+    with pytest.raises(ValueError, match="switch_interval_ms: expected a number"):
+        make_tier(tmp_path, primary, switch_interval_ms=value)
+    assert not (tmp_path / "kv").exists()  # refused before the tier's folder was made

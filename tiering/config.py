@@ -16,6 +16,7 @@ from tiering.backends.mooncake_config import MooncakeTierConfig, check_row
 from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
 from tiering.settings import IO_SWITCH_INTERVAL_S, MAX_LOADING_REQUESTS
+from tiering.switch_interval import parse_switch_interval_ms
 
 # Keys that vLLM itself reads from kv_connector_extra_config: accepted and passed through.
 VLLM_KEYS = {
@@ -84,11 +85,7 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
                        max_loading_requests=_int(extra.get("max_loading_requests",
                                                            MAX_LOADING_REQUESTS),
                                                  "max_loading_requests", 0))
-    switch = extra.get("switch_interval_ms", IO_SWITCH_INTERVAL_S * 1000)
-    if isinstance(switch, bool) or not isinstance(switch, int | float) or not 0 <= switch <= 100:
-        raise ValueError(f"switch_interval_ms: expected a number of milliseconds from 0 (leave "
-                         f"Python's own) to 100, got {switch!r}")
-    cfg.switch_interval_ms = float(switch)
+    cfg.switch_interval_ms = parse_switch_interval_ms(extra.get("switch_interval_ms"))
     for i, tier in enumerate(tiers):
         where = f"tiers[{i}]"
         if not isinstance(tier, dict):

@@ -118,7 +118,8 @@ MAX_LOADING_REQUESTS = 256
 
 # -- the engine process's GIL --------------------------------------------------------------------
 # The interpreter's switch interval in an engine process whose tiers run I/O threads (file and
-# mooncake tiers; ``switch_interval_ms`` in the spec's config; 0 leaves Python's own). A thread
+# mooncake tiers; ``switch_interval_ms`` in our spec's config or a secondary tier's under vLLM's
+# spec, tiering.switch_interval; 0 leaves Python's own). A thread
 # that wants the GIL back (an I/O thread whose pread returned) waits up to this long while
 # another thread runs Python; vLLM's scheduler thread does so all the time while a request waits
 # for its disk hit (it scans the request's chunks every step). Each read takes the GIL back three

@@ -4,8 +4,11 @@
                          "path": "/mnt/nvme/kv", "capacity": "1TiB", "policy": "arc",
                          "store_threshold": 2}]
 
-Every key except ``type``/``module_path``/``locality``/``enable_kv_events`` is a file-tier
-setting (``FileTierConfig``); a wrong one fails the engine at start with the key's name.
+Every key except ``type``/``module_path``/``locality``/``enable_kv_events``/
+``switch_interval_ms`` is a file-tier setting (``FileTierConfig``); a wrong one fails the engine
+at start with the key's name. ``switch_interval_ms`` is our spec's option of that name
+(tiering.switch_interval): the engine process's switch interval while the tier's I/O threads
+read, 0.5 ms unless set, 0 to leave Python's own.
 ``locality`` (``"LOCAL"``/``"REMOTE"``, as for vLLM's ``fs`` tier) lets requests that name the
 tiers they may load from (``kv_load_tiers``) skip this one. KV events (a chunk stored, evicted
 or dropped) are emitted only while vLLM's KV events are on, unless ``enable_kv_events`` is
@@ -32,6 +35,7 @@ from tiering.backends.file_tier import FileTier as _FileTier
 from tiering.backends.mooncake_config import MooncakeTierConfig
 from tiering.backends.mooncake_tier import MooncakeTier as MooncakeStoreTier
 from tiering.backends.namespace import NamespaceFacts
+from tiering.switch_interval import parse_switch_interval_ms, shorten_switch_interval
 from tiering.tier import Lookup
 from tiering.vllm.compat import (
     Locality,
@@ -76,12 +80,17 @@ class FileSecondaryTier(SecondaryTierManager):
         events = tier_config.pop("enable_kv_events", True)
         if not isinstance(events, bool):
             raise ValueError(f"{where}: enable_kv_events: expected true or false, got {events!r}")
+        try:
+            switch_ms = parse_switch_interval_ms(tier_config.pop("switch_interval_ms", None))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         row_bytes = self.block_size_bytes
         # vLLM lays these rows out: in its canonical page format when the config asks for it
         facts, info = facts_from_config(
             offloading_spec.config, row_bytes,
             canonical=bool(getattr(offloading_spec.config, "canonical_layout", False)))
         self.tier = self._open_tier(tier_config, facts, info, where)
+        shorten_switch_interval(switch_ms)  # its I/O threads read while the scheduler runs
         self._rows = primary_kv_view.cast("B") if primary_kv_view.ndim > 1 else primary_kv_view
         self._row_bytes = row_bytes
         self._jobs: dict[int, _Job] = {}

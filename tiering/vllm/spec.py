@@ -16,7 +16,6 @@ on rank 0 only, and every rank's worker reads and writes the one cell of the sha
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ from tiering.chain import TierChain
 from tiering.config import check_sizes, parse
 from tiering.cpu_tier import CpuTier
 from tiering.settings import CUDA_CHUNK_TOKENS
+from tiering.switch_interval import shorten_switch_interval
 from tiering.vllm.compat import (
     CanonicalKVCaches,
     OffloadingSpec,
@@ -47,18 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PAGE = 4096
-
-
-def shorten_switch_interval(seconds: float) -> None:
-    """Lower this process's switch interval to ``seconds`` (0: leave it), never raise it: the
-    tiers' I/O threads take the GIL back after every read while vLLM's scheduler thread runs
-    Python (tiering.settings.IO_SWITCH_INTERVAL_S)."""
-    now = sys.getswitchinterval()
-    if 0 < seconds < now:
-        sys.setswitchinterval(seconds)
-        log.info("vllm-tiering: interpreter switch interval %.2g ms (was %.2g ms), so that the "
-                 "tiers' I/O threads get the GIL back soon after each read while the scheduler "
-                 "runs (switch_interval_ms: 0 leaves it)", seconds * 1000, now * 1000)
 
 
 def default_blocks_per_chunk(config: OffloadingConfig, extra_config: Mapping[str, Any],
@@ -150,7 +138,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             log.info("vllm-tiering: namespace %s (%s); prefix hash %s: cached chunks %s",
                      facts.namespace_id, facts.model, info["hash_algo"] or "unknown", survive)
         if tiers:
-            shorten_switch_interval(self.cfg.switch_interval_ms / 1000)
+            shorten_switch_interval(self.cfg.switch_interval_ms)
         cpu = CpuTier(region, self.cfg.cpu.policy, self.cfg.cpu.store_threshold,
                       self.cfg.cpu.tracker_size)
         advisor = None
