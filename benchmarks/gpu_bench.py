@@ -114,6 +114,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--promote", default="auto",
                     help="ours: the CPU tier's promote setting (default auto: the promotion "
                          "advisor decides each disk run; always: every disk hit is loaded)")
+    ap.add_argument("--switch-ms", type=float, default=None,
+                    help="our tiers' switch_interval_ms (default: the spec's; 0: Python's 5 ms)")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="skip the steps (a config's phases or throughput run) that would end "
                          "after this many seconds, judged by the longest such step so far "
@@ -256,6 +258,21 @@ def transfer_config(name: str, scratch: Path, cpu_bytes: int, disk_gib: float,
                              **({"promote": promote} if promote else {})}, file_tier])
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": extra}
+
+
+def with_switch_interval(kvt: dict | None, ms: float | None) -> dict | None:
+    """``kvt`` with our tiers' ``switch_interval_ms`` set to ``ms`` (None: the spec's default),
+    for an A/B of the engine process's switch interval (tiering.switch_interval); configs
+    without our tiers are left as they are."""
+    if kvt is None or ms is None:
+        return kvt
+    extra = kvt["kv_connector_extra_config"]
+    if extra.get("spec_module_path") == "tiering.vllm":
+        extra["switch_interval_ms"] = ms
+    for tier in extra.get("secondary_tiers", []):
+        if tier.get("module_path") == "tiering.vllm":
+            tier["switch_interval_ms"] = ms
+    return kvt
 
 
 class Engine:
@@ -422,6 +439,7 @@ def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, g
     stored = (sum(a.lengths) + n_fill * max(a.lengths)) * kvb
     kvt = transfer_config(config, scratch, cpu_bytes, a.disk_gib or max(1.0, 1.5 * stored / 2**30),
                           a.gpu_copy, a.promote)
+    kvt = with_switch_interval(kvt, a.switch_ms)
     timings: dict = {}
     warm = list(a.lengths)
     eng = Engine(a, model, config, kvt, gpu_blocks, max_len, warm)
@@ -481,6 +499,7 @@ def throughput_for(a, model, config, scratch, kvb, block_size, cpu_fraction):
     cpu_bytes = int(ws_tokens * kvb * (cpu_fraction or 0))
     kvt = transfer_config(config, scratch / "tp", cpu_bytes,
                           a.disk_gib or max(1.0, 1.5 * ws_tokens * kvb / 2**30), a.gpu_copy, a.promote)
+    kvt = with_switch_interval(kvt, a.switch_ms)
     vocab = SHAPES[a.shape][5]
     prefixes = [prompt(5000 + i, a.tp_prefix_tokens, vocab) for i in range(a.tp_prefixes)]
     r = random.Random(7)
@@ -1124,6 +1143,7 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
                                 int(a.sweep_sync_load_mib * 2**20),
                                 None if a.sweep_max_loading < 0 else a.sweep_max_loading, disk,
                                 a.promote)
+    kvt = with_switch_interval(kvt, a.switch_ms)
     plan = sweep_batches(n, a.sweep_hit_rates)
     if config == "none":  # no cache of any kind: a fresh batch, then the same prompts again
         plan = [("hit", 0.0, list(range(n))), ("hit", 100.0, list(range(n)))]

@@ -182,6 +182,34 @@ def test_our_configs_are_valid_for_our_spec(tmp_path):
     assert demote == {"ours": "on_store", "ours-wb": "on_evict"}
 
 
+def test_switch_ms_reaches_our_tiers_only(tmp_path):
+    """--switch-ms (an A/B of the engine's switch interval) sets switch_interval_ms where our
+    spec or our secondary tier reads it, in a form each accepts, and nowhere else."""
+    from tiering.config import parse
+
+    for c in gpu_bench.CONFIGS:
+        kvt = gpu_bench.transfer_config(c, tmp_path, 1 << 30, 4.0)
+        before = json.dumps(kvt, sort_keys=True)
+        assert gpu_bench.with_switch_interval(kvt, None) is kvt
+        assert json.dumps(kvt, sort_keys=True) == before  # None: the spec's default, untouched
+        kvt = gpu_bench.with_switch_interval(kvt, 5.0)
+        if kvt is None:
+            continue
+        extra = kvt["kv_connector_extra_config"]
+        if c in ("ours", "ours-wb"):
+            assert extra["switch_interval_ms"] == 5.0
+            cfg = parse({k: v for k, v in extra.items()
+                         if k not in ("spec_name", "spec_module_path")})
+            assert cfg.switch_interval_ms == 5.0
+        elif c == "vtier-ours":
+            assert extra["secondary_tiers"][0]["switch_interval_ms"] == 5.0
+        else:
+            assert "switch_interval_ms" not in json.dumps(kvt), c
+    disk = gpu_bench.sweep_transfer_config("ours-disk", 1 << 30, None, 16, disk=(tmp_path, 1 << 30))
+    assert gpu_bench.with_switch_interval(disk, 0)["kv_connector_extra_config"][
+        "switch_interval_ms"] == 0
+
+
 def test_vtier_configs_build_the_tiers_they_name(tmp_path):
     """vtier-ours's entry is a valid FileTier config once vLLM's factory has taken ``type`` and
     ``module_path`` off it; under vLLM 0.33 (.venv033) the factory resolves both entries."""
