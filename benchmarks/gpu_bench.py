@@ -813,6 +813,10 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-disk-cpu-factor", type=float, default=0.25,
                    help=f"{SWEEP_DISK_CONFIG}: CPU tier size / KV of one batch (its file tier "
                         "holds 2.5 batches)")
+    g.add_argument("--sweep-promotion-reserve", type=float, default=None,
+                   help=f"{SWEEP_DISK_CONFIG}: the CPU tier's promotion_reserve (share of the "
+                        "rows stores leave for promotions once one found none; 0: off; "
+                        "default: the spec's)")
     g.add_argument("--sweep-warm-hits", type=int, default=1,
                    help="1: before the fill, unmeasured rounds of CPU hits (of "
                         f"{', '.join(map(str, WARM_HIT_SIZES))} prompts) compile the kernels "
@@ -857,11 +861,13 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
                           sync_load_bytes: int = 0,
                           max_loading_requests: int | None = None,
                           disk: tuple[Path, int] | None = None,
-                          promote: str = "auto") -> dict | None:
+                          promote: str = "auto",
+                          promotion_reserve: float | None = None) -> dict | None:
     """The sweep's offloading setups: vLLM's CPUOffloadingSpec (``cpu``) or our spec with its
     CPU tier only (``ours``), offloading chunks of ``chunk_tokens`` (None: each spec's default,
     ``default_chunk_tokens``); ``ours-disk``: ours over a file tier at ``disk`` (folder,
-    capacity in bytes), promoting disk hits by ``promote`` (the CPU tier's setting)."""
+    capacity in bytes), promoting disk hits by ``promote`` and with the CPU tier's
+    ``promotion_reserve`` if given (None: the spec's default)."""
     if config == "none":
         return None
     extra: dict = {"cpu_bytes_to_use": cpu_bytes}
@@ -878,6 +884,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
                 raise ValueError(f"prefill sweep: {config} needs a folder and a capacity")
             if promote != "auto":
                 tiers[0]["promote"] = promote
+            if promotion_reserve is not None:
+                tiers[0]["promotion_reserve"] = promotion_reserve
             tiers.append({"medium": "file", "path": str(disk[0]), "policy": "lru",
                           "capacity": f"{disk[1] / 2**30:.3f}GiB", "io": "posix"})
         extra.update(spec_name="TieredOffloadingSpec", spec_module_path="tiering.vllm",
@@ -1142,7 +1150,7 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     kvt = sweep_transfer_config(config, cpu_bytes, chunk, block_tokens, a.gpu_copy,
                                 int(a.sweep_sync_load_mib * 2**20),
                                 None if a.sweep_max_loading < 0 else a.sweep_max_loading, disk,
-                                a.promote)
+                                a.promote, a.sweep_promotion_reserve)
     kvt = with_switch_interval(kvt, a.switch_ms)
     plan = sweep_batches(n, a.sweep_hit_rates)
     if config == "none":  # no cache of any kind: a fresh batch, then the same prompts again

@@ -227,7 +227,7 @@ for step in "${STEPS[@]}"; do
       dsweep=(--phases prefill-sweep --sweep-shapes 8b --sweep-prompts 128 --sweep-hit-rates 0,50,100)
       VLLM_LOGGING_LEVEL=DEBUG run disk-sweep-vdisk 150 "$BUDGET_S" "${bench[@]}" \
         --tag "${TAG}dsv" "${dsweep[@]}" --sweep-configs none,ours-disk "${sweep_extra[@]}" "${extra[@]}"
-      grep -E "request_scan|promotion advisor|\[sweep\]" "$OUT/disk-sweep-vdisk.log" \
+      grep -E "request_scan|chain.py|promotion advisor|\[sweep\]" "$OUT/disk-sweep-vdisk.log" \
         > "$OUT/disk_sweep_vdisk_decisions.txt" 2>/dev/null
       gzip -f "$OUT/disk-sweep-vdisk.log"
       if ramdisk_up; then
@@ -235,7 +235,7 @@ for step in "${STEPS[@]}"; do
         VLLM_LOGGING_LEVEL=DEBUG run disk-sweep-ramdisk 90 "$BUDGET_S" "${bench[@]}" \
           --scratch "$ram_mnt/scratch" --tag "${TAG}dsr" "${dsweep[@]}" --sweep-configs ours-disk \
           "${sweep_extra[@]}" "${extra[@]}"
-        grep -E "request_scan|promotion advisor|\[sweep\]" "$OUT/disk-sweep-ramdisk.log" \
+        grep -E "request_scan|chain.py|promotion advisor|\[sweep\]" "$OUT/disk-sweep-ramdisk.log" \
           > "$OUT/disk_sweep_ramdisk_decisions.txt" 2>/dev/null
         gzip -f "$OUT/disk-sweep-ramdisk.log"
         rm -rf "$ram_mnt/scratch"

@@ -220,3 +220,73 @@ def test_cpu_evictions_leave_arc_ghosts(tmp_path):
     assert c.cpu.key_row.keys() >= {key(0), key(1), key(4)}
     c.close()
     region.close(unlink=True)
+
+
+def _store_step(c: TierChain, keys: list[bytes], previous: list[bytes]) -> list[bytes]:
+    """One scheduler step as vLLM 0.33 drives the store path under asynchronous scheduling:
+    the previous step's store jobs end first, then this step prepares one chunk per call
+    (each call's rows stay WRITING, pinned, until the next step). Returns the keys stored."""
+    if previous:
+        c.complete_store(previous)
+    stored = []
+    for k in keys:
+        out = c.prepare_store([k])
+        if out is not None:
+            stored += out[0]
+    return stored
+
+
+def test_stores_leave_rows_for_promotions_once_one_found_none(tmp_path, monkeypatch):
+    """The H200's disk-backed sweep (docs/results/2026-12-04c/call1): a step stored as much as
+    the whole CPU tier holds, and vLLM's store jobs end a step later, so every row was pinned
+    when the scans asked; 27 of the 39 runs the advisor decided to load (54 of 71 on the RAM
+    disk) found no CPU row and were recomputed. Once a promotion finds no row, stores leave
+    rows unpinned for promotions: the next step's promotion gets one and reads the exact bytes;
+    the rows go back to stores once no promotion has been asked for a while."""
+    c = make_chain(tmp_path, rows=16, disk_slots=64)
+    old = [key(f"old{i}") for i in range(16)]
+    data = fill(c, old)
+    settle(c)  # all on disk
+    pending = _store_step(c, [key(f"s1-{j}") for j in range(16)], [])
+    assert len(pending) == 16  # every row is being written by the GPU
+    assert c.lookup(old[0]) == Lookup.MISS  # no CPU row: the run is recomputed
+    c.on_schedule_end()
+    for step in range(2, 5):
+        pending = _store_step(c, [key(f"s{step}-{j}") for j in range(16)], pending)
+        found = c.lookup(old[step])
+        assert found == Lookup.PENDING, (step, found, c.cpu.pinned_rows())
+        c.on_schedule_end()
+        settle(c)
+        assert c.lookup(old[step]) == Lookup.HIT
+        (row,) = c.prepare_load([old[step]])
+        assert c.region.rows[row].tobytes() == data[old[step]]
+        c.complete_load([old[step]])
+    assert c.cpu.stats["rejections:reserved"] > 0
+    c.check()
+    # no promotion asked since: the reserve ends and stores may take every row again
+    monkeypatch.setattr("tiering.chain.PROMOTION_RESERVE_IDLE_S", 0.0)
+    c.complete_store(pending)
+    settle(c)
+    c.on_schedule_end()
+    assert len(_store_step(c, [key(f"last-{j}") for j in range(16)], [])) == 16
+    c.close()
+
+
+def test_with_no_reserve_configured_stores_keep_taking_every_row(tmp_path):
+    """``promotion_reserve`` 0 (the CPU tier's setting): the promotion stays a miss, and stores
+    are never refused for it."""
+    region = StagingRegion("nores", 8, ROW)
+    tier = FileTier({"path": str(tmp_path / "disk"), "capacity": 32 * ROW, "io": "posix",
+                     "policy": "lru"}, facts(ROW))
+    c = TierChain(CpuTier(region, "lru"), [tier], promotion_reserve=0)
+    old = [key(f"o{i}") for i in range(8)]
+    fill(c, old)
+    settle(c)
+    pending = _store_step(c, [key(f"a{j}") for j in range(8)], [])
+    assert c.lookup(old[0]) == Lookup.MISS
+    c.on_schedule_end()
+    c.complete_store(pending)
+    settle(c)
+    assert len(_store_step(c, [key(f"b{j}") for j in range(8)], [])) == 8
+    assert c.cpu.stats["rejections:reserved"] == 0
+    c.close()

@@ -71,6 +71,10 @@ def good(tmp_path, **over) -> dict:
     (lambda e: e.update(switch_interval_ms="0.5"), "switch_interval_ms: expected a number"),
     (lambda e: e.update(switch_interval_ms=True), "switch_interval_ms: expected a number"),
     (lambda e: e.update(switch_interval_ms=1e9), "switch_interval_ms: expected a number"),
+    (lambda e: e["tiers"][0].update(promotion_reserve=0.5), r"tiers\[0\].promotion_reserve: "),
+    (lambda e: e["tiers"][0].update(promotion_reserve=-0.1), r"tiers\[0\].promotion_reserve: "),
+    (lambda e: e["tiers"][0].update(promotion_reserve="1/8"), r"tiers\[0\].promotion_reserve"),
+    (lambda e: e["tiers"][0].update(promotion_reserve=True), r"tiers\[0\].promotion_reserve"),
 ])
 def test_bad_config_is_one_clear_error_before_allocation(tmp_path, mutate, message):
     extra = good(tmp_path)

@@ -10,7 +10,10 @@ Store path: vLLM asks ``prepare_store`` (the CPU tier reserves rows; the GPU fil
 ``complete_store``: the rows become READY and are offered to every file tier (demotion; each
 tier's own ``store_threshold`` decides). A demoted row stays pinned until its write completes.
 Writes down pin at most ``DEMOTION_PIN_FRACTION`` of the rows: past that budget a write-through
-row is owed (``OwedRows.behind``) and written oldest first as writes complete.
+row is owed (``OwedRows.behind``) and written oldest first as writes complete. Once a promotion
+finds every row pinned (stores took them all), stores leave ``PROMOTION_RESERVE_FRACTION`` of
+the rows unpinned for promotions (``CpuTier.keep_for_promotions``) until no promotion has been
+asked for ``PROMOTION_RESERVE_IDLE_S``.
 
 Write-back (a file tier with ``demote: on_evict``): a READY row is only *owed* to that tier
 (``_owed``). Rows are written down when they come near the head of the CPU tier's eviction order:
@@ -49,6 +52,8 @@ from tiering.settings import (
     ADVISOR_CALIBRATION_MAX_ROWS,
     DEMOTION_PIN_FRACTION,
     DEMOTION_PIN_MIN,
+    PROMOTION_RESERVE_FRACTION,
+    PROMOTION_RESERVE_IDLE_S,
     WRITEBACK_RESERVE_FRACTION,
     WRITEBACK_RESERVE_MIN,
 )
@@ -78,7 +83,8 @@ def tier_label(i: int, medium: str = "file") -> str:
 
 class TierChain:
     def __init__(self, cpu: CpuTier, file_tiers: Sequence[StoreTier] = (),
-                 events: bool = False, advisor: PromotionAdvisor | None = None) -> None:
+                 events: bool = False, advisor: PromotionAdvisor | None = None,
+                 promotion_reserve: float = PROMOTION_RESERVE_FRACTION) -> None:
         self.cpu = cpu
         self.file_tiers = list(file_tiers)
         self.tiers: list[Tier] = [cpu, *self.file_tiers]
@@ -123,6 +129,12 @@ class TierChain:
         self._reserve = max(WRITEBACK_RESERVE_MIN,
                             int(self.num_rows * WRITEBACK_RESERVE_FRACTION))
         self._stored_in_step = self._stored_last_step = 0  # rows given to stores, per step
+        # unpinned rows that stores leave for promotions once one found none (0: none needed)
+        # (``promotion_reserve``: that share of the rows, at least one, under half)
+        self._promotion_reserve = (min(max(1, int(self.num_rows * promotion_reserve)),
+                                       (self.num_rows - 1) // 2)
+                                   if self.file_tiers and promotion_reserve > 0 else 0)
+        self._promotion_asked_at = 0.0  # time.monotonic() of the last promotion asked for
         if advisor is not None:
             self._restore_advisor()
 
@@ -183,7 +195,14 @@ class TierChain:
         tier = self.tiers[i]
         tier.touch([key])  # a promotion is a use: recency and the persisted hit count
         got = self.cpu.reserve_promotion(key, tier_label(i, tier.medium), protect)
+        self._promotion_asked_at = time.monotonic()
         if got is None:
+            if self._promotion_reserve and not self.cpu.promotion_reserve:
+                # stores pinned every row: from now on they leave some for promotions
+                log.debug("a promotion from tier %s found every CPU row pinned: stores leave "
+                          "%d rows unpinned for promotions", tier_label(i, tier.medium),
+                          self._promotion_reserve)
+                self.cpu.keep_for_promotions(self._promotion_reserve)
             return Lookup.MISS
         row, evicted = got
         self._evicted_from_cpu(evicted)
@@ -370,6 +389,9 @@ class TierChain:
         gets a calibration read."""
         self.steps += 1
         self._stored_last_step, self._stored_in_step = self._stored_in_step, 0
+        if (self.cpu.promotion_reserve
+                and time.monotonic() - self._promotion_asked_at >= PROMOTION_RESERVE_IDLE_S):
+            self.cpu.keep_for_promotions(0)  # no promotion wanted for a while: rows to stores
         self._issue_and_apply()
         if self.advisor is not None:
             self.advisor.step_end(time.perf_counter())

@@ -15,7 +15,11 @@ from tiering.backends.file_config import FileTierConfig, check_types, validate
 from tiering.backends.mooncake_config import MooncakeTierConfig, check_row
 from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
-from tiering.settings import IO_SWITCH_INTERVAL_S, MAX_LOADING_REQUESTS
+from tiering.settings import (
+    IO_SWITCH_INTERVAL_S,
+    MAX_LOADING_REQUESTS,
+    PROMOTION_RESERVE_FRACTION,
+)
 from tiering.switch_interval import parse_switch_interval_ms
 
 # Keys that vLLM itself reads from kv_connector_extra_config: accepted and passed through.
@@ -27,7 +31,7 @@ VLLM_KEYS = {
 OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests", "switch_interval_ms"}
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
-                 "prefill_tokens_per_s"}
+                 "prefill_tokens_per_s", "promotion_reserve"}
 # "auto": load a disk hit only when reading it is faster than recomputing it (measured rates);
 # "always": load every disk hit.
 PROMOTE_MODES = ("auto", "always")
@@ -40,6 +44,9 @@ class CpuTierConfig:
     tracker_size: int = 64_000
     promote: str = "auto"
     prefill_tokens_per_s: float | None = None  # None: measured while serving
+    # share of the rows stores leave for promotions once one found every row pinned; 0: none
+    # (tiering.settings.PROMOTION_RESERVE_FRACTION says why)
+    promotion_reserve: float = PROMOTION_RESERVE_FRACTION
 
 
 @dataclass
@@ -113,10 +120,15 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
                                      or not 0 < rate < float("inf")):
                 raise ValueError(f"{where}.prefill_tokens_per_s: expected a positive number of "
                                  f"tokens per second, got {rate!r}")
+            reserve = tier.get("promotion_reserve", PROMOTION_RESERVE_FRACTION)
+            if (isinstance(reserve, bool) or not isinstance(reserve, int | float)
+                    or not 0 <= reserve < 0.5):
+                raise ValueError(f"{where}.promotion_reserve: expected a share of the CPU rows "
+                                 f">= 0 and < 0.5 (0: no reserve), got {reserve!r}")
             cfg.cpu = CpuTierConfig(
                 policy, _int(tier.get("store_threshold", 0), f"{where}.store_threshold", 0),
                 _int(tier.get("tracker_size", 64_000), f"{where}.tracker_size", 1),
-                promote, rate)
+                promote, rate, float(reserve))
             continue
         if medium == "mooncake":
             if cfg.mooncake:

@@ -18,7 +18,12 @@ detached until their I/O ends.
 
 One source of pins: ``Row.pins``. The policy keeps a mirror (``EvictionPolicy.pin``) only so
 that ``evict`` steps over pinned keys; ``pin``/``unpin_row``/``reset`` are the one place both
-change, and ``check`` asserts they agree.
+change, and ``check`` asserts they agree. ``pinned`` counts the rows with a pin.
+
+Rows kept for promotions: while the chain asks for it (``keep_for_promotions``, after a
+promotion found every row pinned), a store takes a row only if at least ``promotion_reserve``
+unpinned rows are left after it; the keys past that are rejected (``rejections{reason=
+"reserved"}``). A store is a bet on a later hit; a promotion serves a request waiting now.
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ class CpuTier(RowTier):
         self.rows = [Row(i) for i in range(self.num_rows)]
         self.key_row: dict[bytes, Row] = {}
         self.free_rows = list(range(self.num_rows - 1, -1, -1))  # pop() hands out row 0 first
+        self.pinned = 0  # rows with at least one pin: not free, not evictable
+        self.promotion_reserve = 0  # unpinned rows a store must leave (keep_for_promotions)
 
     # -- queries -----------------------------------------------------------------------------
     def lookup(self, key: bytes, count: bool = True, per_request: bool = False) -> Lookup:
@@ -136,7 +143,7 @@ class CpuTier(RowTier):
         return n * self.row_bytes, self.num_rows * self.row_bytes, n
 
     def pinned_rows(self) -> int:
-        return sum(1 for r in self.rows if r.pins)
+        return self.pinned
 
     def __len__(self) -> int:
         return len(self.key_row)
@@ -144,6 +151,7 @@ class CpuTier(RowTier):
     # -- pins ------------------------------------------------------------------------------
     def pin(self, key: bytes, io: bool = False) -> None:
         row = self.key_row[key]
+        self.pinned += row.pins == 0
         row.pins += 1
         row.io_pins += io
         self.policy.pin(key)
@@ -154,6 +162,7 @@ class CpuTier(RowTier):
         assert row.pins > 0 and (not io or row.io_pins > 0), f"unbalanced unpin of {row!r}"
         row.pins -= 1
         row.io_pins -= io
+        self.pinned -= row.pins == 0
         if row.state is RowState.DETACHED:
             if row.pins == 0:
                 self._free(row)
@@ -184,7 +193,7 @@ class CpuTier(RowTier):
         if need > 0:
             got = evict_or_none(self.policy, need, protected)
             if got is None:
-                return "pinned" if any(r.pins for r in self.rows) else "full"
+                return "pinned" if self.pinned else "full"
             victims = got
             for v in victims:  # already out of the policy (ghost entries kept)
                 row = self.key_row.pop(v)
@@ -214,6 +223,8 @@ class CpuTier(RowTier):
                 continue
             wanted.append(k)
         self.stats.reject("threshold", len(out.rejected))
+        if self.promotion_reserve:
+            wanted = self._leave_reserve(wanted, out)
         if not wanted:
             return out
         got = self._allocate(len(wanted), set(keys))
@@ -230,6 +241,23 @@ class CpuTier(RowTier):
             self.pin(k)
         out.admitted = wanted
         return out
+
+    def _leave_reserve(self, wanted: list[bytes], out: PutOutcome) -> list[bytes]:
+        """The keys of ``wanted`` (a prefix, in the caller's order) that leave at least
+        ``promotion_reserve`` rows unpinned once their rows are taken; the rest are rejected."""
+        room = max(0, self.num_rows - self.pinned - self.promotion_reserve)
+        if room >= len(wanted):
+            return wanted
+        for k in wanted[room:]:
+            out.rejected[k] = "reserved"
+        self.stats.reject("reserved", len(wanted) - room)
+        return wanted[:room]
+
+    def keep_for_promotions(self, rows: int) -> None:
+        """From now on stores leave ``rows`` rows unpinned for promotions (0: no reserve).
+        Called by the chain (``TierChain.promote``, ``on_schedule_end``)."""
+        assert 0 <= rows < max(self.num_rows, 1), (rows, self.num_rows)
+        self.promotion_reserve = rows
 
     def finish_store(self, keys: Iterable[bytes], ok: bool = True) -> list[bytes]:
         """The GPU job for these keys ended; returns the keys now READY."""
@@ -299,8 +327,11 @@ class CpuTier(RowTier):
         rows = [key_row[k] for k in keys]
         self.policy.access_many(keys)
         self.policy.pin_many(keys)
+        newly = 0
         for row in rows:
+            newly += row.pins == 0
             row.pins += 1
+        self.pinned += newly
         self.stats.add("loads", len(rows))
         self.stats.add("load_bytes", len(rows) * self.row_bytes)
         return [row.index for row in rows]
@@ -315,6 +346,7 @@ class CpuTier(RowTier):
             if row is not None:  # bound to k, so not DETACHED
                 assert row.pins > 0, f"unbalanced unpin of {row!r}"
                 row.pins -= 1
+                self.pinned -= row.pins == 0
                 pinned.append(k)
         self.policy.unpin_many(pinned)
 
@@ -328,6 +360,7 @@ class CpuTier(RowTier):
         for key, row in list(self.key_row.items()):
             for _ in range(row.pins - row.io_pins):
                 self.policy.unpin(key)
+            self.pinned -= row.pins > 0 and row.io_pins == 0
             row.pins = row.io_pins
             self.drop(key)
         self.admission.clear()
@@ -349,6 +382,8 @@ class CpuTier(RowTier):
             elif row.state is not RowState.FREE:
                 assert row.key is not None and self.key_row.get(row.key) is row, row
         assert len(self.key_row) == len(self.policy), (len(self.key_row), len(self.policy))
+        assert self.pinned == sum(1 for r in self.rows if r.pins), \
+            ("pinned rows miscounted", self.pinned, sum(1 for r in self.rows if r.pins))
         # the policy's pins mirror the rows' (detached rows' keys are out of the policy)
         pins = {k: r.pins for k, r in self.key_row.items() if r.pins}
         mirror = self.policy.pin_counts()

@@ -24,6 +24,19 @@ WRITEBACK_RESERVE_MIN = 2
 DEMOTION_PIN_FRACTION = 1 / 4
 DEMOTION_PIN_MIN = 2
 
+# -- tier chain: rows kept for promotions ---------------------------------------------------------
+# Once a promotion finds every CPU row pinned, stores leave this fraction of the rows (at least
+# one, never half or more) unpinned for promotions, until no promotion has been asked for
+# PROMOTION_RESERVE_IDLE_S. On the H200's disk-backed sweep (a 2 GiB CPU tier; a step of 16k
+# tokens stores 2 GiB, and vLLM's store jobs end a step later) every row was pinned whenever the
+# scans asked, and 70-76% of the runs the advisor decided to load were recomputed for want of a
+# row. An eighth is four 512-token requests of the 8B shape in a 2 GiB tier: their reads keep
+# the disk busy while the rows they free come back a step or two later.
+PROMOTION_RESERVE_FRACTION = 1 / 8
+# Seconds without a promotion asked after which stores may take every row again (a server whose
+# requests stopped hitting the disk gets its whole CPU tier back for stores).
+PROMOTION_RESERVE_IDLE_S = 10.0
+
 # -- promotion advisor: load a disk hit, or recompute it? ------------------------------------------
 # Weight of a new sample in the exponential moving average of each file tier's read rate: recent
 # enough to follow a busy disk, smooth enough to ignore one slow batch.

@@ -33,7 +33,7 @@ LOAD_REASONS = ("faster", "engine_busy", "unmeasured")
 RECOMPUTE_REASONS = ("faster", "disk_busy", "unmeasured", "no_cpu_row", "load_unmeasured")
 
 # Why a chunk offered to a tier was not stored there (``rejections`` label ``reason``).
-REJECT_REASONS = ("threshold", "full", "error", "pinned")
+REJECT_REASONS = ("threshold", "full", "error", "pinned", "reserved")
 # Why a remote (Mooncake) tier's operation on a chunk failed (``remote_errors`` label ``reason``).
 REMOTE_ERROR_REASONS = ("unavailable", "timeout", "transfer", "full", "gone", "checksum", "header",
                         "short")
@@ -72,7 +72,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("evictions", "counter", "Chunks evicted from this tier by its policy."),
     Metric("rejections", "counter", "Chunks offered to this tier and not stored, by reason "
            "(threshold: store_threshold not reached; full: no room, disk full included; "
-           "error: the write failed; pinned: every candidate victim is in use).",
+           "error: the write failed; pinned: every candidate victim is in use; reserved: the "
+           "CPU tier's last unpinned rows are kept for promotions from the tiers below, while "
+           "promotions find every row pinned).",
            ("reason",), REJECT_REASONS),
     Metric("writeback_misses", "counter", "Chunks a file tier never got although they were "
            "owed to it (write-back, or write-through deferred by a disk that was behind): the CPU "

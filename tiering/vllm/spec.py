@@ -152,7 +152,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             log.info("vllm-tiering: promotion advisor on (%s scheduling, step lag %d)",
                      "asynchronous" if asynchronous else "synchronous", lag)
         chain = TierChain(cpu, tiers, events=self.kv_events_config.enable_kv_cache_events,
-                          advisor=advisor)
+                          advisor=advisor, promotion_reserve=self.cfg.cpu.promotion_reserve)
         self._manager = TieredManager(chain, TierMetrics(),
                                       on_shutdown=lambda: region.close(unlink=True),
                                       max_loading_requests=self.cfg.max_loading_requests)
