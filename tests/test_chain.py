@@ -251,6 +251,7 @@ def test_stores_leave_rows_for_promotions_once_one_found_none(tmp_path, monkeypa
     assert len(pending) == 16  # every row is being written by the GPU
     assert c.lookup(old[0]) == Lookup.MISS  # no CPU row: the run is recomputed
     c.on_schedule_end()
+    assert c.cpu.promotion_reserve == 2  # an eighth of the rows from the next step on
     for step in range(2, 5):
         pending = _store_step(c, [key(f"s{step}-{j}") for j in range(16)], pending)
         found = c.lookup(old[step])
@@ -262,6 +263,7 @@ def test_stores_leave_rows_for_promotions_once_one_found_none(tmp_path, monkeypa
         assert c.region.rows[row].tobytes() == data[old[step]]
         c.complete_load([old[step]])
     assert c.cpu.stats["rejections:reserved"] > 0
+    assert c.cpu.promotion_reserve == 2  # every promotion found a row: it did not grow
     c.check()
     # no promotion asked since: the reserve ends and stores may take every row again
     monkeypatch.setattr("tiering.chain.PROMOTION_RESERVE_IDLE_S", 0.0)
@@ -289,4 +291,37 @@ def test_with_no_reserve_configured_stores_keep_taking_every_row(tmp_path):
     settle(c)
     assert len(_store_step(c, [key(f"b{j}") for j in range(8)], [])) == 8
     assert c.cpu.stats["rejections:reserved"] == 0
+    c.close()
+
+
+def test_the_reserve_doubles_while_promotions_still_find_no_row(tmp_path):
+    """The advisor decides as many loads as the disk reads in time (on the H200, 14 runs of 8
+    chunks in one step, against a reserve of 32 rows): each step whose promotions still found
+    no row doubles the rows stores leave, up to under half of them; more promotions then get
+    rows."""
+    c = make_chain(tmp_path, rows=16, disk_slots=64)
+    old = [key(f"old{i}") for i in range(16)]
+    fill(c, old)
+    settle(c)
+    pending = _store_step(c, [key(f"s1-{j}") for j in range(16)], [])
+    assert c.lookup(old[0]) == Lookup.MISS
+    c.on_schedule_end()
+    reserves, served = [c.cpu.promotion_reserve], []
+    nxt = 1
+    for step in range(2, 6):
+        pending = _store_step(c, [key(f"s{step}-{j}") for j in range(16)], pending)
+        wanted, nxt = old[nxt:nxt + 6], nxt + 6 if nxt + 6 <= 16 else 1
+        got = [k for k in wanted if c.lookup(k) == Lookup.PENDING]
+        served.append(len(got))
+        c.on_schedule_end()
+        settle(c)
+        for k in got:
+            assert c.lookup(k) == Lookup.HIT
+            c.prepare_load([k])
+            c.complete_load([k])
+        reserves.append(c.cpu.promotion_reserve)
+    assert reserves == [2, 4, 7, 7, 7], reserves  # 2, 4, 8 capped at (16 - 1) // 2
+    assert served[0] == 2 and served[-1] >= 6, served
+    c.check()
+    c.complete_store(pending)
     c.close()

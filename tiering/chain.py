@@ -12,7 +12,8 @@ tier's own ``store_threshold`` decides). A demoted row stays pinned until its wr
 Writes down pin at most ``DEMOTION_PIN_FRACTION`` of the rows: past that budget a write-through
 row is owed (``OwedRows.behind``) and written oldest first as writes complete. Once a promotion
 finds every row pinned (stores took them all), stores leave ``PROMOTION_RESERVE_FRACTION`` of
-the rows unpinned for promotions (``CpuTier.keep_for_promotions``) until no promotion has been
+the rows unpinned for promotions (``CpuTier.keep_for_promotions``), twice as many after each
+further step in which promotions found none (up to under half), until no promotion has been
 asked for ``PROMOTION_RESERVE_IDLE_S``.
 
 Write-back (a file tier with ``demote: on_evict``): a READY row is only *owed* to that tier
@@ -130,11 +131,14 @@ class TierChain:
                             int(self.num_rows * WRITEBACK_RESERVE_FRACTION))
         self._stored_in_step = self._stored_last_step = 0  # rows given to stores, per step
         # unpinned rows that stores leave for promotions once one found none (0: none needed)
-        # (``promotion_reserve``: that share of the rows, at least one, under half)
+        # (``promotion_reserve``: that share of the rows, at least one, at first; doubled
+        # after each step whose promotions still found none, up to under half the rows)
+        self._reserve_most = (self.num_rows - 1) // 2
         self._promotion_reserve = (min(max(1, int(self.num_rows * promotion_reserve)),
-                                       (self.num_rows - 1) // 2)
+                                       self._reserve_most)
                                    if self.file_tiers and promotion_reserve > 0 else 0)
         self._promotion_asked_at = 0.0  # time.monotonic() of the last promotion asked for
+        self._promotion_starved = False  # a promotion of this step found no row
         if advisor is not None:
             self._restore_advisor()
 
@@ -197,12 +201,7 @@ class TierChain:
         got = self.cpu.reserve_promotion(key, tier_label(i, tier.medium), protect)
         self._promotion_asked_at = time.monotonic()
         if got is None:
-            if self._promotion_reserve and not self.cpu.promotion_reserve:
-                # stores pinned every row: from now on they leave some for promotions
-                log.debug("a promotion from tier %s found every CPU row pinned: stores leave "
-                          "%d rows unpinned for promotions", tier_label(i, tier.medium),
-                          self._promotion_reserve)
-                self.cpu.keep_for_promotions(self._promotion_reserve)
+            self._promotion_starved = True  # the reserve grows at the step's end
             return Lookup.MISS
         row, evicted = got
         self._evicted_from_cpu(evicted)
@@ -389,9 +388,7 @@ class TierChain:
         gets a calibration read."""
         self.steps += 1
         self._stored_last_step, self._stored_in_step = self._stored_in_step, 0
-        if (self.cpu.promotion_reserve
-                and time.monotonic() - self._promotion_asked_at >= PROMOTION_RESERVE_IDLE_S):
-            self.cpu.keep_for_promotions(0)  # no promotion wanted for a while: rows to stores
+        self._size_promotion_reserve()
         self._issue_and_apply()
         if self.advisor is not None:
             self.advisor.step_end(time.perf_counter())
@@ -407,6 +404,23 @@ class TierChain:
             # sleep(0) only lets waiting threads run). docs/bench_promotion.py: 384 x 2 MiB
             # promotions read at 0.70x the speed of an idle scheduler without it, 1.0x with it.
             time.sleep(0)
+
+    def _size_promotion_reserve(self) -> None:
+        """At a step's end: stores leave rows for promotions once a promotion found every row
+        pinned (stores took them), twice as many after each further step in which promotions
+        found none (the advisor loads as many runs as the disk reads in time, and the H200's
+        disk-backed sweep decided 14 runs of 8 chunks in one step), none once no promotion
+        has been asked for ``PROMOTION_RESERVE_IDLE_S``."""
+        now = self.cpu.promotion_reserve
+        if self._promotion_starved and self._promotion_reserve:
+            self._promotion_starved = False
+            grown = (min(self._reserve_most, max(self._promotion_reserve, 2 * now)))
+            if grown != now:
+                log.debug("promotions found every CPU row pinned: stores leave %d of %d rows "
+                          "unpinned for them", grown, self.num_rows)
+                self.cpu.keep_for_promotions(grown)
+        elif now and time.monotonic() - self._promotion_asked_at >= PROMOTION_RESERVE_IDLE_S:
+            self.cpu.keep_for_promotions(0)  # no promotion wanted for a while: rows to stores
 
     def _issue_and_apply(self) -> None:
         for i, tier in enumerate(self.file_tiers, start=1):

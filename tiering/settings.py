@@ -26,12 +26,14 @@ DEMOTION_PIN_MIN = 2
 
 # -- tier chain: rows kept for promotions ---------------------------------------------------------
 # Once a promotion finds every CPU row pinned, stores leave this fraction of the rows (at least
-# one, never half or more) unpinned for promotions, until no promotion has been asked for
+# one) unpinned for promotions, twice as many after each further step whose promotions found
+# none (never half the rows or more), until no promotion has been asked for
 # PROMOTION_RESERVE_IDLE_S. On the H200's disk-backed sweep (a 2 GiB CPU tier; a step of 16k
 # tokens stores 2 GiB, and vLLM's store jobs end a step later) every row was pinned whenever the
 # scans asked, and 70-76% of the runs the advisor decided to load were recomputed for want of a
-# row. An eighth is four 512-token requests of the 8B shape in a 2 GiB tier: their reads keep
-# the disk busy while the rows they free come back a step or two later.
+# row. An eighth is four 512-token requests of the 8B shape in a 2 GiB tier; a fixed eighth
+# still left 28 of 46 and 50 of 73 such runs without a row (the advisor decided up to 14 at
+# once), hence the doubling.
 PROMOTION_RESERVE_FRACTION = 1 / 8
 # Seconds without a promotion asked after which stores may take every row again (a server whose
 # requests stopped hitting the disk gets its whole CPU tier back for stores).
