@@ -134,6 +134,9 @@ class TierChain:
         # (``promotion_reserve``: that share of the rows, at least one, at first; doubled
         # after each step whose promotions still found none, up to under half the rows)
         self._reserve_most = (self.num_rows - 1) // 2
+        if not 0 <= promotion_reserve <= 1:
+            raise ValueError(f"promotion_reserve: expected a share of the rows in [0, 1], got "
+                             f"{promotion_reserve!r}")
         self._promotion_reserve = (min(max(1, int(self.num_rows * promotion_reserve)),
                                        self._reserve_most)
                                    if self.file_tiers and promotion_reserve > 0 else 0)
@@ -201,7 +204,11 @@ class TierChain:
         got = self.cpu.reserve_promotion(key, tier_label(i, tier.medium), protect)
         self._promotion_asked_at = time.monotonic()
         if got is None:
-            self._promotion_starved = True  # the reserve grows at the step's end
+            # the reserve grows at the step's end, if stores pinned the rows: at most the
+            # reserve was left unpinned (rows the request's own prefix holds, protected, are
+            # not won back by keeping them from stores)
+            if self.num_rows - self.cpu.pinned_rows() <= self.cpu.promotion_reserve:
+                self._promotion_starved = True
             return Lookup.MISS
         row, evicted = got
         self._evicted_from_cpu(evicted)

@@ -231,6 +231,7 @@ class CpuTier(RowTier):
         if isinstance(got, str):
             for k in wanted:
                 out.rejected[k] = got
+                self.admission.not_stored(k)
             self.stats.reject(got, len(wanted))
             return out
         new_rows, out.evicted = got
@@ -250,6 +251,7 @@ class CpuTier(RowTier):
             return wanted
         for k in wanted[room:]:
             out.rejected[k] = "reserved"
+            self.admission.not_stored(k)  # its offers still count: refused for room, not reuse
         self.stats.reject("reserved", len(wanted) - room)
         return wanted[:room]
 
