@@ -21,12 +21,13 @@ def shm_in_tmp(tmp_path, monkeypatch):
 
 
 def make_chain(tmp_path, rows=4, disk_slots=16, cpu_threshold=0, disk_threshold=0,
-               engine="e1") -> TierChain:
+               engine="e1", promotion_reserve=0.0) -> TierChain:
     region = StagingRegion(engine, rows, ROW)
     tier = FileTier({"path": str(tmp_path / "disk"), "capacity": disk_slots * ROW,
                      "io": "posix", "policy": "lru", "store_threshold": disk_threshold},
                     facts(ROW))
-    return TierChain(CpuTier(region, "lru", cpu_threshold), file_tiers=[tier], events=True)
+    return TierChain(CpuTier(region, "lru", cpu_threshold), file_tiers=[tier], events=True,
+                     promotion_reserve=promotion_reserve)
 
 
 def fill(chain: TierChain, keys, seed=0) -> dict[bytes, bytes]:
@@ -243,7 +244,7 @@ def test_stores_leave_rows_for_promotions_once_one_found_none(tmp_path, monkeypa
     disk) found no CPU row and were recomputed. Once a promotion finds no row, stores leave
     rows unpinned for promotions: the next step's promotion gets one and reads the exact bytes;
     the rows go back to stores once no promotion has been asked for a while."""
-    c = make_chain(tmp_path, rows=16, disk_slots=64)
+    c = make_chain(tmp_path, rows=16, disk_slots=64, promotion_reserve=0.125)
     old = [key(f"old{i}") for i in range(16)]
     data = fill(c, old)
     settle(c)  # all on disk
@@ -275,12 +276,12 @@ def test_stores_leave_rows_for_promotions_once_one_found_none(tmp_path, monkeypa
 
 
 def test_with_no_reserve_configured_stores_keep_taking_every_row(tmp_path):
-    """``promotion_reserve`` 0 (the CPU tier's setting): the promotion stays a miss, and stores
-    are never refused for it."""
+    """``promotion_reserve`` 0 (the CPU tier's default, PROMOTION_RESERVE_DEFAULT): the
+    promotion stays a miss, and stores are never refused for it."""
     region = StagingRegion("nores", 8, ROW)
     tier = FileTier({"path": str(tmp_path / "disk"), "capacity": 32 * ROW, "io": "posix",
                      "policy": "lru"}, facts(ROW))
-    c = TierChain(CpuTier(region, "lru"), [tier], promotion_reserve=0)
+    c = TierChain(CpuTier(region, "lru"), [tier])
     old = [key(f"o{i}") for i in range(8)]
     fill(c, old)
     settle(c)
@@ -299,7 +300,7 @@ def test_the_reserve_doubles_while_promotions_still_find_no_row(tmp_path):
     chunks in one step, against a reserve of 32 rows): each step whose promotions still found
     no row doubles the rows stores leave, up to under half of them; more promotions then get
     rows."""
-    c = make_chain(tmp_path, rows=16, disk_slots=64)
+    c = make_chain(tmp_path, rows=16, disk_slots=64, promotion_reserve=0.125)
     old = [key(f"old{i}") for i in range(16)]
     fill(c, old)
     settle(c)

@@ -375,10 +375,10 @@ def test_sweep_configs_are_valid_and_set_the_chunk_size():
     always = gpu_bench.sweep_transfer_config("ours-disk", 1 << 28, None, 16,
                                             disk=(Path("/x/kv"), 3 << 30), promote="always")
     assert parse(dict(always["kv_connector_extra_config"])).cpu.promote == "always"
-    assert dcfg.cpu.promotion_reserve == 0.125  # the spec's default when the sweep names none
-    off = gpu_bench.sweep_transfer_config("ours-disk", 1 << 28, None, 16,
-                                         disk=(Path("/x/kv"), 3 << 30), promotion_reserve=0.0)
-    assert parse(dict(off["kv_connector_extra_config"])).cpu.promotion_reserve == 0.0
+    assert dcfg.cpu.promotion_reserve == 0.0  # the spec's default (off) when the sweep names none
+    on = gpu_bench.sweep_transfer_config("ours-disk", 1 << 28, None, 16,
+                                        disk=(Path("/x/kv"), 3 << 30), promotion_reserve=0.125)
+    assert parse(dict(on["kv_connector_extra_config"])).cpu.promotion_reserve == 0.125
 
 
 def test_ours_sched_is_ours_under_our_scheduler():

@@ -10,11 +10,12 @@ Store path: vLLM asks ``prepare_store`` (the CPU tier reserves rows; the GPU fil
 ``complete_store``: the rows become READY and are offered to every file tier (demotion; each
 tier's own ``store_threshold`` decides). A demoted row stays pinned until its write completes.
 Writes down pin at most ``DEMOTION_PIN_FRACTION`` of the rows: past that budget a write-through
-row is owed (``OwedRows.behind``) and written oldest first as writes complete. Once a promotion
-finds every row pinned (stores took them all), stores leave ``PROMOTION_RESERVE_FRACTION`` of
-the rows unpinned for promotions (``CpuTier.keep_for_promotions``), twice as many after each
-further step in which promotions found none (up to under half), until no promotion has been
-asked for ``PROMOTION_RESERVE_IDLE_S``.
+row is owed (``OwedRows.behind``) and written oldest first as writes complete. With a
+``promotion_reserve`` (off by default), once a promotion finds every row pinned (stores took
+them all), stores leave that share of the rows unpinned for promotions
+(``CpuTier.keep_for_promotions``), twice as many after each further step in which promotions
+found none (up to under half), until no promotion has been asked for
+``PROMOTION_RESERVE_IDLE_S``.
 
 Write-back (a file tier with ``demote: on_evict``): a READY row is only *owed* to that tier
 (``_owed``). Rows are written down when they come near the head of the CPU tier's eviction order:
@@ -53,7 +54,7 @@ from tiering.settings import (
     ADVISOR_CALIBRATION_MAX_ROWS,
     DEMOTION_PIN_FRACTION,
     DEMOTION_PIN_MIN,
-    PROMOTION_RESERVE_FRACTION,
+    PROMOTION_RESERVE_DEFAULT,
     PROMOTION_RESERVE_IDLE_S,
     WRITEBACK_RESERVE_FRACTION,
     WRITEBACK_RESERVE_MIN,
@@ -85,7 +86,7 @@ def tier_label(i: int, medium: str = "file") -> str:
 class TierChain:
     def __init__(self, cpu: CpuTier, file_tiers: Sequence[StoreTier] = (),
                  events: bool = False, advisor: PromotionAdvisor | None = None,
-                 promotion_reserve: float = PROMOTION_RESERVE_FRACTION) -> None:
+                 promotion_reserve: float = PROMOTION_RESERVE_DEFAULT) -> None:
         self.cpu = cpu
         self.file_tiers = list(file_tiers)
         self.tiers: list[Tier] = [cpu, *self.file_tiers]

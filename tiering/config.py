@@ -18,7 +18,7 @@ from tiering.policies import resolve
 from tiering.settings import (
     IO_SWITCH_INTERVAL_S,
     MAX_LOADING_REQUESTS,
-    PROMOTION_RESERVE_FRACTION,
+    PROMOTION_RESERVE_DEFAULT,
 )
 from tiering.switch_interval import parse_switch_interval_ms
 
@@ -45,8 +45,9 @@ class CpuTierConfig:
     promote: str = "auto"
     prefill_tokens_per_s: float | None = None  # None: measured while serving
     # share of the rows stores leave for promotions once one found every row pinned; 0: none
-    # (tiering.settings.PROMOTION_RESERVE_FRACTION says why)
-    promotion_reserve: float = PROMOTION_RESERVE_FRACTION
+    # (tiering.settings.PROMOTION_RESERVE_FRACTION says why; off by default:
+    # PROMOTION_RESERVE_DEFAULT)
+    promotion_reserve: float = PROMOTION_RESERVE_DEFAULT
 
 
 @dataclass
@@ -120,7 +121,7 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
                                      or not 0 < rate < float("inf")):
                 raise ValueError(f"{where}.prefill_tokens_per_s: expected a positive number of "
                                  f"tokens per second, got {rate!r}")
-            reserve = tier.get("promotion_reserve", PROMOTION_RESERVE_FRACTION)
+            reserve = tier.get("promotion_reserve", PROMOTION_RESERVE_DEFAULT)
             if (isinstance(reserve, bool) or not isinstance(reserve, int | float)
                     or not 0 <= reserve < 0.5):
                 raise ValueError(f"{where}.promotion_reserve: expected a share of the CPU rows "
