@@ -48,10 +48,9 @@ class StoreThreshold:
     def not_stored(self, key: Hashable) -> None:
         """An offer of ``key`` passed but the tier could not store it (no room now): the key
         keeps the offers it had, so its next offer passes instead of starting a new count."""
-        if self.n <= 1:
-            self.admitted -= 1
-            return
         self.admitted -= 1
+        if self.n <= 1:
+            return
         self._offers[key] = self.n - 1
         if len(self._offers) > self.tracker_size:
             self._offers.popitem(last=False)

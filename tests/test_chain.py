@@ -21,13 +21,14 @@ def shm_in_tmp(tmp_path, monkeypatch):
 
 
 def make_chain(tmp_path, rows=4, disk_slots=16, cpu_threshold=0, disk_threshold=0,
-               engine="e1", promotion_reserve=0.0) -> TierChain:
+               engine="e1", promotion_reserve: float | None = None) -> TierChain:
     region = StagingRegion(engine, rows, ROW)
     tier = FileTier({"path": str(tmp_path / "disk"), "capacity": disk_slots * ROW,
                      "io": "posix", "policy": "lru", "store_threshold": disk_threshold},
                     facts(ROW))
+    share = {} if promotion_reserve is None else {"promotion_reserve": promotion_reserve}
     return TierChain(CpuTier(region, "lru", cpu_threshold), file_tiers=[tier], events=True,
-                     promotion_reserve=promotion_reserve)
+                     **share)
 
 
 def fill(chain: TierChain, keys, seed=0) -> dict[bytes, bytes]:
@@ -237,6 +238,20 @@ def _store_step(c: TierChain, keys: list[bytes], previous: list[bytes]) -> list[
     return stored
 
 
+def _starve(c: TierChain, n: int) -> tuple[list[bytes], dict[bytes, bytes], list[bytes]]:
+    """``n`` keys on disk only, then a step whose stores take every one of the ``n`` CPU rows:
+    the first key's promotion finds no row. Returns the keys, their bytes and the pending
+    stores."""
+    old = [key(f"old{i}") for i in range(n)]
+    data = fill(c, old)
+    settle(c)
+    pending = _store_step(c, [key(f"s1-{j}") for j in range(n)], [])
+    assert len(pending) == n  # every row is being written by the GPU
+    assert c.lookup(old[0]) == Lookup.MISS  # no CPU row: the run is recomputed
+    c.on_schedule_end()
+    return old, data, pending
+
+
 def test_stores_leave_rows_for_promotions_once_one_found_none(tmp_path, monkeypatch):
     """The H200's disk-backed sweep (docs/results/2026-12-04c/call1): a step stored as much as
     the whole CPU tier holds, and vLLM's store jobs end a step later, so every row was pinned
@@ -245,13 +260,7 @@ def test_stores_leave_rows_for_promotions_once_one_found_none(tmp_path, monkeypa
     rows unpinned for promotions: the next step's promotion gets one and reads the exact bytes;
     the rows go back to stores once no promotion has been asked for a while."""
     c = make_chain(tmp_path, rows=16, disk_slots=64, promotion_reserve=0.125)
-    old = [key(f"old{i}") for i in range(16)]
-    data = fill(c, old)
-    settle(c)  # all on disk
-    pending = _store_step(c, [key(f"s1-{j}") for j in range(16)], [])
-    assert len(pending) == 16  # every row is being written by the GPU
-    assert c.lookup(old[0]) == Lookup.MISS  # no CPU row: the run is recomputed
-    c.on_schedule_end()
+    old, data, pending = _starve(c, 16)
     assert c.cpu.promotion_reserve == 2  # an eighth of the rows from the next step on
     for step in range(2, 5):
         pending = _store_step(c, [key(f"s{step}-{j}") for j in range(16)], pending)
@@ -267,7 +276,7 @@ def test_stores_leave_rows_for_promotions_once_one_found_none(tmp_path, monkeypa
     assert c.cpu.promotion_reserve == 2  # every promotion found a row: it did not grow
     c.check()
     # no promotion asked since: the reserve ends and stores may take every row again
-    monkeypatch.setattr("tiering.chain.PROMOTION_RESERVE_IDLE_S", 0.0)
+    monkeypatch.setattr("tiering.promotion_reserve.PROMOTION_RESERVE_IDLE_S", 0.0)
     c.complete_store(pending)
     settle(c)
     c.on_schedule_end()
@@ -278,16 +287,9 @@ def test_stores_leave_rows_for_promotions_once_one_found_none(tmp_path, monkeypa
 def test_with_no_reserve_configured_stores_keep_taking_every_row(tmp_path):
     """``promotion_reserve`` 0 (the CPU tier's default, PROMOTION_RESERVE_DEFAULT): the
     promotion stays a miss, and stores are never refused for it."""
-    region = StagingRegion("nores", 8, ROW)
-    tier = FileTier({"path": str(tmp_path / "disk"), "capacity": 32 * ROW, "io": "posix",
-                     "policy": "lru"}, facts(ROW))
-    c = TierChain(CpuTier(region, "lru"), [tier])
-    old = [key(f"o{i}") for i in range(8)]
-    fill(c, old)
-    settle(c)
-    pending = _store_step(c, [key(f"a{j}") for j in range(8)], [])
-    assert c.lookup(old[0]) == Lookup.MISS
-    c.on_schedule_end()
+    c = make_chain(tmp_path, rows=8, disk_slots=32)  # TierChain's default share
+    _, _, pending = _starve(c, 8)
+    assert c.cpu.promotion_reserve == 0
     c.complete_store(pending)
     settle(c)
     assert len(_store_step(c, [key(f"b{j}") for j in range(8)], [])) == 8
@@ -301,12 +303,7 @@ def test_the_reserve_doubles_while_promotions_still_find_no_row(tmp_path):
     no row doubles the rows stores leave, up to under half of them; more promotions then get
     rows."""
     c = make_chain(tmp_path, rows=16, disk_slots=64, promotion_reserve=0.125)
-    old = [key(f"old{i}") for i in range(16)]
-    fill(c, old)
-    settle(c)
-    pending = _store_step(c, [key(f"s1-{j}") for j in range(16)], [])
-    assert c.lookup(old[0]) == Lookup.MISS
-    c.on_schedule_end()
+    old, _, pending = _starve(c, 16)
     reserves, served = [c.cpu.promotion_reserve], []
     nxt = 1
     for step in range(2, 6):

@@ -120,7 +120,7 @@ class Driver:
 
 @pytest.mark.parametrize("seed", range(10))
 def test_random_operations_keep_the_reserve_and_the_bytes(tmp_path, monkeypatch, seed):
-    monkeypatch.setattr("tiering.chain.PROMOTION_RESERVE_IDLE_S", 1e9)
+    monkeypatch.setattr("tiering.promotion_reserve.PROMOTION_RESERVE_IDLE_S", 1e9)
     rng = random.Random(seed)
     rows = rng.choice([3, 4, 5, 8, 12, 16])  # (1-2 rows, a share of 0: tests below)
     share = rng.choice([0.125, 0.125, 0.25, 0.49])
@@ -223,7 +223,7 @@ def test_the_idle_release_then_a_new_starvation_starts_again_from_the_share(tmp_
     d.end_jobs()
     _starve(c, d, old[1:], "b")  # the 2 rows b's stores left give this promotion one
     assert c.cpu.promotion_reserve == 2 and c.cpu.stats["rejections:reserved"] > 0
-    monkeypatch.setattr("tiering.chain.PROMOTION_RESERVE_IDLE_S", 0.2)
+    monkeypatch.setattr("tiering.promotion_reserve.PROMOTION_RESERVE_IDLE_S", 0.2)
     d.settle()
     d.request([old[5]])  # a promotion asked: the reserve stays through this step
     c.on_schedule_end()

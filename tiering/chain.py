@@ -14,8 +14,8 @@ row is owed (``OwedRows.behind``) and written oldest first as writes complete. W
 ``promotion_reserve`` (off by default), once a promotion finds every row pinned (stores took
 them all), stores leave that share of the rows unpinned for promotions
 (``CpuTier.keep_for_promotions``), twice as many after each further step in which promotions
-found none (up to under half), until no promotion has been asked for
-``PROMOTION_RESERVE_IDLE_S``.
+found none (up to under half), until no promotion has been asked for a while
+(``tiering.promotion_reserve``).
 
 Write-back (a file tier with ``demote: on_evict``): a READY row is only *owed* to that tier
 (``_owed``). Rows are written down when they come near the head of the CPU tier's eviction order:
@@ -49,13 +49,13 @@ from tiering.advisor import PromotionAdvisor, rate_min_rows
 from tiering.backends.slab_io import aligned_buffer
 from tiering.cpu_tier import CpuTier
 from tiering.owed_rows import OwedRows
+from tiering.promotion_reserve import PromotionReserve
 from tiering.settings import (
     ADVISOR_CALIBRATION_BYTES,
     ADVISOR_CALIBRATION_MAX_ROWS,
     DEMOTION_PIN_FRACTION,
     DEMOTION_PIN_MIN,
     PROMOTION_RESERVE_DEFAULT,
-    PROMOTION_RESERVE_IDLE_S,
     WRITEBACK_RESERVE_FRACTION,
     WRITEBACK_RESERVE_MIN,
 )
@@ -131,18 +131,8 @@ class TierChain:
         self._reserve = max(WRITEBACK_RESERVE_MIN,
                             int(self.num_rows * WRITEBACK_RESERVE_FRACTION))
         self._stored_in_step = self._stored_last_step = 0  # rows given to stores, per step
-        # unpinned rows that stores leave for promotions once one found none (0: none needed)
-        # (``promotion_reserve``: that share of the rows, at least one, at first; doubled
-        # after each step whose promotions still found none, up to under half the rows)
-        self._reserve_most = (self.num_rows - 1) // 2
-        if not 0 <= promotion_reserve <= 1:
-            raise ValueError(f"promotion_reserve: expected a share of the rows in [0, 1], got "
-                             f"{promotion_reserve!r}")
-        self._promotion_reserve = (min(max(1, int(self.num_rows * promotion_reserve)),
-                                       self._reserve_most)
-                                   if self.file_tiers and promotion_reserve > 0 else 0)
-        self._promotion_asked_at = 0.0  # time.monotonic() of the last promotion asked for
-        self._promotion_starved = False  # a promotion of this step found no row
+        # the rows stores leave unpinned for promotions, sized at each step's end
+        self._for_promotions = PromotionReserve(cpu, promotion_reserve, bool(self.file_tiers))
         if advisor is not None:
             self._restore_advisor()
 
@@ -203,13 +193,8 @@ class TierChain:
         tier = self.tiers[i]
         tier.touch([key])  # a promotion is a use: recency and the persisted hit count
         got = self.cpu.reserve_promotion(key, tier_label(i, tier.medium), protect)
-        self._promotion_asked_at = time.monotonic()
+        self._for_promotions.asked(got is not None)
         if got is None:
-            # the reserve grows at the step's end, if stores pinned the rows: at most the
-            # reserve was left unpinned (rows the request's own prefix holds, protected, are
-            # not won back by keeping them from stores)
-            if self.num_rows - self.cpu.pinned_rows() <= self.cpu.promotion_reserve:
-                self._promotion_starved = True
             return Lookup.MISS
         row, evicted = got
         self._evicted_from_cpu(evicted)
@@ -396,7 +381,7 @@ class TierChain:
         gets a calibration read."""
         self.steps += 1
         self._stored_last_step, self._stored_in_step = self._stored_in_step, 0
-        self._size_promotion_reserve()
+        self._for_promotions.step_end()
         self._issue_and_apply()
         if self.advisor is not None:
             self.advisor.step_end(time.perf_counter())
@@ -412,23 +397,6 @@ class TierChain:
             # sleep(0) only lets waiting threads run). docs/bench_promotion.py: 384 x 2 MiB
             # promotions read at 0.70x the speed of an idle scheduler without it, 1.0x with it.
             time.sleep(0)
-
-    def _size_promotion_reserve(self) -> None:
-        """At a step's end: stores leave rows for promotions once a promotion found every row
-        pinned (stores took them), twice as many after each further step in which promotions
-        found none (the advisor loads as many runs as the disk reads in time, and the H200's
-        disk-backed sweep decided 14 runs of 8 chunks in one step), none once no promotion
-        has been asked for ``PROMOTION_RESERVE_IDLE_S``."""
-        now = self.cpu.promotion_reserve
-        if self._promotion_starved and self._promotion_reserve:
-            self._promotion_starved = False
-            grown = (min(self._reserve_most, max(self._promotion_reserve, 2 * now)))
-            if grown != now:
-                log.debug("promotions found every CPU row pinned: stores leave %d of %d rows "
-                          "unpinned for them", grown, self.num_rows)
-                self.cpu.keep_for_promotions(grown)
-        elif now and time.monotonic() - self._promotion_asked_at >= PROMOTION_RESERVE_IDLE_S:
-            self.cpu.keep_for_promotions(0)  # no promotion wanted for a while: rows to stores
 
     def _issue_and_apply(self) -> None:
         for i, tier in enumerate(self.file_tiers, start=1):

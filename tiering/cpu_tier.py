@@ -257,7 +257,7 @@ class CpuTier(RowTier):
 
     def keep_for_promotions(self, rows: int) -> None:
         """From now on stores leave ``rows`` rows unpinned for promotions (0: no reserve).
-        Called by the chain (``TierChain.promote``, ``on_schedule_end``)."""
+        Set at each step's end by the chain's ``tiering.promotion_reserve.PromotionReserve``."""
         assert 0 <= rows < max(self.num_rows, 1), (rows, self.num_rows)
         self.promotion_reserve = rows
 
