@@ -744,9 +744,13 @@ SWEEP_CONFIGS = ("none", "cpu", "ours")
 # tiers' writes are waited for between batches
 SWEEP_DISK_CONFIG = "ours-disk"
 # ours-sched: ours with vLLM's scheduler replaced by tiering.vllm.scheduler.TieringScheduler
-# (--scheduler-cls: the same scheduling, without vLLM's quadratic in-flight reservation sum)
+# (--scheduler-cls: without vLLM's quadratic in-flight reservation sum, hits first);
+# ours-fcfs: the same scheduler with hits_first off (vLLM's queue order), for the A/B
 SWEEP_SCHED_CONFIG = "ours-sched"
+SWEEP_FCFS_CONFIG = "ours-fcfs"
 SCHEDULER_CLS = "tiering.vllm.scheduler.TieringScheduler"
+# every setup that runs our spec
+OURS_SWEEP_CONFIGS = ("ours", SWEEP_DISK_CONFIG, SWEEP_SCHED_CONFIG, SWEEP_FCFS_CONFIG)
 # N per shape: all three of 1b, 8b, 32b with none, cpu and ours in ~7 minutes of an H200
 # (a cold batch: ~3.3 s at 1b, ~3.6 s at 8b, ~5.4 s at 32b at the issue's no-offloading rates)
 SWEEP_PROMPTS = {"1b": 1024, "8b": 256, "32b": 96, "small": 64, "tiny": 8}
@@ -784,7 +788,8 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-configs", default=",".join(SWEEP_CONFIGS),
                    help=f"comma-separated, of {', '.join(SWEEP_CONFIGS)} (ours: our spec with "
                         f"its CPU tier only), {SWEEP_SCHED_CONFIG} (ours under --scheduler-cls "
-                        f"{SCHEDULER_CLS}) and {SWEEP_DISK_CONFIG} (our spec, a small CPU "
+                        f"{SCHEDULER_CLS}: hits first), {SWEEP_FCFS_CONFIG} (the same with "
+                        f"hits_first false) and {SWEEP_DISK_CONFIG} (our spec, a small CPU "
                         "tier over a file tier in --scratch)")
     g.add_argument("--sweep-prompts", type=int, default=0,
                    help="N, prompts per batch (0: per shape, " +
@@ -842,11 +847,12 @@ def check_sweep_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None
     bad = (sorted(set(a.sweep_shapes) - set(SHAPES)) + sorted(set(a.sweep_configs)
                                                               - set(SWEEP_CONFIGS)
                                                               - {SWEEP_DISK_CONFIG,
-                                                                 SWEEP_SCHED_CONFIG})
+                                                                 SWEEP_SCHED_CONFIG,
+                                                                 SWEEP_FCFS_CONFIG})
            + sorted(set(a.profile) - set(PROFILERS)))
     if bad:
         ap.error(f"prefill sweep: unknown shape/config/profiler {bad}; shapes {sorted(SHAPES)}, "
-                 f"configs {SWEEP_CONFIGS + (SWEEP_DISK_CONFIG, SWEEP_SCHED_CONFIG)}, "
+                 f"configs {SWEEP_CONFIGS + OURS_SWEEP_CONFIGS[1:]}, "
                  f"profilers {PROFILERS}")
     if (a.sweep_prompts < 0 or a.sweep_prompt_tokens < 16 or a.sweep_cpu_factor <= 0
             or a.sweep_disk_cpu_factor <= 0 or not 0 <= a.sweep_gpu_cache_batches < 1e6
@@ -877,7 +883,7 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
         extra["sync_load_budget_bytes"] = sync_load_bytes
     if config == "cpu":
         extra["spec_name"] = "CPUOffloadingSpec"
-    elif config in ("ours", SWEEP_DISK_CONFIG, SWEEP_SCHED_CONFIG):
+    elif config in OURS_SWEEP_CONFIGS:
         tiers: list[dict] = [{"medium": "cpu", "policy": "lru"}]
         if config == SWEEP_DISK_CONFIG:
             if disk is None:
@@ -892,6 +898,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
                      gpu_copy=gpu_copy, tiers=tiers)
         if max_loading_requests is not None:
             extra["max_loading_requests"] = max_loading_requests
+        if config == SWEEP_FCFS_CONFIG:
+            extra["hits_first"] = False
     else:
         raise ValueError(f"prefill sweep: unknown config {config!r}")
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -904,7 +912,7 @@ def default_chunk_tokens(config: str, gpu_block_tokens: int, on_cuda: bool) -> i
     (``tiering.vllm.spec.default_blocks_per_chunk``, which decides it in the engine)."""
     from tiering.settings import CUDA_CHUNK_TOKENS
 
-    if (config in ("ours", SWEEP_DISK_CONFIG, SWEEP_SCHED_CONFIG) and on_cuda
+    if (config in OURS_SWEEP_CONFIGS and on_cuda
             and gpu_block_tokens < CUDA_CHUNK_TOKENS
             and CUDA_CHUNK_TOKENS % gpu_block_tokens == 0):
         return CUDA_CHUNK_TOKENS
@@ -1160,7 +1168,7 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     engine_kw: dict = {}
     if a.sweep_max_batched_tokens:
         engine_kw["max_num_batched_tokens"] = a.sweep_max_batched_tokens
-    if config == SWEEP_SCHED_CONFIG:
+    if config in (SWEEP_SCHED_CONFIG, SWEEP_FCFS_CONFIG):
         engine_kw["scheduler_cls"] = SCHEDULER_CLS
     timings: dict = {"cpu_tier_bytes": cpu_bytes if kvt else 0}
     print(f"[sweep] {shape} {key}: {n} prompts x {tokens} tokens = "

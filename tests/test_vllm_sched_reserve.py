@@ -39,7 +39,8 @@ def _extra(rows: int) -> dict:
     # no cap on requests loading at once, so that many loads are in flight together
     return {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
             "block_size": 128, "cpu_bytes_to_use": rows * (256 << 10),
-            "tiers": [{"medium": "cpu", "policy": "lru"}], "max_loading_requests": 0}
+            "tiers": [{"medium": "cpu", "policy": "lru"}], "max_loading_requests": 0,
+            "hits_first": False}  # vLLM's queue order: the decisions are compared step by step
 
 
 class _Spy:

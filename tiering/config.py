@@ -16,6 +16,7 @@ from tiering.backends.mooncake_config import MooncakeTierConfig, check_row
 from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
 from tiering.settings import (
+    HITS_FIRST_DEFAULT,
     IO_SWITCH_INTERVAL_S,
     MAX_LOADING_REQUESTS,
     PROMOTION_RESERVE_DEFAULT,
@@ -28,7 +29,8 @@ VLLM_KEYS = {
     "self_describing_kv_events", "canonical_layout", "sync_load_budget_bytes",
     "enable_kv_cache_events",
 }
-OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests", "switch_interval_ms"}
+OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests", "switch_interval_ms",
+            "hits_first"}
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
                  "prefill_tokens_per_s", "promotion_reserve"}
@@ -63,6 +65,10 @@ class TieredConfig:
     # the engine process's switch interval while tiers run I/O threads; 0: Python's own
     # (tiering.settings.IO_SWITCH_INTERVAL_S says why)
     switch_interval_ms: float = IO_SWITCH_INTERVAL_S * 1000
+    # under tiering.vllm.scheduler.TieringScheduler: waiting requests whose prefix is in the
+    # CPU tier are admitted (their loads started) before those that compute
+    # (tiering/vllm/hits_first.py); no effect under vLLM's own scheduler
+    hits_first: bool = HITS_FIRST_DEFAULT
 
 
 def _int(value: Any, where: str, low: int) -> int:
@@ -94,6 +100,10 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
                                                            MAX_LOADING_REQUESTS),
                                                  "max_loading_requests", 0))
     cfg.switch_interval_ms = parse_switch_interval_ms(extra.get("switch_interval_ms"))
+    hits_first = extra.get("hits_first", HITS_FIRST_DEFAULT)
+    if not isinstance(hits_first, bool):
+        raise ValueError(f"hits_first: expected true or false, got {hits_first!r}")
+    cfg.hits_first = hits_first
     for i, tier in enumerate(tiers):
         where = f"tiers[{i}]"
         if not isinstance(tier, dict):

@@ -139,6 +139,20 @@ ADVISOR_RATE_MIN_ROWS = 16
 # (8B 42.6k and 174.6k against 150.2k in one call) and was reverted.
 MAX_LOADING_REQUESTS = 256
 
+# -- vLLM adapter: hits first (under tiering.vllm.scheduler.TieringScheduler) --------------------
+# vLLM walks its waiting queue in order until the step's token budget is spent, so a cache hit
+# queued behind prompts that compute is not even looked up until they are scheduled: its load
+# (on the copy engine, nearly no GPU compute) then starts steps late and the batch ends with a
+# tail of loads. With hits first, each step moves the waiting requests whose first chunk is in
+# the CPU tier to the front of the queue (in their own order, at most as many as the load gate
+# has slots), so their loads start in the step they arrive and run beside the others' compute.
+# Default of the spec's ``hits_first``; it acts only under TieringScheduler (vLLM's own
+# scheduler is not ours to reorder).
+HITS_FIRST_DEFAULT = True
+# Waiting requests looked at per step (from the queue's head): bounds the scan's cost under a
+# deep queue (one key build and one dict lookup each, ~1 us).
+HITS_FIRST_SCAN_MAX = 4096
+
 # -- the engine process's GIL --------------------------------------------------------------------
 # The interpreter's switch interval in an engine process whose tiers run I/O threads (file and
 # mooncake tiers; ``switch_interval_ms`` in our spec's config or a secondary tier's under vLLM's

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiering.chain import Lookup, TierChain
 from tiering.request_scan import RequestScan
-from tiering.settings import MAX_LOADING_REQUESTS
+from tiering.settings import HITS_FIRST_DEFAULT, MAX_LOADING_REQUESTS
 from tiering.vllm.compat import (
     LookupResult,
     Medium,
@@ -53,8 +53,11 @@ def _as_bytes(keys: Iterable[bytes]) -> list[bytes]:
 class TieredManager(OffloadingManager):
     def __init__(self, chain: TierChain, metrics: TierMetrics | None = None,
                  on_shutdown: Callable[[], object] | None = None,
-                 max_loading_requests: int = MAX_LOADING_REQUESTS) -> None:
+                 max_loading_requests: int = MAX_LOADING_REQUESTS,
+                 hits_first: bool = HITS_FIRST_DEFAULT) -> None:
         self.chain = chain
+        # read by tiering.vllm.scheduler's hits-first pass (no effect without it)
+        self.hits_first = hits_first
         self.metrics = metrics
         self._on_shutdown = on_shutdown
         # requests with a load to the GPU in flight, at most max_loading_requests (0: no cap)
@@ -120,6 +123,17 @@ class TieredManager(OffloadingManager):
         scan = self._scans.pop(req_id, None)
         if scan is not None:
             scan.finished()
+
+    def resident(self, key: bytes) -> bool:
+        """Would ``lookup(key)`` find the chunk in the CPU tier now? (A read, nothing counted or
+        pinned: the hits-first scheduler asks it for waiting requests' first chunks.)"""
+        return self.chain.cpu.contains(key)
+
+    def load_slots_free(self) -> int | None:
+        """How many more requests may start a load now (the load gate's cap less the requests
+        loading), or None where there is no cap."""
+        gate = self.load_gate
+        return max(0, gate.cap - gate.loading()) if gate.cap else None
 
     def get_load_source(self, key: bytes, req_context: ReqContext) -> Any:
         return _SOURCE[self.chain.hit_source(key if type(key) is bytes else bytes(key))]

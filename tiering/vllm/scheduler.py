@@ -1,5 +1,7 @@
 """A vLLM scheduler for engines that load many prefixes at once: vLLM's own scheduler with one
-quadratic admission cost made linear. Selected with vLLM's ``--scheduler-cls`` option:
+quadratic admission cost made linear, and cache hits admitted before prompts that compute
+(``tiering/vllm/hits_first.py``; the spec's ``hits_first``, on by default). Selected with vLLM's
+``--scheduler-cls`` option:
 
     vllm serve MODEL --kv-transfer-config '{...}' \\
         --scheduler-cls tiering.vllm.scheduler.TieringScheduler
@@ -18,8 +20,9 @@ holds and whether its blocks were cached). A term is recomputed, by vLLM's own
 depends on nothing else, which holds for plain full attention (``FullAttentionManager`` itself,
 not its subclasses: sliding windows, Mamba, cross-attention, sparse attention each compute it
 from more). For any other KV cache layout, the class behaves exactly as vLLM's scheduler.
-Scheduling decisions are unchanged by construction: same admissions, same order, same blocks
-(``tests/test_vllm_sched_reserve.py`` checks it against vLLM's scheduler step by step).
+The remembered sum changes no scheduling decision: same admissions, same order, same blocks
+(``tests/test_vllm_sched_reserve.py`` checks it against vLLM's scheduler step by step, with
+hits first off). Hits first does change the order, on purpose: its module says how.
 
 Contract: the override runs on vLLM's scheduler thread inside ``schedule()``; it does no I/O and
 never raises: on any error it logs once and returns vLLM's own sum. With
@@ -45,6 +48,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from tiering.vllm.compat import share_vllm_logging
+from tiering.vllm.hits_first import HitsFirst
 
 __all__ = ["TieringScheduler", "TieringAsyncScheduler", "TieringSyncScheduler"]
 
@@ -149,12 +153,13 @@ class _ReservationMemo:
         return total
 
 
-class TieringSyncScheduler(_ReservationMemo, Scheduler):
-    """vLLM's ``Scheduler`` (no async scheduling) with the linear reservation sum."""
+class TieringSyncScheduler(HitsFirst, _ReservationMemo, Scheduler):
+    """vLLM's ``Scheduler`` (no async scheduling) with the linear reservation sum and hits
+    first."""
 
 
-class TieringAsyncScheduler(_ReservationMemo, AsyncScheduler):
-    """vLLM's ``AsyncScheduler`` with the linear reservation sum."""
+class TieringAsyncScheduler(HitsFirst, _ReservationMemo, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with the linear reservation sum and hits first."""
 
 
 class TieringScheduler(TieringSyncScheduler):

@@ -155,7 +155,8 @@ class TieredOffloadingSpec(OffloadingSpec):
                           advisor=advisor, promotion_reserve=self.cfg.cpu.promotion_reserve)
         self._manager = TieredManager(chain, TierMetrics(),
                                       on_shutdown=lambda: region.close(unlink=True),
-                                      max_loading_requests=self.cfg.max_loading_requests)
+                                      max_loading_requests=self.cfg.max_loading_requests,
+                                      hits_first=self.cfg.hits_first)
         log.info("vllm-tiering: CPU tier %d rows x %d bytes (%s, store_threshold %d), "
                  "%d file tier(s), %d mooncake tier(s)", self.num_rows, self.row_bytes,
                  self.cfg.cpu.policy, self.cfg.cpu.store_threshold, len(self.cfg.files),
