@@ -810,6 +810,9 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-max-loading", type=int, default=-1,
                    help="ours: max_loading_requests (requests loading to the GPU at once; "
                         "0: no cap; -1: the spec's default)")
+    g.add_argument("--sweep-load-starts", type=int, default=-1,
+                   help="ours: max_load_starts_per_step (loads started in one scheduler step "
+                        "while nothing computes; 0: no limit; -1: the spec's default)")
     g.add_argument("--sweep-gpu-cache-batches", type=float, default=SWEEP_GPU_CACHE_BATCHES,
                    help="GPU KV cache in batches' blocks (later batches reuse freed blocks, "
                         "as a running server does); 0: vLLM's sizing from --gpu-mem")
@@ -868,7 +871,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
                           max_loading_requests: int | None = None,
                           disk: tuple[Path, int] | None = None,
                           promote: str = "auto",
-                          promotion_reserve: float | None = None) -> dict | None:
+                          promotion_reserve: float | None = None,
+                          max_load_starts_per_step: int | None = None) -> dict | None:
     """The sweep's offloading setups: vLLM's CPUOffloadingSpec (``cpu``) or our spec with its
     CPU tier only (``ours``), offloading chunks of ``chunk_tokens`` (None: each spec's default,
     ``default_chunk_tokens``); ``ours-disk``: ours over a file tier at ``disk`` (folder,
@@ -900,6 +904,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
             extra["max_loading_requests"] = max_loading_requests
         if config == SWEEP_FCFS_CONFIG:
             extra["hits_first"] = False
+        if max_load_starts_per_step is not None:
+            extra["max_load_starts_per_step"] = max_load_starts_per_step
     else:
         raise ValueError(f"prefill sweep: unknown config {config!r}")
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -1158,7 +1164,8 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     kvt = sweep_transfer_config(config, cpu_bytes, chunk, block_tokens, a.gpu_copy,
                                 int(a.sweep_sync_load_mib * 2**20),
                                 None if a.sweep_max_loading < 0 else a.sweep_max_loading, disk,
-                                a.promote, a.sweep_promotion_reserve)
+                                a.promote, a.sweep_promotion_reserve,
+                                None if a.sweep_load_starts < 0 else a.sweep_load_starts)
     kvt = with_switch_interval(kvt, a.switch_ms)
     plan = sweep_batches(n, a.sweep_hit_rates)
     if config == "none":  # no cache of any kind: a fresh batch, then the same prompts again

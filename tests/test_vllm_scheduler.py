@@ -319,20 +319,32 @@ def test_an_explicit_chunk_size_is_kept_on_cuda(model, monkeypatch):
     h.manager.shutdown()
 
 
-def _cpu_only(rows: int, cap: int | None) -> dict:
+def _cpu_only(rows: int, cap: int | None, per_step: int | None = None) -> dict:
     ex = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
           "block_size": 128, "cpu_bytes_to_use": rows * (256 << 10),
           "tiers": [{"medium": "cpu", "policy": "lru"}]}
     if cap is not None:
         ex["max_loading_requests"] = cap
+    if per_step is not None:
+        ex["max_load_starts_per_step"] = per_step
     return ex
 
 
-def _hit_batch(model, cap: int | None, n: int = 6, delay: int = 2, abort: str = ""):
+def _hit_batch(model, cap: int | None, n: int = 6, delay: int = 2, abort: str = "",
+               per_step: int | None = None, starts: list[int] | None = None):
     """n prompts stored, then the same n again (every chunk a CPU hit), stepped by hand: the
-    most requests seen loading at once, and the harness."""
-    h = Harness(model, _cpu_only(4 * n + 4, cap), gpu_tokens=2 * n * 512 + 1024, delay=delay,
-                max_num_seqs=2 * n)
+    most requests seen loading at once, and the harness. ``starts``, if given, receives the
+    loads started (``prepare_load`` calls) in each step of the hit batch."""
+    h = Harness(model, _cpu_only(4 * n + 4, cap, per_step), gpu_tokens=2 * n * 512 + 1024,
+                delay=delay, max_num_seqs=2 * n)
+    if starts is not None:
+        prepare_load = h.manager.prepare_load
+
+        def counted(keys, req_context):
+            starts[-1] += 1
+            return prepare_load(keys, req_context)
+
+        h.manager.prepare_load = counted  # type: ignore[method-assign]
     prompts = [prompt(100 + i) for i in range(n)]
     for i, p in enumerate(prompts):
         h.add(f"fill{i}", p, max_tokens=1)
@@ -345,6 +357,8 @@ def _hit_batch(model, cap: int | None, n: int = 6, delay: int = 2, abort: str = 
     for _ in range(200):
         if not h.scheduler.requests and not h._pending:
             break
+        if starts is not None:
+            starts.append(0)
         h.step()
         chain.check()
         most = max(most, gate.loading())
@@ -382,6 +396,29 @@ def test_without_a_cap_every_hit_request_loads_at_once(model):
     h, most = _hit_batch(model, 0)
     assert most == 6 and h.manager.chain.cpu.stats["loads_deferred"] == 0
     assert all(h.cached[f"hit{i}"] >= 384 for i in range(6))
+    h.manager.shutdown()
+
+
+def test_loads_started_in_one_step_are_limited_and_every_request_is_served_its_hits(model):
+    """max_load_starts_per_step 2, no cap: a burst of six hits is admitted two a step (the
+    copies of the first ones run while the next steps admit the rest, docs/benchmarks.md), and
+    every request still gets its whole CPU-tier hit, nothing stays pinned."""
+    starts: list[int] = []
+    h, most = _hit_batch(model, 0, per_step=2, starts=starts)
+    assert max(starts) == 2 and sum(starts) == 6, starts
+    assert h.manager.chain.cpu.stats["loads_deferred"] > 0
+    assert all(h.cached[f"hit{i}"] >= 384 for i in range(6)), h.cached
+    assert h.manager.chain.usage()["pinned"] == 0 and h.manager.load_gate.loading() == 0
+    h.manager.shutdown()
+
+
+def test_without_a_limit_per_step_the_burst_starts_in_one_step(model):
+    """The same burst with max_load_starts_per_step 0 (the default) and no cap: all six loads
+    start in one step (what the limit spreads out)."""
+    starts: list[int] = []
+    h, _ = _hit_batch(model, 0, starts=starts)
+    assert max(starts) == 6 and sum(starts) == 6, starts
+    assert h.manager.chain.cpu.stats["loads_deferred"] == 0
     h.manager.shutdown()
 
 

@@ -18,6 +18,7 @@ from tiering.policies import resolve
 from tiering.settings import (
     HITS_FIRST_DEFAULT,
     IO_SWITCH_INTERVAL_S,
+    MAX_LOAD_STARTS_PER_STEP,
     MAX_LOADING_REQUESTS,
     PROMOTION_RESERVE_DEFAULT,
 )
@@ -30,7 +31,7 @@ VLLM_KEYS = {
     "enable_kv_cache_events",
 }
 OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests", "switch_interval_ms",
-            "hits_first"}
+            "hits_first", "max_load_starts_per_step"}
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
                  "prefill_tokens_per_s", "promotion_reserve"}
@@ -69,6 +70,9 @@ class TieredConfig:
     # CPU tier are admitted (their loads started) before those that compute
     # (tiering/vllm/hits_first.py); no effect under vLLM's own scheduler
     hits_first: bool = HITS_FIRST_DEFAULT
+    # loads started in one scheduler step while nothing computes (tiering.vllm.load_gate); 0:
+    # no limit
+    max_load_starts_per_step: int = MAX_LOAD_STARTS_PER_STEP
 
 
 def _int(value: Any, where: str, low: int) -> int:
@@ -104,6 +108,9 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
     if not isinstance(hits_first, bool):
         raise ValueError(f"hits_first: expected true or false, got {hits_first!r}")
     cfg.hits_first = hits_first
+    cfg.max_load_starts_per_step = _int(extra.get("max_load_starts_per_step",
+                                                  MAX_LOAD_STARTS_PER_STEP),
+                                        "max_load_starts_per_step", 0)
     for i, tier in enumerate(tiers):
         where = f"tiers[{i}]"
         if not isinstance(tier, dict):

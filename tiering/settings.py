@@ -138,6 +138,11 @@ ADVISOR_RATE_MIN_ROWS = 16
 # burst over several steps instead (at most 16 or 32 loads started a step) was slower on the H200
 # (8B 42.6k and 174.6k against 150.2k in one call) and was reverted.
 MAX_LOADING_REQUESTS = 256
+# The most loads started in one scheduler step while nothing computes (default of the spec's
+# ``max_load_starts_per_step``; 0: no limit; tiering.vllm.load_gate says why). Off: a limit of
+# 16 was slower on the H200 (42.6k tokens/s against 150.2k at 8B, 100% hits) in a run whose
+# engines had not compiled the kernels of the paced steps' batch shapes; to be measured again.
+MAX_LOAD_STARTS_PER_STEP = 0
 
 # -- vLLM adapter: hits first (under tiering.vllm.scheduler.TieringScheduler) --------------------
 # vLLM walks its waiting queue in order until the step's token budget is spent, so a cache hit

@@ -1,4 +1,5 @@
-"""LoadGate: at most so many requests with a load to the GPU in flight at once.
+"""LoadGate: at most so many requests with a load to the GPU in flight at once, and, where
+asked, at most so many loads started in one scheduler step.
 
 Why: before vLLM (0.32, 0.33) admits a request whose KV loads asynchronously, its scheduler sums
 the blocks still needed by every request that is prefilling or loading
@@ -25,6 +26,15 @@ never deferred forever: every in-flight load ends with
 ``complete_load`` (vLLM reports every job, failed ones too), ``on_request_finished`` or a cache
 reset, and each step's first requests in the queue take the slots that freed.
 
+Why a limit per step (``max_load_starts_per_step``, off by default): the step that admits a burst
+of hits runs every admission and every job's copy submission before the copy engine moves the
+first byte of any of them (on the H200, ~0.25 s of a 256-prompt 8B hit batch's 0.59 s, with the
+copies ~0.35 s after it). Admitting at most ``per_step`` loads a step while nothing computes lets
+the first jobs copy while the next steps admit and submit the rest. A limit of 16 was tried on
+the H200 before kernels were warmed for the batch shapes it makes, and each paced step then took
+~140 ms (docs/benchmarks.md, "A limit on loads started per step"); it is measured again with
+the warm-up in place before it is anyone's default.
+
 Contract: every method is called by the manager on vLLM's scheduler thread, never blocks and
 never raises into it. The gate only answers for a request; the manager counts.
 """
@@ -42,12 +52,17 @@ _GROUP_BYTES = 4
 
 
 class LoadGate:
-    def __init__(self, cap: int, stats: TierStats) -> None:
-        """``cap``: the most requests with a load in flight at once; 0: no cap. ``stats``: the
+    def __init__(self, cap: int, stats: TierStats, per_step: int = 0) -> None:
+        """``cap``: the most requests with a load in flight at once; 0: no cap. ``per_step``:
+        the most loads started in one step while nothing computes; 0: no limit. ``stats``: the
         CPU tier's counters (``loads_deferred``)."""
         if cap < 0:
             raise ValueError(f"max_loading_requests: expected an integer >= 0, got {cap}")
-        self.cap = cap
+        if per_step < 0:
+            raise ValueError(f"max_load_starts_per_step: expected an integer >= 0, got "
+                             f"{per_step}")
+        self.cap, self.per_step = cap, per_step
+        self._started_now = 0  # loads started (prepare_load) since the last step's end
         self._stats = stats
         self._loading: dict[str, int] = {}  # request -> its load jobs in flight
         # requests told to wait in this step -> the KV groups already answered RETRY
@@ -62,6 +77,18 @@ class LoadGate:
         # ``computing``), 0.32 after it (still set at the next step's lookups)
         self._offered = False
 
+    @property
+    def limits(self) -> bool:
+        """The gate can defer a load at all (a cap or a limit per step)."""
+        return bool(self.cap or self.per_step)
+
+    def slots_free(self) -> int | None:
+        """How many more requests may start a load in this step, or None without limits."""
+        free = [self.cap - len(self._loading)] if self.cap else []
+        if self.per_step:
+            free.append(self.per_step - self._started_now)
+        return max(0, min(free)) if free else None
+
     def loading(self) -> int:
         """Requests with a load in flight."""
         return len(self._loading)
@@ -72,8 +99,8 @@ class LoadGate:
         as usual). ``resident(key)``: would the lookup hit the CPU tier now?"""
         groups = self._deferred.get(req_id)
         if groups is None:
-            if (self.computing or self._offered or not self.cap or len(self._loading) < self.cap
-                    or req_id in self._loading or not resident(key)):
+            if (self.computing or self._offered or not self._full() or req_id in self._loading
+                    or not resident(key)):
                 return None
             groups = self._deferred[req_id] = set()
             self._stats.add("loads_deferred")
@@ -94,12 +121,18 @@ class LoadGate:
         (its running chunks are not scanned), so the next step lets hits through."""
         self._offered = True
 
+    def _full(self) -> bool:
+        """No load may start now: the cap is reached, or this step's share of starts."""
+        return (bool(self.cap) and len(self._loading) >= self.cap
+                or bool(self.per_step) and self._started_now >= self.per_step)
+
     def _update(self) -> None:
-        self.closed = bool(self._deferred) or bool(self.cap) and len(self._loading) >= self.cap
+        self.closed = bool(self._deferred) or self._full()
 
     def started(self, req_id: str) -> None:
         """vLLM asked to load the request's hits (``prepare_load``)."""
         self._loading[req_id] = self._loading.get(req_id, 0) + 1
+        self._started_now += 1
         self._update()
 
     def ended(self, req_id: str) -> None:
@@ -120,6 +153,7 @@ class LoadGate:
     def end_step(self) -> None:
         """The scheduler's step ended: deferred requests are asked about afresh next step."""
         self._deferred.clear()
+        self._started_now = 0
         self.computing, self._offered = self._offered, False
         self._update()
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiering.chain import Lookup, TierChain
 from tiering.request_scan import RequestScan
-from tiering.settings import HITS_FIRST_DEFAULT, MAX_LOADING_REQUESTS
+from tiering.settings import HITS_FIRST_DEFAULT, MAX_LOAD_STARTS_PER_STEP, MAX_LOADING_REQUESTS
 from tiering.vllm.compat import (
     LookupResult,
     Medium,
@@ -54,14 +54,17 @@ class TieredManager(OffloadingManager):
     def __init__(self, chain: TierChain, metrics: TierMetrics | None = None,
                  on_shutdown: Callable[[], object] | None = None,
                  max_loading_requests: int = MAX_LOADING_REQUESTS,
-                 hits_first: bool = HITS_FIRST_DEFAULT) -> None:
+                 hits_first: bool = HITS_FIRST_DEFAULT,
+                 max_load_starts_per_step: int = MAX_LOAD_STARTS_PER_STEP) -> None:
         self.chain = chain
         # read by tiering.vllm.scheduler's hits-first pass (no effect without it)
         self.hits_first = hits_first
         self.metrics = metrics
         self._on_shutdown = on_shutdown
         # requests with a load to the GPU in flight, at most max_loading_requests (0: no cap)
-        self.load_gate = LoadGate(max_loading_requests, chain.cpu.stats)
+        # and at most max_load_starts_per_step of them started in one step (0: no limit)
+        self.load_gate = LoadGate(max_loading_requests, chain.cpu.stats,
+                                  max_load_starts_per_step)
         self._scans: dict[str, RequestScan] = {}  # live requests' scans (tiering.request_scan)
 
     def live_requests(self) -> int:
@@ -111,7 +114,7 @@ class TieredManager(OffloadingManager):
         found = scan.lookup(key if type(key) is bytes else bytes(key), first,
                             (lambda: self._prompt_end(req_context)) if advisor is not None
                             else None)
-        if found is Lookup.MISS and gate.cap and not gate.computing and scan.counted <= {key}:
+        if found is Lookup.MISS and gate.limits and not gate.computing and scan.counted <= {key}:
             gate.prompt_computes()  # its first chunk missed: vLLM computes it this step
         return _LOOKUP[found]
 
@@ -131,9 +134,8 @@ class TieredManager(OffloadingManager):
 
     def load_slots_free(self) -> int | None:
         """How many more requests may start a load now (the load gate's cap less the requests
-        loading), or None where there is no cap."""
-        gate = self.load_gate
-        return max(0, gate.cap - gate.loading()) if gate.cap else None
+        loading, and this step's share of starts), or None where the gate has no limits."""
+        return self.load_gate.slots_free()
 
     def get_load_source(self, key: bytes, req_context: ReqContext) -> Any:
         return _SOURCE[self.chain.hit_source(key if type(key) is bytes else bytes(key))]

@@ -156,7 +156,8 @@ class TieredOffloadingSpec(OffloadingSpec):
         self._manager = TieredManager(chain, TierMetrics(),
                                       on_shutdown=lambda: region.close(unlink=True),
                                       max_loading_requests=self.cfg.max_loading_requests,
-                                      hits_first=self.cfg.hits_first)
+                                      hits_first=self.cfg.hits_first,
+                                      max_load_starts_per_step=self.cfg.max_load_starts_per_step)
         log.info("vllm-tiering: CPU tier %d rows x %d bytes (%s, store_threshold %d), "
                  "%d file tier(s), %d mooncake tier(s)", self.num_rows, self.row_bytes,
                  self.cfg.cpu.policy, self.cfg.cpu.store_threshold, len(self.cfg.files),
