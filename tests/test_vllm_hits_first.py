@@ -249,3 +249,16 @@ def test_hits_first_is_a_boolean_in_the_spec_config():
     assert parse({"cpu_bytes_to_use": "1GiB", "hits_first": False}).hits_first is False
     with pytest.raises(ValueError, match="hits_first: expected true or false, got 'yes'"):
         parse({"cpu_bytes_to_use": "1GiB", "hits_first": "yes"})
+
+
+def test_schedule_takes_the_engine_cores_arguments(model):
+    """vLLM's engine core calls ``schedule(throttle_prefills)`` positionally (0.32 and 0.33):
+    the mixin passes whatever vLLM's own ``schedule`` takes (an engine died on the first step
+    when it did not)."""
+    sched_mod, Harness = _vllm()
+    h = Harness(model, _extra(16), scheduler_cls=sched_mod.TieringSyncScheduler)
+    h.add("a", prompt(21), max_tokens=1)
+    out = h.scheduler.schedule(False)
+    assert out.num_scheduled_tokens
+    assert h.scheduler.schedule(throttle_prefills=True) is not None
+    h.manager.shutdown()

@@ -149,7 +149,7 @@ class HitsFirst:
             log.exception("hits first: could not be set up; off")
             self._tiering_hits = None
 
-    def schedule(self) -> Any:
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
         probe = self._tiering_hits
         if probe is not None:
             try:
@@ -159,4 +159,4 @@ class HitsFirst:
             except Exception:  # never into vLLM's scheduler: its own order from here on
                 self._tiering_hits = None
                 log.exception("hits first: reordering failed; vLLM's queue order from now on")
-        return super().schedule()  # type: ignore[misc]
+        return super().schedule(*args, **kwargs)  # type: ignore[misc]
