@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from types import ModuleType
@@ -46,6 +47,7 @@ import numpy as np
 from tiering.backends.block_copy import CopyLayout, Finished, merge_runs
 from tiering.backends.staged_plan import plan_staged
 from tiering.settings import CUDA_BATCH_MAX
+from tiering.step_trace import TRACE
 
 if TYPE_CHECKING:  # never at run time: torch comes with the copier (see above)
     import torch
@@ -179,6 +181,14 @@ class CudaCopier:
         self._free: dict[str, list[torch.cuda.Event | None]] = {}
         self._next_buffer: dict[str, int] = {}
         self.jobs_by_path = {"dma": 0, "staged": 0, "direct": 0}
+        # the step trace (tiering/step_trace.py) puts job spans on the host clock through an
+        # event recorded now: (host seconds, event)
+        self._trace_base: tuple[float, torch.cuda.Event] | None = None
+        if TRACE.on:
+            base = torch.cuda.Event(enable_timing=True)
+            base.record(self.streams["store"])
+            base.synchronize()
+            self._trace_base = (time.perf_counter(), base)
 
     def _choose_copy(self, copy: str) -> str:
         if copy in ("dma", "auto"):
@@ -446,10 +456,15 @@ class CudaCopier:
 
     def get_finished(self) -> list[Finished]:
         done = []
-        for jobs in self._jobs.values():
+        for direction, jobs in self._jobs.items():
             while jobs and jobs[0][3].query():
                 job = jobs.popleft()
                 done.append(Finished(job[0], job[1], job[2].elapsed_time(job[3]) / 1000))
+                if self._trace_base is not None:
+                    t, base = self._trace_base
+                    TRACE.add("copy", job=job[0], dir=direction, bytes=job[1],
+                              g0=t + base.elapsed_time(job[2]) / 1000,
+                              g1=t + base.elapsed_time(job[3]) / 1000)
         return done
 
     def wait(self, job_ids: set[int]) -> None:

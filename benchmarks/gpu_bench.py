@@ -813,6 +813,9 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-load-starts", type=int, default=-1,
                    help="ours: max_load_starts_per_step (loads started in one scheduler step "
                         "while nothing computes; 0: no limit; -1: the spec's default)")
+    g.add_argument("--sweep-trace", action="store_true",
+                   help=f"{SWEEP_SCHED_CONFIG}, {SWEEP_FCFS_CONFIG}: a step trace of the engine "
+                        "(tiering/step_trace.py) and a table of each batch's steps in --out")
     g.add_argument("--sweep-gpu-cache-batches", type=float, default=SWEEP_GPU_CACHE_BATCHES,
                    help="GPU KV cache in batches' blocks (later batches reuse freed blocks, "
                         "as a running server does); 0: vLLM's sizing from --gpu-mem")
@@ -1184,9 +1187,22 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     max_len = tokens + 16
     gpu_blocks = sweep_gpu_blocks(n, tokens, block_tokens, a.sweep_gpu_cache_batches, max_len)
     timings["gpu_blocks"] = gpu_blocks
-    eng = SweepEngine(a, model, key, kvt, gpu_blocks, max_len, [tokens],
-                      max_num_seqs=a.sweep_max_num_seqs or None, prefix_caching=False,
-                      engine_kw=engine_kw)
+    trace = None
+    if a.sweep_trace and config in (SWEEP_SCHED_CONFIG, SWEEP_FCFS_CONFIG):
+        # the engine-core process records its steps and copy jobs (tiering/step_trace.py)
+        from tiering.step_trace import ENV as TRACE_ENV
+
+        trace = out / f"prefill_sweep_{tag}_{shape}_{key.replace('@', '_')}.trace"
+        for old_file in out.glob(trace.name + ".*.jsonl"):
+            old_file.unlink()
+        os.environ[TRACE_ENV] = str(trace)
+    try:
+        eng = SweepEngine(a, model, key, kvt, gpu_blocks, max_len, [tokens],
+                          max_num_seqs=a.sweep_max_num_seqs or None, prefix_caching=False,
+                          engine_kw=engine_kw)
+    finally:
+        if trace is not None:
+            os.environ.pop(TRACE_ENV, None)
     eng.gpu_block_tokens = block_tokens
     if kvt is not None and a.sweep_warm_hits:
         timings.update(eng.warm_hits(tokens, vocab))
@@ -1205,7 +1221,9 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
             if timeline is not None:
                 timeline.start(f"{bi}:{kind}:{rate:g}")
             try:
+                t_batch = time.perf_counter()
                 res = eng.run_batch([prompts[i] for i in batch])
+                res["t0"], res["t1"] = t_batch, time.perf_counter()
             finally:
                 if timeline is not None:
                     timeline.stop()
@@ -1244,7 +1262,31 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
         eng.close()
         if disk is not None:
             shutil.rmtree(disk[0], ignore_errors=True)
+    if trace is not None:
+        timings["trace"] = write_trace_summaries(trace, rows)
     return rows, timings
+
+
+def write_trace_summaries(trace: Path, rows: list[dict]) -> str | None:
+    """The step table of each measured batch of an engine traced with --sweep-trace, into
+    TRACE.txt (tiering.step_trace.summarize); its name, or None if the engine wrote no rows."""
+    from tiering.step_trace import load, summarize
+
+    files = sorted(str(f) for f in trace.parent.glob(trace.name + ".*.jsonl"))
+    if not files:
+        print(f"[sweep] no step trace rows under {trace}", flush=True)
+        return None
+    trace_rows = load(files)
+    parts = []
+    for r in rows:
+        if "t0" in r:
+            parts.append(f"== {r['shape']} {r['config']} {r['batch']} {r['hit_rate']:g}% seen: "
+                         f"{r['tokens_per_s']:.0f} tok/s, {r['wall_s']:.3f} s\n"
+                         + summarize(trace_rows, r["t0"], r["t1"]))
+    path = trace.with_suffix(".txt")
+    path.write_text("\n\n".join(parts) + "\n")
+    print(f"[sweep] step tables: {path.name}", flush=True)
+    return path.name
 
 
 def latency_split(outs: list[Any]) -> dict[str, dict[str, float | int | None]]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from itertools import repeat
 from operator import attrgetter
 from typing import Any
@@ -47,6 +48,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
+from tiering.step_trace import TRACE
 from tiering.vllm.compat import share_vllm_logging
 from tiering.vllm.hits_first import HitsFirst
 
@@ -153,12 +155,45 @@ class _ReservationMemo:
         return total
 
 
-class TieringSyncScheduler(HitsFirst, _ReservationMemo, Scheduler):
+class _StepTimes:
+    """Scheduler mixin (outermost): with ``TIERING_STEP_TRACE`` set, each ``schedule`` and
+    ``update_from_output`` call is a row of the step trace (``tiering/step_trace.py``); else
+    one attribute read per call."""
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if not TRACE.on:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        t0 = time.perf_counter()
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        t1 = time.perf_counter()
+        meta = getattr(out, "kv_connector_metadata", None)
+        TRACE.add("schedule", t0=t0, t1=t1, t=t0,
+                  tokens=int(sum(out.num_scheduled_tokens.values())),
+                  reqs=len(out.num_scheduled_tokens),
+                  loads=len(getattr(meta, "load_jobs", None) or ()),
+                  stores=len(getattr(meta, "store_jobs", None) or ()),
+                  waiting=len(self.waiting))  # type: ignore[attr-defined]
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if not TRACE.on:
+            return super().update_from_output(  # type: ignore[misc]
+                scheduler_output, model_runner_output)
+        t0 = time.perf_counter()
+        out = super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output)
+        kvo = getattr(model_runner_output, "kv_connector_output", None)
+        TRACE.add("update", t0=t0, t1=time.perf_counter(), t=t0,
+                  recv=len(getattr(kvo, "finished_recving", None) or ()))
+        return out
+
+
+class TieringSyncScheduler(_StepTimes, HitsFirst, _ReservationMemo, Scheduler):
     """vLLM's ``Scheduler`` (no async scheduling) with the linear reservation sum and hits
     first."""
 
 
-class TieringAsyncScheduler(HitsFirst, _ReservationMemo, AsyncScheduler):
+class TieringAsyncScheduler(_StepTimes, HitsFirst, _ReservationMemo, AsyncScheduler):
     """vLLM's ``AsyncScheduler`` with the linear reservation sum and hits first."""
 
 

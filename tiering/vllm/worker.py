@@ -9,9 +9,11 @@ a failed transfer: vLLM's connector asserts success.
 from __future__ import annotations
 
 import logging
+import time
 
 from tiering.backends.block_copy import BlockCopier, CopyLayout, TensorInfo
 from tiering.backends.staging import StagingRegion
+from tiering.step_trace import TRACE
 from tiering.vllm.compat import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
@@ -44,8 +46,12 @@ class TieredWorker(OffloadingWorker):
 
     def _submit(self, job_id: int, gpu: GPULoadStoreSpec, rows: LoadStoreSpec,
                 direction: str) -> bool:
+        t0 = time.perf_counter() if TRACE.on else 0.0
         self.copier.submit_job(job_id, self.layout, gpu.block_ids, gpu.group_sizes,
                                gpu.block_indices, rows.block_ids, direction)
+        if TRACE.on:
+            TRACE.add("submit", t=t0, dt=time.perf_counter() - t0, job=job_id, dir=direction,
+                      blocks=len(gpu.block_ids))
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,

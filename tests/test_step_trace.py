@@ -1,0 +1,118 @@
+"""The step trace (tiering/step_trace.py): off unless asked, rows written by its own thread to
+PATH.<pid>.jsonl, the summary's busy times and windows, and the rows a real vLLM 0.33 scheduler
+under TieringScheduler and our worker leave."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import pytest
+
+from tiering import step_trace
+from tiering.step_trace import StepTrace, load, summarize
+
+
+def test_off_without_the_variable(monkeypatch):
+    monkeypatch.delenv(step_trace.ENV, raising=False)
+    t = StepTrace(os.environ.get(step_trace.ENV) or None)
+    assert not t.on and t.path is None
+
+
+def test_rows_are_written_by_the_writer_thread(tmp_path):
+    t = StepTrace(str(tmp_path / "tr"))
+    t.add("schedule", t0=1.0, t1=1.5, tokens=3)
+    t.add("update", t0=2.0, t1=2.1, recv=1)
+    path = tmp_path / f"tr.{os.getpid()}.jsonl"
+    deadline = time.monotonic() + 10 * step_trace.FLUSH_S
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(step_trace.FLUSH_S)  # both rows flushed, in one or two writes
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["k"] for r in rows] == ["schedule", "update"]
+    assert rows[0]["tokens"] == 3 and rows[1]["recv"] == 1
+
+
+def test_busy_time_is_the_union_of_spans_inside_the_window():
+    assert step_trace._busy([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)], 0.0, 10.0) == 3.0
+    assert step_trace._busy([(0.0, 1.0), (0.5, 2.0)], 1.5, 10.0) == 0.5
+    assert step_trace._busy([], 0.0, 1.0) == 0.0
+
+
+def _rows() -> list[dict]:
+    return [
+        {"k": "schedule", "t": 10.0, "t0": 10.0, "t1": 10.2, "tokens": 0, "reqs": 0,
+         "loads": 4, "stores": 0, "waiting": 0},
+        {"k": "submit", "t": 10.25, "dt": 0.05, "job": 1, "dir": "load", "blocks": 8},
+        {"k": "copy", "t": 10.9, "job": 1, "dir": "load", "bytes": 1, "g0": 10.26, "g1": 10.6},
+        {"k": "schedule", "t": 10.7, "t0": 10.7, "t1": 10.71, "tokens": 4, "reqs": 4,
+         "loads": 0, "stores": 0, "waiting": 0},
+        {"k": "update", "t": 10.8, "t0": 10.8, "t1": 10.81, "recv": 4},
+    ]
+
+
+def test_the_summary_shows_each_step_and_the_totals():
+    text = summarize(_rows(), 10.0, 11.0)
+    lines = text.splitlines()
+    first, second = lines[1].split(), lines[2].split()
+    assert first[:7] == ["0.0", "200.0", "0", "0", "4", "0", "0"]
+    assert first[7] == "50.0" and first[8] == "340.0"  # submit ms, load busy ms in [10.0, 10.7)
+    assert second[:3] == ["700.0", "10.0", "4"] and second[-1] == "4"  # landed in that step
+    assert "2 steps" in lines[-1] and "loads on the GPU 340.0 ms busy" in lines[-1]
+    assert "first from 260.0 to 600.0 ms" in lines[-1]
+
+
+def test_a_window_keeps_only_its_steps():
+    text = summarize(_rows(), 10.5, 11.0)
+    assert "1 steps" in text.splitlines()[-1]
+    assert summarize([{"k": "update", "t": 1.0, "t0": 1.0, "t1": 1.0}]).startswith("no schedule")
+
+
+def test_load_sorts_rows_of_several_files(tmp_path):
+    a, b = tmp_path / "x.1.jsonl", tmp_path / "x.2.jsonl"
+    a.write_text(json.dumps({"k": "submit", "t": 2.0, "dt": 0}) + "\n")
+    b.write_text(json.dumps({"k": "schedule", "t": 1.0, "t0": 1.0}) + "\n\n")
+    assert [r["k"] for r in load([str(a), str(b)])] == ["schedule", "submit"]
+
+
+def test_under_tiering_scheduler_each_step_is_a_row(tmp_path, monkeypatch):
+    """A real vLLM 0.33 scheduler (the harness): with the trace on, every schedule() and
+    update_from_output() call leaves a row saying what it scheduled, issued and received."""
+    pytest.importorskip("vllm")
+    sched_mod = pytest.importorskip("tiering.vllm.scheduler")
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if not hasattr(Scheduler, "_inflight_prefill_reserved_blocks"):  # pragma: no cover
+        pytest.skip("TieringScheduler is built for vLLM 0.33's scheduler")
+    from vllm_harness import Harness
+
+    from benchmarks.tiny_model import build
+
+    model = str(build(tmp_path / "model", layers=2, hidden=128, heads=2, kv_heads=2,
+                      intermediate=256, max_pos=4096))
+    trace = StepTrace(str(tmp_path / "tr"))
+    monkeypatch.setattr(step_trace.TRACE, "on", True)
+    monkeypatch.setattr(step_trace.TRACE, "path", trace.path)
+    monkeypatch.setattr(step_trace.TRACE, "_rows", [])
+    extra = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+             "block_size": 128, "cpu_bytes_to_use": 16 * (256 << 10),
+             "tiers": [{"medium": "cpu", "policy": "lru"}]}
+    h = Harness(model, extra, delay=1, scheduler_cls=sched_mod.TieringSyncScheduler)
+    rng = random.Random(3)
+    p = [rng.randrange(4, 500) for _ in range(512)]
+    h.add("a", p, max_tokens=1)
+    h.run()
+    h.reset_gpu_prefix_cache()
+    h.add("b", p, max_tokens=1)
+    h.run()
+    step_trace.TRACE.flush()  # the rows its writer thread has not written yet
+    rows = load([str(f) for f in tmp_path.glob("tr.*.jsonl")])
+    h.manager.shutdown()
+    sched = [r for r in rows if r["k"] == "schedule"]
+    assert sched and all(r["t1"] >= r["t0"] for r in sched)
+    assert sum(r["loads"] for r in sched) == 1  # b's hits, one job
+    assert sum(r["stores"] for r in sched) >= 1  # a's chunks
+    assert sum(r["tokens"] for r in sched) >= 512 + 1  # a computed whole, b its last token
+    assert sum(r.get("recv", 0) for r in rows if r["k"] == "update") == 1

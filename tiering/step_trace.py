@@ -1,0 +1,149 @@
+"""A timeline of the engine core's steps and of the copy jobs on the GPU, for finding where a
+batch's time goes. Off unless the environment names a file:
+
+    TIERING_STEP_TRACE=/tmp/trace vllm serve ... --scheduler-cls tiering.vllm.scheduler.TieringScheduler
+    python -m tiering.step_trace /tmp/trace.*.jsonl [--from T0 --to T1]
+
+What is recorded, each row with ``time.perf_counter()`` seconds (the system's monotonic clock,
+the same in every process of the machine):
+
+* ``schedule`` — one per ``Scheduler.schedule`` call under ``TieringScheduler``: when it began
+  and ended, the tokens and requests it scheduled, the load and store jobs it issued, the
+  requests still waiting;
+* ``update`` — ``update_from_output``: when, and how many loads it was told had landed;
+* ``submit`` — our worker handing a job to its copier: when, how long, direction, blocks;
+* ``copy`` — a copy job seen finished: its span on the GPU (from its CUDA events, put on the host
+  clock through an event recorded when the copier started), direction and bytes.
+
+The rows are kept in memory and written by a daemon thread every half second (never by the
+thread that recorded them: vLLM's scheduler thread does no I/O) to ``PATH.<pid>.jsonl``; rows of
+the last half second before a process is killed may be lost. With the variable unset, each hook
+costs one attribute read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+ENV = "TIERING_STEP_TRACE"
+FLUSH_S = 0.5
+
+
+class StepTrace:
+    """The process's trace (``TRACE``). ``add`` may be called from any thread."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.on = bool(path)
+        self._rows: list[dict[str, Any]] = []
+        self._lock = threading.Lock()  # the swap in flush must not lose a row added meanwhile
+        self._writer: threading.Thread | None = None
+
+    def add(self, kind: str, **fields: Any) -> None:
+        fields["k"] = kind
+        fields.setdefault("t", time.perf_counter())
+        with self._lock:
+            self._rows.append(fields)
+            if self._writer is None:
+                self._start_writer()
+
+    def _start_writer(self) -> None:
+        self._writer = threading.Thread(target=self._write_loop, name="tiering-step-trace",
+                                        daemon=True)
+        self._writer.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            time.sleep(FLUSH_S)
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the rows recorded so far (the writer thread does this every FLUSH_S)."""
+        with self._lock:
+            rows, self._rows = self._rows, []
+        if not rows or not self.path:
+            return
+        with open(f"{self.path}.{os.getpid()}.jsonl", "a") as f:
+            f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in rows)
+
+
+TRACE = StepTrace(os.environ.get(ENV) or None)
+
+
+def load(paths: Iterable[str]) -> list[dict[str, Any]]:
+    """Every row of the trace files, by time."""
+    rows: list[dict[str, Any]] = []
+    for p in paths:
+        with open(p) as f:
+            rows.extend(json.loads(line) for line in f if line.strip())
+    return sorted(rows, key=lambda r: float(r.get("t0", r["t"])))
+
+
+def _busy(spans: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] covered by the union of ``spans``."""
+    total, end = 0.0, lo
+    for a, b in sorted(spans):
+        a, b = max(a, end), min(b, hi)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
+def summarize(rows: list[dict[str, Any]], t0: float | None = None,
+              t1: float | None = None) -> str:
+    """One line per scheduler step in [t0, t1] (default: the whole trace): when it began (ms
+    from t0), how long ``schedule`` took, what it scheduled and issued, the worker's submission
+    time and the copy engines' busy time until the next step; then the totals."""
+    sched = [r for r in rows if r["k"] == "schedule"]
+    if not sched:
+        return "no schedule rows (the trace is taken under TieringScheduler)"
+    t0 = sched[0]["t0"] if t0 is None else t0
+    t1 = max(float(r.get("g1", r["t"])) for r in rows) if t1 is None else t1
+    sched = [r for r in sched if t0 <= r["t0"] <= t1]
+    copies = {d: [(r["g0"], r["g1"]) for r in rows if r["k"] == "copy" and r["dir"] == d
+                  and r["g1"] >= t0 and r["g0"] <= t1] for d in ("load", "store", "expedited")}
+    submits = [r for r in rows if r["k"] == "submit" and t0 <= r["t"] <= t1]
+    lines = [f"{'ms':>8} {'sched ms':>8} {'tokens':>7} {'reqs':>5} {'loads':>5} {'stores':>6} "
+             f"{'waiting':>7} {'submit ms':>9} {'load busy':>9} {'store busy':>10} {'landed':>6}"]
+    updates = [r for r in rows if r["k"] == "update" and t0 <= r["t0"] <= t1]
+    for i, r in enumerate(sched):
+        lo = r["t0"]
+        hi = sched[i + 1]["t0"] if i + 1 < len(sched) else t1
+        sub = sum(s["dt"] for s in submits if lo <= s["t"] < hi)
+        landed = sum(u.get("recv", 0) for u in updates if lo <= u["t0"] < hi)
+        lines.append(f"{(lo - t0) * 1e3:8.1f} {(r['t1'] - r['t0']) * 1e3:8.1f} "
+                     f"{r['tokens']:7d} {r['reqs']:5d} {r['loads']:5d} {r['stores']:6d} "
+                     f"{r['waiting']:7d} {sub * 1e3:9.1f} "
+                     f"{_busy(copies['load'] + copies['expedited'], lo, hi) * 1e3:9.1f} "
+                     f"{_busy(copies['store'], lo, hi) * 1e3:10.1f} {landed:6d}")
+    loads = copies["load"] + copies["expedited"]
+    span = t1 - t0
+    lines.append(f"window {span * 1e3:.1f} ms, {len(sched)} steps; schedule "
+                 f"{sum(r['t1'] - r['t0'] for r in sched) * 1e3:.1f} ms; worker submits "
+                 f"{sum(s['dt'] for s in submits) * 1e3:.1f} ms ({len(submits)} jobs); loads on "
+                 f"the GPU {_busy(loads, t0, t1) * 1e3:.1f} ms busy"
+                 + (f", first from {(min(a for a, _ in loads) - t0) * 1e3:.1f} to "
+                    f"{(max(b for _, b in loads) - t0) * 1e3:.1f} ms" if loads else "")
+                 + f"; stores {_busy(copies['store'], t0, t1) * 1e3:.1f} ms busy")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Summarize a step trace (tiering/step_trace.py)")
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--from", dest="t0", type=float, default=None,
+                    help="window start, perf_counter seconds")
+    ap.add_argument("--to", dest="t1", type=float, default=None)
+    a = ap.parse_args(argv)
+    print(summarize(load(a.files), a.t0, a.t1))
+
+
+if __name__ == "__main__":
+    main()
