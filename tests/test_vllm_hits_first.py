@@ -70,12 +70,38 @@ def test_at_most_the_load_gates_free_slots_move_and_none_when_it_is_full():
 
 
 def test_only_fresh_waiting_requests_with_a_full_first_chunk_move():
-    q = deque([_req("a"), _req("b", computed=64), _req("c", status=RUNNING),
-               _req("d", chunks=0), _req("e")])
-    q[3].block_hashes = [b"d-0"]  # less than a chunk of hashes: no key yet
-    probe = _probe({"b", "c", "d", "e"})
+    q = deque([_req("a"), _req("d", chunks=0), _req("e"), _req("f")])
+    q[1].block_hashes = [b"d-0"]  # less than a chunk of hashes: no key yet, never a hit
+    probe = _probe({"d", "e"})
     assert probe.reorder(q) == 1
-    assert _names(q) == ["e", "a", "b", "c", "d"]
+    assert _names(q) == ["e", "a", "d", "f"]
+
+
+@pytest.mark.parametrize("barrier", [{"computed": 64}, {"status": RUNNING}])
+def test_a_request_that_is_not_new_is_a_barrier(barrier):
+    """A preempted request (vLLM puts it back at the head to resume first) or any other that is
+    not a new waiting one: no hit behind it is moved ahead of it; hits before it still move."""
+    q = deque([_req("a"), _req("b"), _req("c", **barrier), _req("d")])
+    probe = _probe({"b", "c", "d"})
+    assert probe.reorder(q) == 1
+    assert _names(q) == ["b", "a", "c", "d"]
+
+
+def test_a_request_passed_often_enough_is_passed_no_more():
+    """Hits arriving step after step pass a waiting request at most HITS_FIRST_MAX_PASSES
+    times; then it is a barrier (where GPU blocks bind, each pass can cost it a step)."""
+    from tiering.settings import HITS_FIRST_MAX_PASSES
+
+    probe = _probe({f"h{k}" for k in range(10)})
+    q = deque([_req("big")])
+    for k in range(HITS_FIRST_MAX_PASSES):
+        q.append(_req(f"h{k}"))
+        assert probe.reorder(q) == 1 and _names(q)[0] == f"h{k}"
+        q.popleft()  # the hit was admitted
+        assert probe.passes("big") == k + 1
+    q.append(_req("h9"))
+    assert probe.reorder(q) == 0 and _names(q) == ["big", "h9"]
+    assert probe.passes("big") == HITS_FIRST_MAX_PASSES
 
 
 def test_the_scan_stops_at_its_bound():

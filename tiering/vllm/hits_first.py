@@ -11,12 +11,20 @@ beside the first compute step.
 
 What it does: at the start of each ``schedule()``, the waiting requests (first-come-first-served
 policy, never scheduled yet) whose first chunk is READY in the CPU tier are moved to the head of
-the queue, in their own order, at most as many as the load gate (``max_loading_requests``) has
-slots. vLLM then admits their asynchronous loads first; the requests behind them are scheduled
-as before. A moved request needs one token of the step's budget when its load has landed
-(vLLM recomputes a fully loaded prompt's last token), so the requests it passed wait at most
-that long. Under the priority policy, for a connector that is not our spec's, or where
-``hits_first`` is false in the spec's config, nothing is reordered.
+the queue, in their own order, at most as many as the load gate (``max_loading_requests``,
+``max_load_starts_per_step``) admits. vLLM then admits their asynchronous loads first; the
+requests behind them are scheduled as before.
+
+What it never does: pass a request without bound. A moved hit needs one token of a step's
+budget once its load has landed, but also its GPU blocks from the moment it is admitted; where
+the GPU KV cache, not the token budget, is what binds, a stream of hits passing the same
+request every step would keep it waiting for as long as the stream lasts (a hostile test found
+it: tests/test_hits_first_hostile.py). So a waiting request may be passed at most
+``HITS_FIRST_MAX_PASSES`` times; after that it is a barrier, and so is every request that is not
+a new one (a preempted request, which vLLM puts back at the head to resume first): the scan
+stops there, and no hit behind a barrier moves ahead of it. Under the priority policy, for a
+connector that is not our spec's, or where ``hits_first`` is false in the spec's config,
+nothing is reordered.
 
 Contract: runs on vLLM's scheduler thread inside ``schedule()``, before vLLM's own code; reads
 the queue's requests and the CPU tier's row map (no I/O, nothing counted or pinned) and reorders
@@ -31,7 +39,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from tiering.settings import HITS_FIRST_SCAN_MAX
+from tiering.settings import HITS_FIRST_MAX_PASSES, HITS_FIRST_SCAN_MAX
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +52,8 @@ class HitProbe:
 
     def __init__(self, manager: Any, hashes_per_chunk: int, group_idx: int,
                  make_key: Callable[[bytes, int], bytes], waiting_status: Any,
-                 scan_max: int = HITS_FIRST_SCAN_MAX) -> None:
+                 scan_max: int = HITS_FIRST_SCAN_MAX,
+                 max_passes: int = HITS_FIRST_MAX_PASSES) -> None:
         """``waiting_status``: vLLM's ``RequestStatus.WAITING`` (only requests in it move)."""
         if hashes_per_chunk < 1:
             raise ValueError(f"hashes_per_chunk: expected >= 1, got {hashes_per_chunk}")
@@ -54,7 +63,9 @@ class HitProbe:
         self.make_key = make_key
         self.waiting_status = waiting_status
         self.scan_max = scan_max
+        self.max_passes = max_passes
         self.moved = 0  # requests moved ahead, over the engine's life
+        self._passed: dict[str, int] = {}  # waiting request -> times hits were moved past it
 
     @classmethod
     def from_scheduler(cls, scheduler: Any) -> HitProbe | None:
@@ -100,9 +111,17 @@ class HitProbe:
             return None
         return self.make_key(hashes[self.hashes_per_chunk - 1], self.group_idx)
 
+    def passes(self, request_id: str) -> int:
+        """How often hits were moved ahead of this waiting request."""
+        return self._passed.get(request_id, 0)
+
+    def _fresh(self, req: Any) -> bool:
+        return bool(req.num_computed_tokens == 0 and req.status == self.waiting_status)
+
     def reorder(self, queue: deque[Any]) -> int:
-        """Move the hits among the first ``scan_max`` waiting requests to the queue's head, in
-        their order; returns how many moved (0 where they were at the head already)."""
+        """Move the hits among the first ``scan_max`` waiting requests, up to the first barrier
+        (module doc), to the queue's head in their order; returns how many moved (0 where they
+        were at the head already). Every request they passed counts one pass more."""
         if len(queue) < 2:
             return 0
         free = self.manager.load_slots_free()
@@ -111,25 +130,36 @@ class HitProbe:
         limit = len(queue) if free is None else free
         resident = self.manager.resident
         hits: list[Any] = []
+        others: list[tuple[int, Any]] = []  # (position, request) of the scanned non-hits
+        last_hit = -1
         in_place = 0  # hits already at the head, before any request that computes
         for i, req in enumerate(queue):
-            if i >= self.scan_max or len(hits) >= limit:
+            if i >= self.scan_max or len(hits) >= limit or not self._fresh(req):
                 break
-            if (req.num_computed_tokens or req.status != self.waiting_status
-                    or getattr(req, "skip_reading_prefix_cache", False)):
-                continue
-            key = self.first_key(req)
+            key = (None if getattr(req, "skip_reading_prefix_cache", False)
+                   else self.first_key(req))
             if key is not None and resident(key):
                 if in_place == i:
                     in_place += 1
                 hits.append(req)
+                last_hit = i
+            elif self._passed.get(req.request_id, 0) >= self.max_passes:
+                break  # passed often enough: nothing behind it goes first any more
+            else:
+                others.append((i, req))
         if len(hits) == in_place:
             return 0
+        passed = [r for i, r in others if i < last_hit]
         chosen = {id(r) for r in hits}
         rest = [r for r in queue if id(r) not in chosen]
         queue.clear()
         queue.extend(hits)
         queue.extend(rest)
+        for r in passed:
+            self._passed[r.request_id] = self._passed.get(r.request_id, 0) + 1
+        if len(self._passed) > 2 * len(queue) + 64:  # forget requests no longer waiting
+            waiting = {r.request_id for r in queue}
+            self._passed = {k: v for k, v in self._passed.items() if k in waiting}
         moved = len(hits) - in_place
         self.moved += moved
         return moved
