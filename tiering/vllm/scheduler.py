@@ -1,6 +1,6 @@
 """A vLLM scheduler for engines that load many prefixes at once: vLLM's own scheduler with one
 quadratic admission cost made linear, and cache hits admitted before prompts that compute
-(``tiering/vllm/hits_first.py``; the spec's ``hits_first``, on by default). Selected with vLLM's
+(``tiering/vllm/hits_first.py``; the spec's ``hits_first``, off by default). Selected with vLLM's
 ``--scheduler-cls`` option:
 
     vllm serve MODEL --kv-transfer-config '{...}' \\
