@@ -19,6 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 
+# vLLM's scheduler with our spec: the same helpers as the feature's own tests
+from test_vllm_hits_first import _extra, _vllm, prompt  # noqa: E402
+
 from tiering.stats import TierStats
 from tiering.vllm.hits_first import HitProbe
 from tiering.vllm.load_gate import LoadGate
@@ -220,18 +223,6 @@ def test_slots_free_follows_a_model_of_the_gate(seed):
 
 # -- inside vLLM 0.33's scheduler ------------------------------------------------------------------
 
-def _vllm():
-    pytest.importorskip("vllm")
-    sched_mod = pytest.importorskip("tiering.vllm.scheduler")
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    if not hasattr(Scheduler, "_inflight_prefill_reserved_blocks"):  # pragma: no cover
-        pytest.skip("TieringScheduler is built for vLLM 0.33's scheduler")
-    from vllm_harness import Harness
-
-    return sched_mod, Harness
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     pytest.importorskip("vllm")
@@ -239,25 +230,6 @@ def model(tmp_path_factory):
 
     return str(build(tmp_path_factory.mktemp("m") / "model", layers=2, hidden=128, heads=2,
                      kv_heads=2, intermediate=256, max_pos=4096))
-
-
-def prompt(seed: int, n: int = 512) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, 500) for _ in range(n)]
-
-
-def _extra(rows: int, cap: int | None = None, per_step: int | None = None,
-           hits_first: bool = True) -> dict:
-    # 2 layers x 2 heads x 64 dims x 2 (K, V) x 4 bytes x 128 tokens = 256 KiB per chunk
-    ex: dict = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
-                "block_size": 128, "cpu_bytes_to_use": rows * (256 << 10),
-                "tiers": [{"medium": "cpu", "policy": "lru"}]}
-    if cap is not None:
-        ex["max_loading_requests"] = cap
-    if per_step is not None:
-        ex["max_load_starts_per_step"] = per_step
-    ex["hits_first"] = hits_first  # these tests are about it: on unless a test says off
-    return ex
 
 
 def _drain(h, steps: int = 3000) -> None:

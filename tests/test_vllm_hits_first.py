@@ -142,13 +142,16 @@ def prompt(seed: int, n: int = 512) -> list[int]:
     return [rng.randrange(4, 500) for _ in range(n)]
 
 
-def _extra(rows: int, cap: int | None = None, hits_first: bool = True) -> dict:
+def _extra(rows: int, cap: int | None = None, per_step: int | None = None,
+           hits_first: bool = True) -> dict:
     # 2 layers x 2 heads x 64 dims x 2 (K, V) x 4 bytes x 128 tokens = 256 KiB per chunk
     ex: dict = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
                 "block_size": 128, "cpu_bytes_to_use": rows * (256 << 10),
                 "tiers": [{"medium": "cpu", "policy": "lru"}]}
     if cap is not None:
         ex["max_loading_requests"] = cap
+    if per_step is not None:
+        ex["max_load_starts_per_step"] = per_step
     ex["hits_first"] = hits_first  # these tests are about it: on unless a test says off
     return ex
 

@@ -1,8 +1,8 @@
 """A timeline of the engine core's steps and of the copy jobs on the GPU, for finding where a
 batch's time goes. Off unless the environment names a file:
 
-    TIERING_STEP_TRACE=/tmp/trace vllm serve ... --scheduler-cls tiering.vllm.scheduler.TieringScheduler
-    python -m tiering.step_trace /tmp/trace.*.jsonl [--from T0 --to T1]
+    TIERING_STEP_TRACE=trace/run vllm serve ... --scheduler-cls tiering.vllm.scheduler.TieringScheduler
+    python -m tiering.step_trace trace/run.*.jsonl [--from T0 --to T1]
 
 What is recorded, each row with ``time.perf_counter()`` seconds (the system's monotonic clock,
 the same in every process of the machine):
