@@ -114,6 +114,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--promote", default="auto",
                     help="ours: the CPU tier's promote setting (default auto: the promotion "
                          "advisor decides each disk run; always: every disk hit is loaded)")
+    ap.add_argument("--kv-layout", default="", choices=("",) + KV_LAYOUTS,
+                    help="vLLM's physical KV cache layout for every engine of the run "
+                         "(VLLM_KV_CACHE_LAYOUT; default: what vLLM resolves, LBHNC under "
+                         "the offloading connector). BLHNC keeps all layers of a block in one "
+                         "run of memory: a 64-token chunk is then one copy per direction")
     ap.add_argument("--switch-ms", type=float, default=None,
                     help="our tiers' switch_interval_ms (default: the spec's; 0: Python's 5 ms)")
     ap.add_argument("--budget-s", type=float, default=0,
@@ -736,6 +741,10 @@ class StepBudget:
 # rest are new. Throughput = prompt tokens / wall time of ``generate``. One engine per (shape,
 # setup, chunk size) serves every hit rate. ``none`` (no offloading) runs a fresh batch and the
 # same batch again (no cache of any kind: both cost the same; the two rows show it).
+
+# vLLM 0.33's physical KV cache layouts (vllm/v1/kv_cache_layout.py, stride orders of the
+# logical [layer, block, head, token, channel]): --kv-layout
+KV_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
 SWEEP_PHASE = "prefill-sweep"
 SWEEP_CONFIGS = ("none", "cpu", "ours")
@@ -1393,7 +1402,8 @@ def sweep_main(a: argparse.Namespace, t0: float) -> None:
     info = {"vllm": vllm.__version__, "argv": sys.argv[1:], "shapes": a.sweep_shapes,
             "configs": a.sweep_configs, "hit_rates": a.sweep_hit_rates,
             "chunk_tokens": [c or "default" for c in chunks], "prompt_tokens": tokens,
-            "gpu_block_tokens": block_tokens}
+            "gpu_block_tokens": block_tokens,
+            "kv_layout": os.environ.get("VLLM_KV_CACHE_LAYOUT") or "vLLM's choice"}
     rows: list[dict] = []
     timings: dict = {}
     budget = StepBudget(a.budget_s, t0)
@@ -1450,6 +1460,8 @@ def main() -> None:
     t0 = time.perf_counter()
     if a.cpu_platform:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    if a.kv_layout:  # read by the engine-core processes this one starts
+        os.environ["VLLM_KV_CACHE_LAYOUT"] = a.kv_layout
     if SWEEP_PHASE in a.phases:
         sweep_main(a, t0)
         return
@@ -1471,7 +1483,8 @@ def main() -> None:
             "params": sizes["params"], "weight_bytes": sizes["weight_bytes"],
             "cpu_gib": cpu_bytes / 2**30, "gpu_kv_tokens": gpu_blocks * block_size,
             "gpu_kv_bytes": gpu_blocks * block_size * kvb, "tp_cpu_fraction": a.tp_cpu_fraction,
-            "max_tokens": a.max_tokens, "argv": sys.argv[1:]}
+            "max_tokens": a.max_tokens, "argv": sys.argv[1:],
+            "kv_layout": os.environ.get("VLLM_KV_CACHE_LAYOUT") or "vLLM's choice"}
     print(f"[bench] {a.shape}: {sizes['params'] / 1e9:.2f}e9 parameters = "
           f"{sizes['weight_bytes'] / 2**30:.1f} GiB of weights, {kvb // 1024} KiB of KV per "
           f"token; phase engines: GPU KV cache {gpu_blocks * block_size} tokens = "

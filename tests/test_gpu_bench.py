@@ -240,11 +240,17 @@ def test_options_parse_lists_and_reject_garbage(monkeypatch, capsys):
     assert a.tp_cpu_fraction == [0.5, 2.0] and a.configs == ["none", "ours-wb"]
     assert a.settle_max_s == 30
     for bad in (["--tp-cpu-fraction", "0.5,x"], ["--tp-cpu-fraction", "0"],
-                ["--configs", "none,nope"]):
+                ["--configs", "none,nope"], ["--kv-layout", "BLXYZ"]):
         monkeypatch.setattr(sys, "argv", ["gpu_bench", *bad])
         with pytest.raises(SystemExit):
             gpu_bench.parse()
         assert bad[-1].split(",")[-1] in capsys.readouterr().err
+
+
+def test_kv_layouts_are_vllms():
+    """--kv-layout offers exactly the layouts vLLM names (where this vLLM has them)."""
+    layouts = pytest.importorskip("vllm.v1.kv_cache_layout")
+    assert set(gpu_bench.KV_LAYOUTS) == {m.name for m in layouts.KVCacheLayout}
 
 
 def test_throughput_table_shows_each_size():

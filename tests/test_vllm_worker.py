@@ -174,6 +174,37 @@ def test_a_chunk_of_descending_blocks_copies_as_one_run_per_tensor():
         w.shutdown()
 
 
+def test_a_block_outermost_layout_copies_a_descending_chunk_in_one_descriptor():
+    """vLLM's block-outermost layouts (``VLLM_KV_CACHE_LAYOUT=BLHNC``, ``gpu-bench --kv-layout``)
+    keep every layer of a block in one run of memory, and vLLM hands the worker that as one
+    packed tensor whose page is the whole block. A chunk in recycled (descending) blocks is
+    then a single copy each way: 2 chunks, 2 descriptors (against 2 per tensor and chunk in
+    the per-layer layout). Bytes round-trip exactly."""
+    layers, page, num_blocks = 6, 1024, 32
+    storage = torch.randint(-128, 127, (num_blocks * layers * page,), dtype=torch.int8)
+    # what vLLM's offloading worker builds for a packed layout: (blocks, block stride)
+    packed = storage.as_strided((num_blocks, layers * page), (layers * page, 1))
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(packed, layers * page)],
+                           [[CanonicalKVCacheRef(0, layers * page)]])
+    bpc, cell = 4, layers * page * 4
+    region = StagingRegion("packed", 8, -(-cell // 4096) * 4096)
+    w = TieredWorker(make_layout(kv, region, 0, cell, bpc), MemcpyCopier(), region)
+    blocks, rows = [23, 22, 21, 20, 11, 10, 9, 8], [6, 2]
+    assert _merged_count(w.layout, blocks, rows) == 2
+    assert _merged_count(w.layout, sorted(blocks), rows) == 8
+    snap = packed[blocks].clone()
+    w.submit_store(1, GPULoadStoreSpec(blocks, [8], [0]), RowsSpec(rows))
+    (res,) = w.get_finished()
+    assert res.success and res.transfer_size == 8 * layers * page
+    storage.zero_()
+    back = [31, 30, 29, 28, 3, 2, 1, 0]
+    w.submit_load(2, RowsSpec(rows), GPULoadStoreSpec(back, [8], [0]))
+    w.get_finished()
+    assert torch.equal(packed[back], snap)
+    assert int(packed[4:28].abs().sum()) == 0  # no other block written
+    w.shutdown()
+
+
 def _block_order(rng: np.random.Generator, pool: list[int], n: int, mode: str) -> list[int]:
     """``n`` distinct GPU block ids from ``pool`` in one of the orders vLLM hands them out in:
     a fresh cache (ascending), recycled blocks (descending), or anything (shuffled, and runs of
