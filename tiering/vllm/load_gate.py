@@ -123,8 +123,7 @@ class LoadGate:
 
     def _full(self) -> bool:
         """No load may start now: the cap is reached, or this step's share of starts."""
-        return (bool(self.cap) and len(self._loading) >= self.cap
-                or bool(self.per_step) and self._started_now >= self.per_step)
+        return self.slots_free() == 0
 
     def _update(self) -> None:
         self.closed = bool(self._deferred) or self._full()
