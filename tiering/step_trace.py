@@ -39,11 +39,21 @@ class StepTrace:
     """The process's trace (``TRACE``). ``add`` may be called from any thread."""
 
     def __init__(self, path: str | None) -> None:
+        self._open(path)
+
+    def _open(self, path: str | None) -> None:
         self.path = path
         self.on = bool(path)
         self._rows: list[dict[str, Any]] = []
         self._lock = threading.Lock()  # the swap in flush must not lose a row added meanwhile
         self._writer: threading.Thread | None = None
+
+    def reopen_from_env(self) -> None:
+        """A forked child starts a trace of its own, from the environment it has now: vLLM
+        forks its engine core from a process that imported this module before the variable
+        was set (gpu-bench), and the parent's writer thread, lock and rows are not the
+        child's."""
+        self._open(os.environ.get(ENV) or None)
 
     def add(self, kind: str, **fields: Any) -> None:
         fields["k"] = kind
@@ -74,6 +84,7 @@ class StepTrace:
 
 
 TRACE = StepTrace(os.environ.get(ENV) or None)
+os.register_at_fork(after_in_child=TRACE.reopen_from_env)
 
 
 def load(paths: Iterable[str]) -> list[dict[str, Any]]:
