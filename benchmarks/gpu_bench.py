@@ -746,6 +746,11 @@ class StepBudget:
 # logical [layer, block, head, token, channel]): --kv-layout
 KV_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
+
+def kv_layout_label() -> str:
+    """The layout this run's engines were asked for (--kv-layout), for the results' info."""
+    return os.environ.get("VLLM_KV_CACHE_LAYOUT") or "vLLM's choice"
+
 SWEEP_PHASE = "prefill-sweep"
 SWEEP_CONFIGS = ("none", "cpu", "ours")
 # ours-disk (issue 14, asked for by name): our spec with a CPU tier of --sweep-disk-cpu-factor
@@ -1403,7 +1408,7 @@ def sweep_main(a: argparse.Namespace, t0: float) -> None:
             "configs": a.sweep_configs, "hit_rates": a.sweep_hit_rates,
             "chunk_tokens": [c or "default" for c in chunks], "prompt_tokens": tokens,
             "gpu_block_tokens": block_tokens,
-            "kv_layout": os.environ.get("VLLM_KV_CACHE_LAYOUT") or "vLLM's choice"}
+            "kv_layout": kv_layout_label()}
     rows: list[dict] = []
     timings: dict = {}
     budget = StepBudget(a.budget_s, t0)
@@ -1484,7 +1489,7 @@ def main() -> None:
             "cpu_gib": cpu_bytes / 2**30, "gpu_kv_tokens": gpu_blocks * block_size,
             "gpu_kv_bytes": gpu_blocks * block_size * kvb, "tp_cpu_fraction": a.tp_cpu_fraction,
             "max_tokens": a.max_tokens, "argv": sys.argv[1:],
-            "kv_layout": os.environ.get("VLLM_KV_CACHE_LAYOUT") or "vLLM's choice"}
+            "kv_layout": kv_layout_label()}
     print(f"[bench] {a.shape}: {sizes['params'] / 1e9:.2f}e9 parameters = "
           f"{sizes['weight_bytes'] / 2**30:.1f} GiB of weights, {kvb // 1024} KiB of KV per "
           f"token; phase engines: GPU KV cache {gpu_blocks * block_size} tokens = "
