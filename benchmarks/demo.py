@@ -17,13 +17,14 @@ from pathlib import Path
 
 from benchmarks.serving import Server, metric
 from benchmarks.tiny_model import build
+from tiering.config import CONNECTOR_FIELDS
 
 PHASES = [("A cold", "A"), ("A again", "A"), ("B (pushes A)", "B"), ("C (pushes A)", "C"),
           ("A after B, C", "A"), ("restart", None), ("A after restart", "A")]
 
 
 def tiered_config(cache_dir: str, cpu_bytes: int, disk: str = "1GiB") -> dict:
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    return {**CONNECTOR_FIELDS,
             "kv_connector_extra_config": {
                 "spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
                 "cpu_bytes_to_use": cpu_bytes,

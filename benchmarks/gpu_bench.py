@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tiering.config import CONNECTOR_FIELDS
+
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's function
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -261,6 +263,7 @@ def transfer_config(name: str, scratch: Path, cpu_bytes: int, disk_gib: float,
                      gpu_copy=gpu_copy,
                      tiers=[{"medium": "cpu", "policy": "lru",
                              **({"promote": promote} if promote else {})}, file_tier])
+        return {**CONNECTOR_FIELDS, "kv_connector_extra_config": extra}
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": extra}
 
@@ -923,6 +926,7 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
             extra["hits_first"] = True
         if max_load_starts_per_step is not None:
             extra["max_load_starts_per_step"] = max_load_starts_per_step
+        return {**CONNECTOR_FIELDS, "kv_connector_extra_config": extra}
     else:
         raise ValueError(f"prefill sweep: unknown config {config!r}")
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",

@@ -30,7 +30,8 @@ def main() -> None:
     llm = LLM(model=model, max_model_len=4096, enforce_eager=True, seed=0,
               prefix_caching_hash_algo="sha256",
               kv_transfer_config={
-                  "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                  "kv_connector": "TieredOffloadingConnector",
+                  "kv_connector_module_path": "tiering.vllm", "kv_role": "kv_both",
                   "kv_connector_extra_config": {
                       "spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
                       "cpu_bytes_to_use": "256MiB",

@@ -107,7 +107,8 @@ def test_bad_input_is_exit_2_with_message(cache, capsys, args, message):
 def test_config_prints_valid_transfer_config(tmp_path, capsys):
     out = run_json(capsys, "config", "--cpu", "1GiB", "--disk", f"{tmp_path}/kv:64MiB",
                    "--policy", "s3fifo", "--threshold", "3", "--json")
-    assert out["kv_connector"] == "OffloadingConnector" and out["kv_role"] == "kv_both"
+    assert out["kv_connector"] == "TieredOffloadingConnector" and out["kv_role"] == "kv_both"
+    assert out["kv_connector_module_path"] == "tiering.vllm"
     extra = out["kv_connector_extra_config"]
     cfg = parse(extra)  # what the engine runs at start
     assert cfg.cpu_bytes_to_use == 1 << 30

@@ -23,6 +23,7 @@ GPU only (marker ``gpu``; ``scripts/gpu_tests.sh``); skipped, never passed, else
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -89,6 +90,10 @@ def reference(model):
     return outs
 
 
+def model_layers(model) -> int:
+    return json.loads((model / "config.json").read_text())["num_hidden_layers"]
+
+
 def one_by_one(eng, prompts):
     """Run each prompt alone: (tokens, logprobs) per prompt, and the summed hit sources."""
     outs, total = [], {"device": 0.0, "host": 0.0, "disk": 0.0}
@@ -100,20 +105,30 @@ def one_by_one(eng, prompts):
     return outs, total
 
 
-# (copy path, vLLM's physical KV layout): the per-layer default, and the block-outermost BLHNC
-# (every layer of a block in one run: one copy per chunk, gpu-bench --kv-layout)
-@pytest.mark.parametrize("gpu_copy,kv_layout", [("dma", None), ("staged", None), ("dma", "BLHNC")])
+# (copy path, the operator's VLLM_KV_CACHE_LAYOUT): None leaves the layout to our connector,
+# which asks for the block-outermost BLHNC (every layer of a block in one tensor: one copy per
+# chunk); LBHNC is vLLM's per-layer layout (one tensor per layer), set by the variable
+@pytest.mark.parametrize("gpu_copy,kv_layout", [("dma", None), ("staged", None), ("dma", "LBHNC")])
 def test_tier_hits_are_bitwise_equal_to_gpu_hits_with_transfers_next_to_compute(
-        model, reference, tmp_path, monkeypatch, gpu_copy, kv_layout):
+        model, reference, tmp_path, monkeypatch, capfd, gpu_copy, kv_layout):
     if kv_layout:  # read by the engine-core process the engine starts
         monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", kv_layout)
+    else:
+        monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
     n_old = len(PROMPTS)
     assert len({tuple(t) for t, _ in reference}) == len(reference)  # outputs vary by prompt
     # promote "always": load every disk hit (this small model recomputes faster than the disk
     # reads, and "auto" would rightly recompute; here the disk path itself is under test)
     kvt = transfer_config("ours", tmp_path, 2 << 30, 4.0, gpu_copy, promote="always")
+    capfd.readouterr()  # the engine core is a child process writing to the same descriptors
     eng = Engine(OPTS, model, "ours", kvt, GPU_BLOCKS, MAX_LEN)
     try:
+        started = "".join(capfd.readouterr())
+        # the layout vLLM resolved, and what our worker was handed: BLHNC is one packed tensor
+        layout = kv_layout or "BLHNC"
+        assert f"Using {layout} KV cache layout" in started, started[-3000:]
+        tensors = "1 KV tensors" if layout == "BLHNC" else f"{model_layers(model)} KV tensors"
+        assert tensors in started, started[-3000:]
         cold, _ = one_by_one(eng, PROMPTS)
         # the reference ran in vLLM's default layout: the same kernels over other strides
         assert cold == reference[:n_old], kv_layout

@@ -29,6 +29,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from tiering.config import CONNECTOR_FIELDS  # noqa: E402
+
 EOS = 2
 
 
@@ -45,8 +47,11 @@ class Harness:
 
         if not current_platform.device_type:  # CUDA vLLM on a machine without a GPU: the
             current_platform.device_type = "cpu"  # scheduler side needs no device at all
-        kvt = None if extra is None else KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+        # our spec under our connector (what `tiering config` prints), vLLM's under its own
+        fields = (CONNECTOR_FIELDS if extra and extra.get("spec_module_path") == "tiering.vllm"
+                  else {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"})
+        kvt = None if extra is None else KVTransferConfig(**fields,
+                                                          kv_connector_extra_config=extra)
         args = EngineArgs(model=model, dtype="float32", max_model_len=max_len,
                           enable_prefix_caching=prefix_caching, kv_transfer_config=kvt,
                           max_num_batched_tokens=batched_tokens or max_len,

@@ -201,6 +201,13 @@ def check_sizes(cfg: TieredConfig, row_bytes: int, namespace_id: str | None = No
     return rows
 
 
+# The ``--kv-transfer-config`` fields that select our connector (tiering.vllm.connector: vLLM's
+# OffloadingConnector asking for the KV layout our worker copies fastest on a GPU)
+CONNECTOR_FIELDS: dict[str, str] = {"kv_connector": "TieredOffloadingConnector",
+                                    "kv_connector_module_path": "tiering.vllm",
+                                    "kv_role": "kv_both"}
+
+
 def build_transfer_config(args: Any) -> dict[str, Any]:
     """The ``--kv-transfer-config`` for ``tiering config`` flags, validated like at engine
     start (the same ``parse``), plus the checks that need no engine: each disk path is
@@ -223,5 +230,4 @@ def build_transfer_config(args: Any) -> dict[str, Any]:
             validate(f, row_bytes=4096)  # the real row size is known only at engine start
         except ValueError as exc:
             raise ValueError(f"tiers[{i}].{exc}") from None
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": extra}
+    return {**CONNECTOR_FIELDS, "kv_connector_extra_config": extra}

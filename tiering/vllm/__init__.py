@@ -1,5 +1,8 @@
 """vLLM integration (the only part of the ``tiering`` package that imports vLLM).
 
+* ``TieredOffloadingConnector`` — vLLM's ``OffloadingConnector`` asking for the KV layout our
+  worker copies fastest on a GPU: ``"kv_connector": "TieredOffloadingConnector",
+  "kv_connector_module_path": "tiering.vllm"``.
 * ``TieredOffloadingSpec`` — ``"spec_name": "TieredOffloadingSpec", "spec_module_path":
   "tiering.vllm"`` in ``kv_connector_extra_config``.
 * ``FileSecondaryTier`` — our file tier under vLLM's ``TieringOffloadingSpec``, named
@@ -15,11 +18,13 @@
 """
 
 from tiering.vllm.cache_policy import S3FIFOPolicy, TieringARCPolicy, TieringLRUPolicy
+from tiering.vllm.connector import TieredOffloadingConnector
 from tiering.vllm.secondary import FileSecondaryTier, MooncakeTier
 from tiering.vllm.spec import TieredOffloadingSpec
 
 # the name configs give vLLM's factory (``"type": "FileTier"``); kept for every existing config
 FileTier = FileSecondaryTier
 
-__all__ = ["FileSecondaryTier", "FileTier", "MooncakeTier", "S3FIFOPolicy", "TieredOffloadingSpec",
-           "TieringARCPolicy", "TieringLRUPolicy"]
+__all__ = ["FileSecondaryTier", "FileTier", "MooncakeTier", "S3FIFOPolicy",
+           "TieredOffloadingConnector", "TieredOffloadingSpec", "TieringARCPolicy",
+           "TieringLRUPolicy"]

@@ -186,10 +186,11 @@ class TieredOffloadingSpec(OffloadingSpec):
         if on_device and len(kv_caches.tensors) > 1:
             # measured on an H100 (docs/benchmarks.md, 2026-12-05b): 8B 100%-hit batches
             # 0.99-1.25x as fast as in vLLM's layout, 1B 1.28x, the compute unchanged
-            log.info("vllm-tiering: vLLM's KV layout keeps the blocks of each of %d KV tensors "
-                     "apart, so a chunk copies in that many pieces each way; an engine started "
-                     "with VLLM_KV_CACHE_LAYOUT=BLHNC (where its attention backend takes it) "
-                     "keeps a block's layers together and copies a chunk in one (docs/vllm.md, "
-                     "\"The KV layout\")", len(kv_caches.tensors))
+            log.info("vllm-tiering: this engine's KV layout keeps the blocks of each of %d KV "
+                     "tensors apart, so a chunk copies in that many pieces each way. Under "
+                     "\"kv_connector\": \"TieredOffloadingConnector\" (or with "
+                     "VLLM_KV_CACHE_LAYOUT=BLHNC) vLLM keeps a block's layers together where "
+                     "the attention backend reads that layout, and a chunk copies in one "
+                     "(docs/vllm.md, \"The KV layout\")", len(kv_caches.tensors))
         self._worker = TieredWorker(layout, copier, region)
         return self._worker

