@@ -752,7 +752,9 @@ KV_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
 def kv_layout_label() -> str:
     """The layout this run's engines were asked for (--kv-layout), for the results' info."""
-    return os.environ.get("VLLM_KV_CACHE_LAYOUT") or "vLLM's choice"
+    return os.environ.get("VLLM_KV_CACHE_LAYOUT") or (
+        "the connector's: ours BLHNC (TieredOffloadingConnector, where the attention backend "
+        "reads it), vLLM's spec and none vLLM's default")
 
 SWEEP_PHASE = "prefill-sweep"
 SWEEP_CONFIGS = ("none", "cpu", "ours")
