@@ -179,6 +179,49 @@ def merge_runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray, by: str = "sr
     return src[idx], dst[idx], np.add.reduceat(size, idx)
 
 
+def split_at_segments(src: np.ndarray, dst: np.ndarray, size: np.ndarray, base: int, span: int,
+                      segment: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The same copies, cut wherever one side's range in ``[base, base + span)`` crosses a
+    multiple of ``segment`` bytes from ``base``.
+
+    Why: the CUDA copier registers the staging rows with CUDA in segments
+    (``cuda_copy.REGISTER_SEGMENT``), and one copy may not span two registrations
+    (``cudaMemcpyBatchAsync`` fails with an invalid value). A page never starts at an odd place,
+    but ``merge_runs`` joins pages of neighbouring rows where both sides continue (in a packed
+    layout, one tensor of whole blocks, chunks in descending blocks stored in descending rows
+    are one run), and a row may itself straddle a boundary where the row size does not divide
+    the segment. Pointers outside the range (the device side) are never cut on their own."""
+    src, dst, size = (np.asarray(a, dtype=np.int64) for a in (src, dst, size))
+    cuts: list[tuple[int, int]] = []  # (entry, offset into it) where a piece ends
+    for side in (src, dst):
+        rel = side - base
+        inside = (rel >= 0) & (rel < span)
+        first, last = rel // segment, (rel + size - 1) // segment
+        for i in np.nonzero(inside & (first != last))[0]:
+            for k in range(int(first[i]) + 1, int(last[i]) + 1):
+                cuts.append((int(i), k * segment - int(rel[i])))
+    if not cuts:
+        return src, dst, size
+    by_entry: dict[int, list[int]] = {}
+    for i, off in cuts:
+        by_entry.setdefault(i, []).append(off)
+    s_out, d_out, n_out = [], [], []
+    for i in range(len(size)):
+        offs = by_entry.get(i)
+        if offs is None:
+            s_out.append(int(src[i]))
+            d_out.append(int(dst[i]))
+            n_out.append(int(size[i]))
+            continue
+        bounds = [0, *sorted(set(offs)), int(size[i])]
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            s_out.append(int(src[i]) + lo)
+            d_out.append(int(dst[i]) + lo)
+            n_out.append(hi - lo)
+    return (np.asarray(s_out, dtype=np.int64), np.asarray(d_out, dtype=np.int64),
+            np.asarray(n_out, dtype=np.int64))
+
+
 def submit_descriptors(copier: DescriptorCopier, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
                        group_sizes: Sequence[int], block_indices: Sequence[int],
                        rows: np.ndarray, direction: str) -> None:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tiering.backends.block_copy import CopyLayout, Finished, merge_runs
+from tiering.backends.block_copy import CopyLayout, Finished, merge_runs, split_at_segments
 from tiering.backends.staged_plan import plan_staged
 from tiering.settings import CUDA_BATCH_MAX
 from tiering.step_trace import TRACE
@@ -112,7 +112,8 @@ class CudaCopier:
                  api: str = "auto", batch_max: int = BATCH_MAX, order: str = "host",
                  copy: str = "auto", staging_bytes: int = 128 << 20,
                  small_page_bytes: int = 256 << 10, access_order: str = "stream",
-                 copy_flags: int = 0, streams_per_direction: int = 1) -> None:
+                 copy_flags: int = 0, streams_per_direction: int = 1,
+                 register_segment: int = 0) -> None:
         import torch
         from cuda.bindings import runtime as rt
 
@@ -123,6 +124,7 @@ class CudaCopier:
                              f"{access_order!r}")
         if streams_per_direction < 1:
             raise ValueError(f"streams_per_direction: expected >= 1, got {streams_per_direction}")
+        register_segment = register_segment or REGISTER_SEGMENT  # tests pass small ones
         # a descriptor job split over this many streams per direction (several copy engines)
         self.streams_per_direction = streams_per_direction
         self.access_order, self.copy_flags = access_order, copy_flags
@@ -137,8 +139,11 @@ class CudaCopier:
         self.registered: list[int] = []
         self.register_failures = 0
         self._mapped_same_address = True
-        for off in range(0, host_bytes, REGISTER_SEGMENT):
-            seg = min(REGISTER_SEGMENT, host_bytes - off)
+        # one copy may not span two registrations: ``_copy`` cuts runs at these boundaries
+        self.host_base, self.host_bytes = host_base, host_bytes
+        self.register_segment = register_segment
+        for off in range(0, host_bytes, register_segment):
+            seg = min(register_segment, host_bytes - off)
             (err,) = rt.cudaHostRegister(host_base + off, seg,
                                          rt.cudaHostRegisterDefault)
             if err == rt.cudaError_t.cudaSuccess:
@@ -151,7 +156,7 @@ class CudaCopier:
         if self.register_failures:
             log.warning("cudaHostRegister failed for %d of %d segments: those rows copy as "
                         "pageable memory (slower)", self.register_failures,
-                        -(-host_bytes // REGISTER_SEGMENT))
+                        -(-host_bytes // register_segment))
         self.batch_api = hasattr(rt, "cudaMemcpyBatchAsync")
         self._attrs = self._make_attrs() if self.batch_api else None
         self._ctypes: _CudartBatch | None = None
@@ -432,6 +437,8 @@ class CudaCopier:
     def _copy(self, job_id: int, s: np.ndarray, d: np.ndarray, n: np.ndarray,
               handle: int) -> None:
         rt = self.rt
+        s, d, n = split_at_segments(s, d, n, self.host_base, self.host_bytes,
+                                    self.register_segment)
         s, d, n = (np.ascontiguousarray(a, dtype=np.uint64) for a in (s, d, n))
         bm = self.batch_max
         for lo in range(0, len(s), bm):

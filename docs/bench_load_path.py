@@ -16,7 +16,7 @@ the process), raw and above ``none`` (what the load path adds on the scheduler t
 steps the batch took.
 
 Configs: ``none``, ``cpu`` (vLLM's ``CPUOffloadingSpec``), ``ours`` (``TieredOffloadingSpec``
-with its defaults), ``ours@K`` (ours with ``max_loading_requests`` K; ``ours@0``: no cap). Every
+with its defaults), ``ours-sched`` (ours under ``TieringScheduler``'s plain variant), ``ours@K`` (ours with ``max_loading_requests`` K; ``ours@0``: no cap). Every
 config gets its own scheduler, filled once; the hit batches then alternate between the configs
 (``--repeat`` rounds), so a busy machine slows them alike. ``--baseline DIR``: a checkout of an
 older tree (``git worktree add DIR COMMIT``); the benchmark runs itself ``--rounds`` times in a
@@ -84,8 +84,8 @@ def extra_for(config: str, cpu_bytes: int, chunk_tokens: int, block_tokens: int,
         extra["spec_name"] = "CPUOffloadingSpec"
     else:
         name, _, cap = config.partition("@")
-        if name != "ours":
-            raise SystemExit(f"unknown config {config!r}: none, cpu, ours or ours@K")
+        if name not in ("ours", "ours-sched"):
+            raise SystemExit(f"unknown config {config!r}: none, cpu, ours, ours-sched or ours@K")
         extra.update(spec_name="TieredOffloadingSpec", spec_module_path="tiering.vllm",
                      tiers=[{"medium": "cpu", "policy": "lru"}])
         if cap:
@@ -123,10 +123,14 @@ def measure(a: argparse.Namespace) -> dict[str, dict]:
     harnesses = {}
     for config in configs:  # rows are never written (no worker): the region stays sparse
         cpu_bytes = int(n * tokens * kvb * 1.5) + (64 << 20)
+        sched = None
+        if config.partition("@")[0] == "ours-sched":  # vLLM's scheduler with the linear sum
+            from tiering.vllm.scheduler import TieringSyncScheduler as sched
         h = Harness(model, extra_for(config, cpu_bytes, a.chunk_tokens, 16,
                                      int(a.sync_load_mib * 2**20)),
                     gpu_tokens=n * (tokens + 32) + 4096, delay=1, max_len=tokens + 64,
-                    batched_tokens=16384, max_num_seqs=1024, prefix_caching=False)
+                    batched_tokens=16384, max_num_seqs=1024, prefix_caching=False,
+                    scheduler_cls=sched)
         assert h.block_size == 16, f"GPU block size {h.block_size}: run with CUDA vLLM 0.33"
         for i, p in enumerate(prompts):  # the fill batch stores every prompt
             h.add(f"fill-{i}", p, max_tokens=1)

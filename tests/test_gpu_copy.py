@@ -272,3 +272,29 @@ def test_load_is_complete_when_reported_finished(path):
 def test_unknown_copy_path_is_refused():
     with pytest.raises(ValueError, match="copy: expected one of"):
         Setup("fast", [4096])
+
+
+def test_a_run_across_rows_in_two_registrations_is_copied_in_two():
+    """Packed layout (vLLM's BLHNC: one tensor of whole blocks), 4 blocks a chunk, chunks in
+    descending blocks kept in descending rows: the job's pages merge into one run across six
+    rows, and the rows are registered in segments of three. One copy may not span two
+    registrations (on an H100, 2026-12-05c: cudaMemcpyBatchAsync failed with an invalid value
+    and the engine stopped); the copier cuts the run at the boundary, bytes exact both ways."""
+    page, bpc = 64 << 10, 4
+    s = Setup("dma", [page], num_blocks=96, bpc=bpc, rows=12,
+              engine_kw={"register_segment": 3 * page * bpc})
+    try:
+        assert len(s.copier.registered) == 4
+        src = np.arange(40, 16, -1)  # 24 blocks descending: 6 chunks
+        rows = np.arange(5, -1, -1)
+        j = s.submit(src, [len(src)], [0], rows, "store")
+        s.finish([j])
+        for c in range(6):
+            s.check_cell(rows[c], src[c * bpc:(c + 1) * bpc])
+        dst = np.arange(90, 66, -1)
+        before = s.tensors[0][torch.as_tensor(src, device="cuda")].clone()
+        j = s.submit(dst, [len(dst)], [0], rows, "load")
+        s.finish([j])
+        assert torch.equal(s.tensors[0][torch.as_tensor(dst, device="cuda")], before)
+    finally:
+        s.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -318,3 +320,67 @@ def test_random_block_orders_round_trip_exactly_and_touch_nothing_else(seed):
     for t, b in zip(kv.tensors, before_gpu, strict=True):
         assert torch.equal(t.tensor, b)
     w.shutdown()
+
+
+def _crosses(ptr: np.ndarray, size: np.ndarray, base: int, span: int, segment: int) -> np.ndarray:
+    rel = ptr - base
+    inside = (rel >= 0) & (rel < span)
+    return inside & (rel // segment != (rel + size - 1) // segment)
+
+
+def test_a_packed_layouts_merged_run_is_cut_where_the_rows_registration_ends():
+    """The GPU run of 2026-12-05c (H100): in the packed layout (one tensor of whole blocks:
+    vLLM's BLHNC, what our connector asks for) a store of chunks in descending blocks kept in
+    descending rows merged into one run across rows, over the 1 GiB boundary between two CUDA
+    registrations of the staging rows, and cudaMemcpyBatchAsync failed (invalid value). The
+    runs the CUDA copier submits are cut there, and copy the same bytes."""
+    from tiering.backends.block_copy import CopyLayout, TensorInfo, split_at_segments
+
+    page, bpc = 4096, 4
+    row = page * bpc  # one rank, the whole row is the cell: rows sit back to back
+    n_rows, n_blocks = 8, 64
+    segment = 3 * row  # a registration boundary inside the run (rows 3 and 6 start one)
+    host = np.zeros(n_rows * row, dtype=np.uint8)
+    gpu = np.random.default_rng(1).integers(0, 255, n_blocks * page, dtype=np.uint8)
+    base = host.ctypes.data
+    lay = CopyLayout([TensorInfo(gpu.ctypes.data, page, page)], [[(0, page)]], base, row, 0,
+                     row, bpc)
+    blocks = np.arange(40, 16, -1, dtype=np.int64)  # 24 blocks, descending (recycled)
+    rows = np.arange(5, -1, -1, dtype=np.int64)  # 6 chunks in descending rows
+    dev, hst, size = lay.descriptors(blocks, [len(blocks)], [0], rows)
+    s, d, n = merge_runs(dev, hst, size, by="dst")
+    assert len(n) == 1 and _crosses(d, n, base, host.nbytes, segment).any()  # the bug's run
+    s2, d2, n2 = split_at_segments(s, d, n, base, host.nbytes, segment)
+    assert not _crosses(d2, n2, base, host.nbytes, segment).any()
+    assert len(n2) == 2 and int(n2.sum()) == int(n.sum())
+    for a, b, k in zip(s2.tolist(), d2.tolist(), n2.tolist(), strict=True):
+        ctypes.memmove(b, a, k)
+    for i, b in enumerate(blocks.tolist()):  # every block's page where the layout puts it
+        r, pos = rows[i // bpc], i % bpc
+        at = r * row + (bpc - 1 - pos) * page
+        assert bytes(host[at:at + page]) == bytes(gpu[b * page:(b + 1) * page])
+
+
+def test_cutting_at_segments_keeps_every_byte_and_cuts_only_the_registered_side():
+    from tiering.backends.block_copy import split_at_segments
+
+    rng = np.random.default_rng(7)
+    base, span, segment = 1 << 20, 1 << 22, 1 << 16
+    for _ in range(200):
+        k = int(rng.integers(1, 20))
+        size = rng.integers(1, 5 * segment, k)
+        host = base + rng.integers(0, span - 5 * segment, k)
+        dev = (1 << 40) + rng.integers(0, 1 << 30, k)  # the device side: never cut on its own
+        for src, dst in ((host, dev), (dev, host)):
+            s, d, n = split_at_segments(src, dst, size, base, span, segment)
+            h = s if src is host else d
+            assert not _crosses(h, n, base, span, segment).any()
+            assert (n > 0).all() and int(n.sum()) == int(size.sum())
+            # the pieces of each copy follow each other on both sides, in order
+            starts = np.concatenate(([True], (s[1:] != s[:-1] + n[:-1])
+                                     | (d[1:] != d[:-1] + n[:-1])))
+            assert s[starts].tolist() == list(src) and d[starts].tolist() == list(dst)
+    # a device pointer below the registered range is left whole
+    s, d, n = split_at_segments(np.array([0]), np.array([base]), np.array([segment]), base,
+                                span, segment)
+    assert n.tolist() == [segment]
