@@ -194,7 +194,12 @@ def split_at_segments(src: np.ndarray, dst: np.ndarray, size: np.ndarray, base: 
     src, dst, size = (np.asarray(a, dtype=np.int64) for a in (src, dst, size))
     cuts: list[tuple[int, int]] = []  # (entry, offset into it) where a piece ends
     for side in (src, dst):
+        if not len(side):
+            break
         rel = side - base
+        lo, hi = int(rel.min()), int((rel + size).max()) - 1
+        if hi < 0 or lo >= span or (lo >= 0 and lo // segment == hi // segment):
+            continue  # this side is all outside, or all inside one segment (a job's usual case)
         inside = (rel >= 0) & (rel < span)
         first, last = rel // segment, (rel + size - 1) // segment
         for i in np.nonzero(inside & (first != last))[0]:
