@@ -192,7 +192,8 @@ def split_at_segments(src: np.ndarray, dst: np.ndarray, size: np.ndarray, base: 
     are one run), and a row may itself straddle a boundary where the row size does not divide
     the segment. Pointers outside the range (the device side) are never cut on their own."""
     src, dst, size = (np.asarray(a, dtype=np.int64) for a in (src, dst, size))
-    cuts: list[tuple[int, int]] = []  # (entry, offset into it) where a piece ends
+    base, span, segment = int(base), int(span), int(segment)  # numpy scalars would make floats
+    cut_entry, cut_off = [], []  # per crossing: the copy, and the offset into it of a boundary
     for side in (src, dst):
         if not len(side):
             break
@@ -200,31 +201,29 @@ def split_at_segments(src: np.ndarray, dst: np.ndarray, size: np.ndarray, base: 
         lo, hi = int(rel.min()), int((rel + size).max()) - 1
         if hi < 0 or lo >= span or (lo >= 0 and lo // segment == hi // segment):
             continue  # this side is all outside, or all inside one segment (a job's usual case)
-        inside = (rel >= 0) & (rel < span)
         first, last = rel // segment, (rel + size - 1) // segment
-        for i in np.nonzero(inside & (first != last))[0]:
-            for k in range(int(first[i]) + 1, int(last[i]) + 1):
-                cuts.append((int(i), k * segment - int(rel[i])))
-    if not cuts:
-        return src, dst, size
-    by_entry: dict[int, list[int]] = {}
-    for i, off in cuts:
-        by_entry.setdefault(i, []).append(off)
-    s_out, d_out, n_out = [], [], []
-    for i in range(len(size)):
-        offs = by_entry.get(i)
-        if offs is None:
-            s_out.append(int(src[i]))
-            d_out.append(int(dst[i]))
-            n_out.append(int(size[i]))
+        crossing = np.nonzero((rel >= 0) & (rel < span) & (size > 0) & (first != last))[0]
+        if not len(crossing):
             continue
-        bounds = [0, *sorted(set(offs)), int(size[i])]
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            s_out.append(int(src[i]) + lo)
-            d_out.append(int(dst[i]) + lo)
-            n_out.append(hi - lo)
-    return (np.asarray(s_out, dtype=np.int64), np.asarray(d_out, dtype=np.int64),
-            np.asarray(n_out, dtype=np.int64))
+        # every boundary k * segment with first < k <= last, as an offset into its copy
+        per = last[crossing] - first[crossing]
+        entry = np.repeat(crossing, per)
+        k = first[entry] + 1 + (np.arange(len(entry)) - np.repeat(np.cumsum(per) - per, per))
+        cut_entry.append(entry)
+        cut_off.append(k * segment - rel[entry])
+    if not cut_entry:
+        return src, dst, size
+    # each copy's pieces start at 0 and at each of its cuts, in order; a piece ends where the
+    # next one of the same copy starts, or at the copy's end
+    entries = np.concatenate([np.arange(len(size)), *cut_entry])
+    offsets = np.concatenate([np.zeros(len(size), dtype=np.int64), *cut_off])
+    order = np.lexsort((offsets, entries))
+    entries, offsets = entries[order], offsets[order]
+    keep = np.concatenate(([True], (entries[1:] != entries[:-1]) | (offsets[1:] != offsets[:-1])))
+    entries, offsets = entries[keep], offsets[keep]  # a boundary both sides cross, once
+    same = entries[1:] == entries[:-1]
+    ends = np.append(np.where(same, offsets[1:], size[entries[:-1]]), size[entries[-1]])
+    return src[entries] + offsets, dst[entries] + offsets, ends - offsets
 
 
 def submit_descriptors(copier: DescriptorCopier, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
