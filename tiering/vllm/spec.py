@@ -103,6 +103,8 @@ class TieredOffloadingSpec(OffloadingSpec):
         self.num_rows = check_sizes(self.cfg, self.row_bytes) if raw_row else 0
         self._manager: TieredManager | None = None
         self._worker: TieredWorker | None = None
+        # set by TieredOffloadingConnector, which reports a failed load's blocks to vLLM
+        self.load_errors_reported = False
 
     # -- scheduler side ----------------------------------------------------------------------------
     def get_manager(self) -> TieredManager:
@@ -192,5 +194,5 @@ class TieredOffloadingSpec(OffloadingSpec):
                      "VLLM_KV_CACHE_LAYOUT=BLHNC) vLLM keeps a block's layers together where "
                      "the attention backend reads that layout, and a chunk copies in one "
                      "(docs/vllm.md, \"The KV layout\")", len(kv_caches.tensors))
-        self._worker = TieredWorker(layout, copier, region)
+        self._worker = TieredWorker(layout, copier, region, self.load_errors_reported)
         return self._worker

@@ -3,7 +3,13 @@
 
 Each job's GPU spec and staging rows become one descriptor list (``CopyLayout``), copied by
 ``MemcpyCopier`` on vLLM's CPU platform or ``CudaCopier`` on CUDA. The worker never reports
-a failed transfer: vLLM's connector asserts success.
+a failed transfer: vLLM's connector asserts success. A load the copier could not enqueue
+(``CopyFailed``: nothing of it in flight) is reported finished, and its GPU blocks are handed to
+vLLM as load errors through our connector (``TieredOffloadingConnector.
+get_block_ids_with_load_errors``): vLLM recomputes them under ``"kv_load_failure_policy":
+"recompute"`` (what ``tiering config`` prints) and fails only those requests under its default.
+Under vLLM's plain ``OffloadingConnector`` nobody asks for them, so the load's failure stops the
+engine as before. A store that failed raises: vLLM would count its rows as stored.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
-from tiering.backends.block_copy import BlockCopier, CopyLayout, TensorInfo
+from tiering.backends.block_copy import BlockCopier, CopyFailed, CopyLayout, TensorInfo
 from tiering.backends.staging import StagingRegion
 from tiering.step_trace import TRACE
 from tiering.vllm.compat import (
@@ -41,14 +47,37 @@ def make_layout(kv_caches: CanonicalKVCaches, region: StagingRegion, rank: int,
 
 
 class TieredWorker(OffloadingWorker):
-    def __init__(self, layout: CopyLayout, copier: BlockCopier, region: StagingRegion) -> None:
+    def __init__(self, layout: CopyLayout, copier: BlockCopier, region: StagingRegion,
+                 load_errors_reported: bool = False) -> None:
         self.layout, self.copier, self.region = layout, copier, region
+        # a connector asks for failed loads' blocks (ours does): loads may fail into them
+        self.load_errors_reported = load_errors_reported
+        self._failed_jobs: list[int] = []  # failed loads not yet reported finished
+        self._load_error_blocks: set[int] = set()  # their GPU blocks, until vLLM takes them
+        self.failed_loads = 0  # counted once per job, for the log and the tests
+
+    def take_load_error_blocks(self) -> set[int]:
+        """The GPU blocks of loads that failed since the last call (vLLM's
+        ``get_block_ids_with_load_errors``, on the worker thread)."""
+        blocks, self._load_error_blocks = self._load_error_blocks, set()
+        return blocks
 
     def _submit(self, job_id: int, gpu: GPULoadStoreSpec, rows: LoadStoreSpec,
                 direction: str) -> bool:
         t0 = time.perf_counter() if TRACE.on else 0.0
-        self.copier.submit_job(job_id, self.layout, gpu.block_ids, gpu.group_sizes,
-                               gpu.block_indices, rows.block_ids, direction)
+        try:
+            self.copier.submit_job(job_id, self.layout, gpu.block_ids, gpu.group_sizes,
+                                   gpu.block_indices, rows.block_ids, direction)
+        except CopyFailed as exc:
+            if direction == "store" or not self.load_errors_reported:
+                raise
+            self.failed_loads += 1
+            self._failed_jobs.append(job_id)
+            self._load_error_blocks.update(int(b) for b in gpu.block_ids)
+            log.error("vllm-tiering: load job %d failed (%s); vLLM is told its %d GPU blocks "
+                      "did not load (recomputed under kv_load_failure_policy=recompute)",
+                      job_id, exc, len(gpu.block_ids))
+            return True
         if TRACE.on:
             TRACE.add("submit", t=t0, dt=time.perf_counter() - t0, job=job_id, dir=direction,
                       blocks=len(gpu.block_ids))
@@ -63,11 +92,14 @@ class TieredWorker(OffloadingWorker):
         return self._submit(job_id, dst_spec, src_spec, "expedited" if expedited else "load")
 
     def get_finished(self) -> list[TransferResult]:
-        return [TransferResult(f.job_id, True, f.size, f.seconds)
-                for f in self.copier.get_finished()]
+        # a failed load is "finished" for vLLM (it asserts success); its blocks are load errors
+        failed = [TransferResult(job_id, True) for job_id in self._failed_jobs]
+        self._failed_jobs.clear()
+        return failed + [TransferResult(f.job_id, True, f.size, f.seconds)
+                         for f in self.copier.get_finished()]
 
     def wait(self, job_ids: set[int]) -> None:
-        self.copier.wait(job_ids)
+        self.copier.wait(job_ids.difference(self._failed_jobs))
 
     def shutdown(self) -> None:
         self.copier.shutdown()
