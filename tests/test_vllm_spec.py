@@ -207,26 +207,33 @@ def test_replicated_layout_sizes_rows_for_one_copy(replicated, copies):
     assert spec.num_rows == 8 // copies
 
 
-def test_replicated_layout_every_rank_reads_the_one_stored_copy():
-    torch = pytest.importorskip("torch")
+# a CPU tier of 8 one-block rows under our spec
+SMALL_EXTRA = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
+               "cpu_bytes_to_use": 8 * BLOCK}
+
+
+def _one_tensor_kv(t):
+    """vLLM's canonical KV caches of one tensor of BLOCK-byte pages, one group."""
     from vllm.v1.kv_offload.base import (
         CanonicalKVCacheRef,
         CanonicalKVCaches,
         CanonicalKVCacheTensor,
     )
 
+    return CanonicalKVCaches([CanonicalKVCacheTensor(t, BLOCK)], [[CanonicalKVCacheRef(0, BLOCK)]])
+
+
+def test_replicated_layout_every_rank_reads_the_one_stored_copy():
+    torch = pytest.importorskip("torch")
     from tiering.vllm.compat import GPULoadStoreSpec
     from tiering.vllm.worker import RowsSpec
 
-    extra = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
-             "cpu_bytes_to_use": 8 * BLOCK}
     workers, caches = [], []
     for rank in (0, 1):
-        spec = TieredOffloadingSpec(_tp2_config(extra, rank, True, "replicated"))
+        spec = TieredOffloadingSpec(_tp2_config(SMALL_EXTRA, rank, True, "replicated"))
         t = torch.randint(-128, 127, (16, BLOCK), dtype=torch.int8)
-        kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, BLOCK)], [[CanonicalKVCacheRef(0, BLOCK)]])
         caches.append(t)
-        workers.append(spec.get_worker(kv))
+        workers.append(spec.get_worker(_one_tensor_kv(t)))
     # vLLM submits the store on rank 0 only; every rank loads
     assert workers[0].submit_store(1, GPULoadStoreSpec([3], [1], [0]), RowsSpec([2]))
     assert [r.success for r in workers[0].get_finished()] == [True]
@@ -455,19 +462,9 @@ def test_a_chunk_key_set_to_null_names_no_chunk(extra):
 @pytest.mark.parametrize("reported", [False, True])
 def test_the_worker_fails_loads_into_load_errors_only_where_the_connector_reports_them(reported):
     torch = pytest.importorskip("torch")
-    from vllm.v1.kv_offload.base import (
-        CanonicalKVCacheRef,
-        CanonicalKVCaches,
-        CanonicalKVCacheTensor,
-    )
-
-    extra = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
-             "cpu_bytes_to_use": 8 * BLOCK}
-    spec = TieredOffloadingSpec(_tp2_config(extra, 0, False, f"loaderr{int(reported)}"))
+    spec = TieredOffloadingSpec(_tp2_config(SMALL_EXTRA, 0, False, f"loaderr{int(reported)}"))
     assert spec.load_errors_reported is False  # until TieredOffloadingConnector says so
     spec.load_errors_reported = reported
-    t = torch.zeros((4, BLOCK), dtype=torch.int8)
-    w = spec.get_worker(CanonicalKVCaches([CanonicalKVCacheTensor(t, BLOCK)],
-                                          [[CanonicalKVCacheRef(0, BLOCK)]]))
+    w = spec.get_worker(_one_tensor_kv(torch.zeros((4, BLOCK), dtype=torch.int8)))
     assert w.load_errors_reported is reported
     w.shutdown()
