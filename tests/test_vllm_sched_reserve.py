@@ -113,6 +113,109 @@ def test_the_remembered_total_is_vllms_sum_and_scheduling_is_unchanged(model):
     assert our_spy.terms * 3 < their_spy.terms, (our_spy.terms, their_spy.terms)
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_pass_sum_is_exact_when_loads_finish_and_prefills_start_between_asks(
+        model, seed, monkeypatch):
+    """Within one ``schedule()`` pass the total is kept between asks (``_PassSum``). Random
+    traffic (hits that load over random delays, new prompts prefilled in chunks, a GPU cache
+    tight enough to preempt, requests arriving mid-run): at every ask the answer is vLLM's sum,
+    and asks were answered after requests were scheduled in the same pass (``running`` grew).
+    (A finished load taken in mid-pass, ``touched``, cannot come after an ask in vLLM 0.33,
+    which drains the requests holding KV blocks first; the mark is kept for a release that
+    does not.)"""
+    seen = {"pass_asks": 0, "ran": 0}
+    update = sched_mod._PassSum.update
+
+    def watched(self, inflight, term):
+        seen["pass_asks"] += 1
+        seen["ran"] += len(self.running) > self.running_seen
+        return update(self, inflight, term)
+
+    monkeypatch.setattr(sched_mod._PassSum, "update", watched)
+    rng = random.Random(seed)
+    n = 24
+    h = Harness(model, _extra(8 * n), gpu_tokens=3 * n * 512, delay=rng.randrange(1, 4),
+                max_num_seqs=4 * n, batched_tokens=768,
+                scheduler_cls=sched_mod.TieringSyncScheduler)
+    prompts = [prompt(seed * 1000 + i, rng.randrange(200, 600)) for i in range(n)]
+    for i, p in enumerate(prompts):
+        h.add(f"fill{i}", p, max_tokens=1)
+    h.run()
+    h.reset_gpu_prefix_cache()
+    spy = _Spy(h.scheduler)
+    later = []
+    for i, p in enumerate(prompts):
+        (later if rng.random() < 0.4 else []).append(i)
+        if i not in later:
+            h.add(f"hit{i}", p, max_tokens=rng.randrange(1, 4))
+        h.add(f"new{i}", prompt(seed * 1000 + 500 + i, rng.randrange(100, 700)),
+              max_tokens=rng.randrange(1, 4))
+    for step in range(400):
+        if later and step % 2:
+            i = later.pop()
+            h.add(f"hit{i}", prompts[i], max_tokens=1)
+        if not later and not h.scheduler.requests and not h._pending:
+            break
+        h.delay = rng.randrange(0, 4)
+        h.step()
+    h.run()
+    h.manager.shutdown()
+    assert spy.asks and all(got == exact for _, got, exact in spy.asks), [
+        a for a in spy.asks if a[1] != a[2]][:5]
+    assert seen["pass_asks"] >= 5 and seen["ran"] > 0, seen
+
+
+def test_the_pass_sum_recomputes_what_a_pass_can_change():
+    """``_PassSum`` alone: a counted request appended to ``running`` or marked touched since the
+    last ask is recomputed, one that joined or left the set is added or taken out, the others
+    are not asked again; a replaced or shortened ``running`` list ends the pass's sum."""
+    a, b, c, d = (f"req-{i}" for i in range(4))
+    term = {a: 3, b: 5, c: 7, d: 11}
+    asked: list[str] = []
+
+    def term_of(req):
+        asked.append(req)
+        return term[req]
+
+    running = [a]
+    sums = sched_mod._PassSum({a: 3, b: 5}, running)
+    assert sums.total == 8 and sums.valid_for(running)
+    term[a], term[b] = 1, 2  # changed, but nothing says so: the pass keeps what it counted
+    assert sums.update({a, b}, term_of) == 8 and asked == []
+    running.append(b)  # b was scheduled in this pass
+    assert sums.update({a, b}, term_of) == 3 + 2 and asked == [b]
+    sums.touched.add(a)  # a's finished load was taken in
+    assert sums.update({a, b, c}, term_of) == 1 + 2 + 7 and sorted(asked) == [a, b, c]
+    assert sums.update({a, c, d}, term_of) == 1 + 7 + 11  # b left, d joined
+    assert not sums.valid_for(list(running)) and not sums.valid_for(running[:1])
+
+
+def test_the_inflight_set_notes_who_joined_and_left_and_knows_when_it_cannot():
+    """``_InflightSet`` behaves as the set vLLM made, notes ``add``/``discard``/``remove``, and
+    any other change makes its notes incomplete (the pass sum then compares sets); the pass sum
+    follows the notes."""
+    s = sched_mod._InflightSet({"a"})
+    s.add("b")
+    s.discard("a")
+    s.discard("zz")  # not a member: noted, harmless (the sum finds it absent)
+    assert s == {"b"} and s.take_notes() == {"a", "b", "zz"} and s.take_notes() == set()
+    for change in (lambda x: x.update({"c"}), lambda x: x.clear(), lambda x: x.pop(),
+                   lambda x: x.__ior__({"d"}), lambda x: x.difference_update({"b"})):
+        x = sched_mod._InflightSet({"b", "q"})
+        change(x)
+        assert x.take_notes() is None and x.take_notes() == set()
+    x = sched_mod._InflightSet({"b"})
+    x |= {"e"}
+    assert type(x) is sched_mod._InflightSet and x == {"b", "e"} and x.take_notes() is None
+    sums = sched_mod._PassSum({"b": 1}, [])
+    s.add("c")
+    assert sums.update(s, {"b": 1, "c": 4}.__getitem__) == 5
+    s.discard("b")
+    assert sums.update(s, {"c": 4}.__getitem__) == 4
+    s.update({"d"})  # not noted: the sets are compared
+    assert sums.update(s, {"c": 4, "d": 9}.__getitem__) == 13
+
+
 def test_a_changed_request_is_recomputed(model):
     """A remembered term is not reused once its inputs change: a request's blocks or computed
     tokens change between two asks, and the answer follows vLLM's sum."""

@@ -16,7 +16,10 @@ calls. Profiled on the H200 (docs/benchmarks.md, "The floor in vLLM"): 2.27 s of
 What changes: each in-flight request's term is remembered with everything it is computed from
 (the request's token and computed-token counts, and per KV cache group the number of blocks it
 holds and whether its blocks were cached). A term is recomputed, by vLLM's own
-``_request_remaining_blocks``, only when one of those changed. That is exact only where the term
+``_request_remaining_blocks``, only when one of those changed. The first ask of a
+``schedule()`` pass checks every request's inputs (O(in flight), in C loops); the later asks of
+the same pass touch only the requests that pass can have changed (below, ``_PassSum``), so
+admitting N loads in one step costs O(N) in all, not O(N^2) even in C. That is exact only where the term
 depends on nothing else, which holds for plain full attention (``FullAttentionManager`` itself,
 not its subclasses: sliding windows, Mamba, cross-attention, sparse attention each compute it
 from more). For any other KV cache layout, the class behaves exactly as vLLM's scheduler.
@@ -67,6 +70,105 @@ _computed = attrgetter("num_computed_tokens")
 _Groups = tuple[tuple[dict[str, Any], dict[str, Any]], ...]
 
 
+class _InflightSet(set):  # type: ignore[type-arg]
+    """vLLM's set of in-flight prefills (``Scheduler._inflight_prefills``), noting the requests
+    added or discarded since the notes were last taken, so that the pass sum finds who joined
+    or left without comparing whole sets. vLLM 0.33 changes the set only with ``add`` and
+    ``discard``; any other change is not noted one by one: it marks the notes incomplete, and
+    the reader compares the sets instead."""
+
+    __slots__ = ("_noted", "_complete")
+
+    def __init__(self, items: Any = ()) -> None:
+        super().__init__(items)
+        self._noted: set[Any] = set()
+        self._complete = True
+
+    def add(self, item: Any) -> None:
+        self._noted.add(item)
+        super().add(item)
+
+    def discard(self, item: Any) -> None:
+        self._noted.add(item)
+        super().discard(item)
+
+    def remove(self, item: Any) -> None:
+        self._noted.add(item)
+        super().remove(item)
+
+    def take_notes(self) -> set[Any] | None:
+        """The requests added or discarded since the last take (None where a change was not
+        noted), and a fresh start of the notes."""
+        noted, complete = self._noted, self._complete
+        self._noted, self._complete = set(), True
+        return noted if complete else None
+
+
+def _unnoted(name: str) -> Any:
+    method = getattr(set, name)
+
+    def change(self: _InflightSet, *args: Any) -> Any:
+        self._complete = False
+        out = method(self, *args)
+        return self if name.startswith("__i") else out  # in-place operators return the set
+
+    change.__name__ = name
+    return change
+
+
+for _name in ("pop", "clear", "update", "difference_update", "intersection_update",
+              "symmetric_difference_update", "__ior__", "__iand__", "__isub__", "__ixor__"):
+    setattr(_InflightSet, _name, _unnoted(_name))
+
+
+class _PassSum:
+    """The reservation total within one ``schedule()`` pass, kept up to date between asks.
+
+    Why it is exact: vLLM asks for the total only in its waiting loop, which runs after the
+    running loop (the only place in a pass that preempts or grows a running request). Within
+    the waiting loop an in-flight request's inputs change only where the loop processes it:
+    a load that finished is taken in by ``_update_waiting_for_remote_kv`` (the scheduler marks
+    the request here, ``touched``), and a request the loop schedules is appended to
+    ``running`` after its blocks and computed tokens are set. A request admitted to the
+    in-flight set during the pass is not processed again in it. So between two asks the terms
+    that can change are those of: requests that joined or left the set, requests appended to
+    ``running`` since the last ask, and requests marked touched. Anything else (``running``
+    replaced or shortened) ends the pass's sum: the next ask checks everything again."""
+
+    __slots__ = ("terms", "total", "running", "running_seen", "touched")
+
+    def __init__(self, terms: dict[Any, int], running: list[Any]) -> None:
+        self.terms = terms                  # request -> its term, for every request counted
+        self.total = sum(terms.values())
+        self.running = running              # vLLM's running list, by identity
+        self.running_seen = len(running)    # its length at the last ask
+        self.touched: set[Any] = set()      # requests whose finished load was taken in
+
+    def valid_for(self, running: list[Any]) -> bool:
+        return running is self.running and len(running) >= self.running_seen
+
+    def update(self, inflight: set[Any], term: Any) -> int:
+        """The total now: ``term(request)`` is called for the requests that may have changed."""
+        changed = set(self.running[self.running_seen:])
+        self.running_seen = len(self.running)
+        changed |= self.touched
+        self.touched.clear()
+        noted = inflight.take_notes() if type(inflight) is _InflightSet else None
+        if noted is None:  # compare the sets
+            changed |= self.terms.keys() - inflight   # left the set
+            changed |= inflight - self.terms.keys()   # joined it
+        else:  # who was added or discarded since the last ask
+            changed |= noted
+        for req in changed:
+            old = self.terms.pop(req, None)
+            if old is not None:
+                self.total -= old
+            if req in inflight:
+                self.terms[req] = new = term(req)
+                self.total += new
+        return self.total
+
+
 class _ReservationMemo:
     """The in-flight reservation total, with each request's term remembered against its inputs.
 
@@ -78,13 +180,22 @@ class _ReservationMemo:
     _tiering_groups: _Groups | None
     _tiering_check: bool
     _tiering_failed: bool
+    _tiering_pass: _PassSum | None  # set only inside schedule(), after its first ask
+    _tiering_scheduling: bool  # inside schedule()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         share_vllm_logging()  # also where no connector of ours did it already
         self._tiering_terms = {}
+        # vLLM's in-flight set, the same members, noting who joins and leaves (_InflightSet);
+        # where it is not the plain set of 0.32/0.33, it is left alone (the sets are compared)
+        inflight = getattr(self, "_inflight_prefills", None)
+        if type(inflight) is set:
+            self._inflight_prefills = _InflightSet(inflight)
         self._tiering_check = os.environ.get(CHECK_ENV, "") not in ("", "0")
         self._tiering_failed = False
+        self._tiering_pass = None
+        self._tiering_scheduling = False
         self._tiering_groups = self._full_attention_groups()
         if self._tiering_groups is None:
             log.info("TieringScheduler: this KV cache layout is not plain full attention; "
@@ -93,6 +204,27 @@ class _ReservationMemo:
             log.info("%s: in-flight reservations remembered per request "
                      "(%d KV cache group(s)%s)", type(self).__name__, len(self._tiering_groups),
                      ", checked against vLLM's sum" if self._tiering_check else "")
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._tiering_pass = None  # the pass's first ask checks every request
+        self._tiering_scheduling = True
+        self._take_inflight_notes()  # notes from before the pass are not needed
+        try:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._tiering_scheduling = False
+            self._tiering_pass = None  # between passes anything may change
+
+    def _take_inflight_notes(self) -> None:
+        inflight = self._inflight_prefills
+        if type(inflight) is _InflightSet:
+            inflight.take_notes()
+
+    def _update_waiting_for_remote_kv(self, request: Any) -> Any:
+        passed = self._tiering_pass
+        if passed is not None:
+            passed.touched.add(request)
+        return super()._update_waiting_for_remote_kv(request)  # type: ignore[misc]
 
     def _full_attention_groups(self) -> _Groups | None:
         """Per KV cache group, the manager's (request -> blocks, request -> cached blocks)
@@ -129,15 +261,50 @@ class _ReservationMemo:
         return total
 
     def _remembered_total(self) -> int:
-        """The sum, with a term computed only for a (request, inputs) not seen before. The
-        inputs of every request in flight are gathered column by column with ``map`` (C loops,
-        no Python frame per request): this pass is still O(in flight), but about a tenth of
-        what one coordinator walk per request costs, and the walks happen once per change."""
+        """Within a ``schedule()`` pass after its first ask: the pass's running sum, updated
+        for the requests that can have changed (``_PassSum``). Otherwise every request's
+        inputs are checked (``_checked_total``), and inside a pass that starts its sum."""
+        passed = self._tiering_pass
+        running = self.running  # type: ignore[attr-defined]
+        inflight = self._inflight_prefills
+        if passed is not None and passed.valid_for(running):
+            return passed.update(inflight, self._term_of)
+        reqs = list(inflight)
+        total, terms = self._checked_total(reqs)
+        if self._tiering_scheduling:  # a sum kept for the pass's later asks
+            self._take_inflight_notes()
+            self._tiering_pass = _PassSum(dict(zip(reqs, terms, strict=True)), running)
+        return total
+
+    def _term_of(self, req: Any) -> int:
+        """One request's term, through the memo of (request, inputs) -> term."""
+        key = self._key_of(req)
+        terms = self._tiering_terms
+        term = terms.get(key)
+        if term is None:
+            term = terms[key] = self._request_remaining_blocks(req)  # type: ignore[attr-defined]
+        return term
+
+    def _key_of(self, req: Any) -> _Key:
         groups = self._tiering_groups
         assert groups is not None
-        reqs = list(self._inflight_prefills)  # type: ignore[attr-defined]
+        rid = req.request_id
+        key: list[Any] = [rid, len(req._all_token_ids), req.num_computed_tokens]
+        for blocks, cached in groups:
+            key.append(len(blocks.get(rid, ())))
+            key.append(rid in cached)
+        return tuple(key)
+
+    def _checked_total(self, reqs: list[Any]) -> tuple[int, list[int]]:
+        """The sum and each request's term, with a term computed only for a (request, inputs)
+        not seen before. The inputs of every request in flight are gathered column by column
+        with ``map`` (C loops, no Python frame per request): O(in flight), but about a tenth
+        of what one coordinator walk per request costs, and the walks happen once per
+        change."""
+        groups = self._tiering_groups
+        assert groups is not None
         if not reqs:
-            return 0
+            return 0, []
         rids = list(map(_request_id, reqs))
         columns: list[list[Any]] = [rids, list(map(len, map(_token_ids, reqs))),
                                     list(map(_computed, reqs))]
@@ -149,10 +316,10 @@ class _ReservationMemo:
         remaining = self._request_remaining_blocks  # type: ignore[attr-defined]
         for i in [i for i, k in enumerate(keys) if k not in terms]:
             terms[keys[i]] = remaining(reqs[i])
-        total = sum(map(terms.__getitem__, keys))
+        each = list(map(terms.__getitem__, keys))
         if len(terms) > 2 * len(keys) + 64:  # forget inputs no request in flight has now
             self._tiering_terms = {k: terms[k] for k in keys}
-        return total
+        return sum(each), each
 
 
 class _StepTimes:
