@@ -1,0 +1,146 @@
+"""Does a queue of bulk host-to-GPU loads hold up the model's own small input copies? (issue 15)
+
+    python3 docs/bench_copy_queue.py [--bulk-gib 0,1,4,8] [--piece-mib 2] [--wave-mib 256]
+        [--json OUT.json]
+
+Why: the 8B step trace of a 100%-hit batch (docs/results/2026-12-05c) shows steps of a few
+dozen tokens lasting as long as the loads in flight (a 29-token step took 243 ms while the copy
+engine was busy 192 ms of it). vLLM's model runner copies each step's inputs (token ids,
+positions, block tables) host to GPU with non-blocking copies on its compute stream. If those
+share a hardware copy queue with our loads, a step waits for every load queued before it.
+
+What it measures, on one GPU, with pinned host memory as the CPU tier's rows are:
+
+* ``idle``: a 64 KiB pinned host-to-GPU copy on the current stream, then a tiny kernel; the
+  wall time until both are done (nothing else queued).
+* ``queued``: the same right after ``bulk`` GiB of loads were enqueued on another stream in
+  ``piece`` MiB copies (one per KV block or chunk, as our copier issues them): how long the
+  small copy waits, and how long the bulk takes.
+* ``high-priority``: as ``queued``, with the small copy on a stream of the highest priority.
+* ``waves``: the bulk enqueued ``wave`` MiB at a time by a host thread that waits for each wave
+  to finish before it enqueues the next (a paced feeder): the small copy's wait and the bulk's
+  rate, against ``queued``.
+
+Output: one line per case and bulk size, and a JSON record with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from typing import Any
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bulk-gib", default="0,1,4,8")
+    ap.add_argument("--piece-mib", type=float, default=2.0)
+    ap.add_argument("--wave-mib", type=float, default=256.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    import torch
+
+    dev = torch.device("cuda", 0)
+    sizes = [float(x) for x in a.bulk_gib.split(",") if x]
+    top = max(sizes) if sizes else 0.0
+    piece = int(a.piece_mib * 2**20)
+    total = int(top * 2**30) // piece * piece
+    host = torch.empty(max(total, piece), dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(max(total, piece), dtype=torch.uint8, device=dev)
+    small_host = torch.ones(16384, dtype=torch.float32, pin_memory=True)
+    small_gpu = torch.empty(16384, dtype=torch.float32, device=dev)
+    bulk_stream = torch.cuda.Stream(dev)
+    lo, hi = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") \
+        else (0, -1)
+    urgent = torch.cuda.Stream(dev, priority=min(lo, hi))
+
+    def enqueue(nbytes: int, stream: Any) -> Any:
+        with torch.cuda.stream(stream):
+            for off in range(0, nbytes, piece):
+                gpu[off:off + piece].copy_(host[off:off + piece], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def small(stream: Any | None) -> float:
+        """Wall seconds until a small input copy and a kernel reading it are done."""
+        t0 = time.perf_counter()
+        ctx = torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(
+            torch.cuda.current_stream(dev))
+        with ctx:
+            small_gpu.copy_(small_host, non_blocking=True)
+            small_gpu.add_(1.0)
+            ev = torch.cuda.Event()
+            ev.record()
+        ev.synchronize()
+        return time.perf_counter() - t0
+
+    def paced(nbytes: int) -> tuple[threading.Thread, list[float]]:
+        wave = max(piece, int(a.wave_mib * 2**20) // piece * piece)
+        end: list[float] = []
+
+        def feed() -> None:
+            for off in range(0, nbytes, wave):
+                n = min(wave, nbytes - off)
+                with torch.cuda.stream(bulk_stream):
+                    for o in range(off, off + n, piece):
+                        gpu[o:o + piece].copy_(host[o:o + piece], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(bulk_stream)
+                ev.synchronize()  # releases the GIL while the wave copies
+            end.append(time.perf_counter())
+
+        return threading.Thread(target=feed), end
+
+    small(None)  # warm the kernels and the copy path
+    enqueue(piece, bulk_stream).synchronize()
+    rows: list[dict[str, Any]] = []
+    for gib in sizes:
+        nbytes = int(gib * 2**30) // piece * piece
+        for case in ("idle", "queued", "high-priority", "waves"):
+            if case != "idle" and nbytes == 0:
+                continue
+            if case == "idle" and gib != sizes[0]:
+                continue
+            for _ in range(a.repeat):
+                torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                thread = None
+                done = None
+                if case in ("queued", "high-priority"):
+                    done = enqueue(nbytes, bulk_stream)
+                elif case == "waves":
+                    thread, end = paced(nbytes)
+                    thread.start()
+                    time.sleep(0.002)  # the feeder's first wave is in
+                t_enq = time.perf_counter() - t0
+                wait = small(urgent if case == "high-priority" else None)
+                if done is not None:
+                    done.synchronize()
+                    bulk_s = time.perf_counter() - t0
+                elif thread is not None:
+                    thread.join()
+                    bulk_s = end[0] - t0
+                else:
+                    bulk_s = 0.0
+                rows.append({"case": case, "bulk_gib": gib if case != "idle" else 0.0,
+                             "small_copy_ms": round(wait * 1e3, 3),
+                             "enqueue_ms": round(t_enq * 1e3, 3),
+                             "bulk_ms": round(bulk_s * 1e3, 3),
+                             "bulk_gbps": round(nbytes / bulk_s / 1e9, 2) if bulk_s else None})
+                r = rows[-1]
+                print(f"{case:<14} bulk {r['bulk_gib']:5.1f} GiB  small copy {r['small_copy_ms']:8.3f}"
+                      f" ms  enqueue {r['enqueue_ms']:8.1f} ms  bulk {r['bulk_ms']:8.1f} ms"
+                      f"  {r['bulk_gbps'] or 0:6.1f} GB/s", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(dev), "piece_mib": a.piece_mib,
+                       "wave_mib": a.wave_mib, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
