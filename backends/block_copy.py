@@ -50,7 +50,8 @@ class CopyFailed(RuntimeError):
     after whatever part of the job had been enqueued has completed: nothing of the job is in
     flight, and the job is not reported by ``get_finished``. The caller decides what the
     failure becomes (the vLLM worker: a load's blocks are reported to vLLM as load errors and
-    recomputed; a store stops the engine, since its rows would be counted as stored)."""
+    recomputed; a store's rows are marked failed in the staging region and dropped when vLLM
+    completes it)."""
 
 
 @dataclass

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -144,7 +145,11 @@ class StagingRegion:
                              f"(cpu_bytes_to_use is smaller than one row of {row_bytes} bytes)")
         self.path = region_path(engine_id)
         self.num_rows, self.row_bytes = num_rows, row_bytes
-        size = num_rows * row_bytes
+        # after the rows, whole pages holding one byte per row: set by a worker whose copy into
+        # the row failed, read and cleared by the scheduler when vLLM reports the store done
+        # (vLLM's interface has no failed store: the worker reports it done, the region says)
+        self.flags_offset = num_rows * row_bytes
+        size = self.flags_offset + -(-num_rows // mmap.PAGESIZE) * mmap.PAGESIZE
         make_dirs(self.path.parent)  # 0700 whatever the umask (TIERING_SHM_DIR may be new)
         fd = _open_region(self.path)
         try:
@@ -165,8 +170,27 @@ class StagingRegion:
             os.close(fd)
             raise
         self._fd = fd
-        self.rows = np.frombuffer(self._mmap, dtype=np.uint8).reshape(num_rows, row_bytes)
+        self.rows = np.frombuffer(self._mmap, dtype=np.uint8,
+                                  count=self.flags_offset).reshape(num_rows, row_bytes)
+        self._store_failed = np.frombuffer(self._mmap, dtype=np.uint8, count=num_rows,
+                                           offset=self.flags_offset)
         self.base_address = self.rows.ctypes.data
+
+    # -- failed stores: the worker marks, the scheduler takes ---------------------------------
+    def mark_store_failed(self, rows: Iterable[int]) -> None:
+        """Worker side: the GPU's copy into these rows failed (what they hold is not the KV)."""
+        self._store_failed[np.fromiter(rows, dtype=np.int64)] = 1
+
+    def clear_store_failed(self, rows: Iterable[int]) -> None:
+        """Scheduler side: these rows are reserved for a new store (no mark left from before)."""
+        self._store_failed[np.fromiter(rows, dtype=np.int64)] = 0
+
+    def take_store_failed(self, row: int) -> bool:
+        """Scheduler side: did the store into ``row`` fail? The mark is cleared."""
+        if not self._store_failed[row]:
+            return False
+        self._store_failed[row] = 0
+        return True
 
     def row(self, i: int) -> memoryview:
         return memoryview(self._mmap)[i * self.row_bytes:(i + 1) * self.row_bytes]
@@ -175,6 +199,7 @@ class StagingRegion:
         if self._fd < 0:
             return
         self.rows = None  # type: ignore[assignment]
+        self._store_failed = None  # type: ignore[assignment]
         try:
             self._mmap.close()
         except BufferError:  # a view is still alive (e.g. a torch tensor): leave it mapped

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 from tierutil import facts, key
@@ -61,6 +63,33 @@ def test_store_then_hit_from_cpu(tmp_path):
     # a copy to the GPU is a load, not a promotion (that word is a read from a tier below)
     assert (c.cpu.stats["loads"], c.cpu.stats["load_bytes"]) == (2, 2 * ROW)
     assert c.cpu.stats["promotions"] == 0
+    c.close()
+
+
+def test_a_store_the_worker_marked_failed_is_a_miss_not_its_bytes(tmp_path):
+    """A worker whose copy into a row failed marks it in the staging region (its own mapping of
+    the same file, as a worker process has); when vLLM completes the store, the chain drops that
+    chunk: a miss in every tier, a rejection for ``error``; the job's other chunks are hits,
+    and the row's next store is not taken for failed (the mark is cleared)."""
+    c = make_chain(tmp_path, rows=4)
+    ks = [key(i) for i in range(3)]
+    stored, rows, _ = c.prepare_store(ks)
+    worker_view = StagingRegion("e1", 4, ROW)  # the worker process's mapping
+    worker_view.mark_store_failed([rows[1]])
+    c.complete_store(stored)
+    settle(c)
+    assert [c.lookup(k) for k in ks] == [Lookup.HIT, Lookup.MISS, Lookup.HIT]
+    assert c.cpu.stats["rejections:error"] == 1 and c.cpu.stats["stores"] == 2
+    again, rows2, _ = c.prepare_store([ks[1]])
+    assert again == [ks[1]]
+    c.complete_store(again)
+    assert c.lookup(ks[1]) == Lookup.HIT and c.cpu.stats["rejections:error"] == 1
+    worker_view.mark_store_failed([rows2[0]])  # a mark left over (a worker that died)...
+    c.cpu.drop(ks[1])
+    out = c.prepare_store([ks[1]])  # ...is cleared when the row is reserved again
+    c.complete_store(out[0])
+    assert c.lookup(ks[1]) == Lookup.HIT
+    worker_view.close()
     c.close()
 
 
@@ -201,7 +230,8 @@ def test_populated_region_maps_every_page_at_open():
     lazy = StagingRegion("lazy", 16, ROW)
     eager = StagingRegion("eager", 16, ROW, populate=True)
     assert mapped_kib(lazy.path) == 0
-    assert mapped_kib(eager.path) == 16 * ROW // 1024
+    # the rows, and the page of per-row store marks after them
+    assert mapped_kib(eager.path) == (16 * ROW + mmap.PAGESIZE) // 1024
     lazy.close(unlink=True)
     eager.close(unlink=True)
 

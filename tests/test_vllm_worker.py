@@ -424,17 +424,23 @@ def test_a_load_that_cannot_be_copied_becomes_vllms_load_errors_not_a_crash():
     w.shutdown()
 
 
-def test_a_store_that_cannot_be_copied_still_raises():
-    """A failed store would be counted as stored by vLLM's scheduler side (rows never written):
-    it raises, and so does a failed load where no connector asks for load errors."""
+def test_a_store_that_cannot_be_copied_is_reported_done_with_its_rows_marked_failed():
+    """A failed store is reported finished (vLLM asserts success) with its rows marked failed in
+    the staging region, for the scheduler side to drop; the next store copies exactly. A failed
+    load where no connector asks for load errors (vLLM's own) still raises."""
     from tiering.backends.block_copy import CopyFailed
 
     kv, region, w = make()
-    w = TieredWorker(w.layout, _FailingCopier({1, 2}), region, load_errors_reported=True)
+    w = TieredWorker(w.layout, _FailingCopier({1}), region, load_errors_reported=True)
+    assert w.submit_store(1, GPULoadStoreSpec([7, 3], [2], [0]), RowsSpec([4, 5]))
+    assert w.submit_store(2, GPULoadStoreSpec([8], [1], [0]), RowsSpec([6]))
+    w.wait({1, 2})
+    done = w.get_finished()
+    assert sorted(r.job_id for r in done) == [1, 2] and all(r.success for r in done)
+    assert w.failed_stores == 1 and w.take_load_error_blocks() == set()
+    assert [region.take_store_failed(r) for r in (4, 5, 6)] == [True, True, False]
+    assert [region.take_store_failed(r) for r in (4, 5)] == [False, False]  # taken once
+    plain = TieredWorker(w.layout, _FailingCopier({3}), region)  # vLLM's own connector
     with pytest.raises(CopyFailed):
-        w.submit_store(1, GPULoadStoreSpec([7], [1], [0]), RowsSpec([0]))
-    plain = TieredWorker(w.layout, _FailingCopier({2}), region)  # vLLM's own connector
-    with pytest.raises(CopyFailed):
-        plain.submit_load(2, RowsSpec([0]), GPULoadStoreSpec([20], [1], [0]))
-    assert w.take_load_error_blocks() == set() and plain.take_load_error_blocks() == set()
+        plain.submit_load(3, RowsSpec([0]), GPULoadStoreSpec([20], [1], [0]))
     w.shutdown()

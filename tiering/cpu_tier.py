@@ -235,6 +235,7 @@ class CpuTier(RowTier):
             self.stats.reject(got, len(wanted))
             return out
         new_rows, out.evicted = got
+        self.region.clear_store_failed(row.index for row in new_rows)
         for k, row in zip(wanted, new_rows, strict=True):
             self._bind(k, row, RowState.WRITING)
         self.policy.insert_many(wanted)
@@ -262,18 +263,29 @@ class CpuTier(RowTier):
         self.promotion_reserve = rows
 
     def finish_store(self, keys: Iterable[bytes], ok: bool = True) -> list[bytes]:
-        """The GPU job for these keys ended; returns the keys now READY."""
+        """The GPU job for these keys ended; returns the keys now READY. A row the worker
+        marked failed in the region (its copy could not be enqueued) is dropped: a miss,
+        counted as a rejection for ``error``, never KV that was not written."""
         ready = []
+        failed = 0
         for k in keys:
             row = self.key_row.get(k)
             if row is None or row.state is not RowState.WRITING:
                 continue  # dropped meanwhile (reset), or a duplicate completion
             self.unpin_row(row.index)
+            if self.region.take_store_failed(row.index):
+                failed += 1
+                self.drop(k)
+                continue
             if not ok:
                 self.drop(k)
                 continue
             row.move(RowState.READY)
             ready.append(k)
+        if failed:
+            self.stats.reject("error", failed)
+            log.error("vllm-tiering: %d chunk(s) of a store job were not copied from the GPU; "
+                      "dropped from the CPU tier (misses from now on)", failed)
         self.stats.add("stores", len(ready))
         self.stats.add("store_bytes", len(ready) * self.row_bytes)
         return ready

@@ -72,9 +72,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("evictions", "counter", "Chunks evicted from this tier by its policy."),
     Metric("rejections", "counter", "Chunks offered to this tier and not stored, by reason "
            "(threshold: store_threshold not reached; full: no room, disk full included; "
-           "error: the write failed; pinned: every candidate victim is in use; reserved: the "
-           "CPU tier's last unpinned rows are kept for promotions from the tiers below, while "
-           "promotions find every row pinned).",
+           "error: the write failed, a disk write or the GPU's copy into a CPU row; pinned: "
+           "every candidate victim is in use; reserved: the CPU tier's last unpinned rows are "
+           "kept for promotions from the tiers below, while promotions find every row pinned).",
            ("reason",), REJECT_REASONS),
     Metric("writeback_misses", "counter", "Chunks a file tier never got although they were "
            "owed to it (write-back, or write-through deferred by a disk that was behind): the CPU "

@@ -9,7 +9,11 @@ vLLM as load errors through our connector (``TieredOffloadingConnector.
 get_block_ids_with_load_errors``): vLLM recomputes them under ``"kv_load_failure_policy":
 "recompute"`` (what ``tiering config`` prints) and fails only those requests under its default.
 Under vLLM's plain ``OffloadingConnector`` nobody asks for them, so the load's failure stops the
-engine as before. A store that failed raises: vLLM would count its rows as stored.
+engine as before. A store the copier could not enqueue is reported finished too, and its rows
+are marked failed in the staging region (``StagingRegion.mark_store_failed``) before vLLM hears
+of it: when vLLM's scheduler side completes the store, our CPU tier finds the marks and drops
+those rows (misses, counted as rejections for ``error``) instead of serving bytes the GPU never
+wrote. That needs no connector of ours: the region is shared by the worker and the scheduler.
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ class TieredWorker(OffloadingWorker):
         self.layout, self.copier, self.region = layout, copier, region
         # a connector asks for failed loads' blocks (ours does): loads may fail into them
         self.load_errors_reported = load_errors_reported
-        self._failed_jobs: list[int] = []  # failed loads not yet reported finished
+        self._failed_jobs: list[int] = []  # failed jobs not yet reported finished
         self._load_error_blocks: set[int] = set()  # their GPU blocks, until vLLM takes them
         self.failed_loads = 0  # counted once per job, for the log and the tests
+        self.failed_stores = 0
 
     def take_load_error_blocks(self) -> set[int]:
         """The GPU blocks of loads that failed since the last call (vLLM's
@@ -69,7 +74,17 @@ class TieredWorker(OffloadingWorker):
             self.copier.submit_job(job_id, self.layout, gpu.block_ids, gpu.group_sizes,
                                    gpu.block_indices, rows.block_ids, direction)
         except CopyFailed as exc:
-            if direction == "store" or not self.load_errors_reported:
+            if direction == "store":
+                # marked before the job is reported: the scheduler reads the marks only once
+                # vLLM has heard that the job finished
+                self.region.mark_store_failed(int(r) for r in rows.block_ids)
+                self.failed_stores += 1
+                self._failed_jobs.append(job_id)
+                log.error("vllm-tiering: store job %d failed (%s); its %d CPU rows are marked "
+                          "failed and dropped when vLLM completes the store", job_id, exc,
+                          len(rows.block_ids))
+                return True
+            if not self.load_errors_reported:
                 raise
             self.failed_loads += 1
             self._failed_jobs.append(job_id)
@@ -92,7 +107,8 @@ class TieredWorker(OffloadingWorker):
         return self._submit(job_id, dst_spec, src_spec, "expedited" if expedited else "load")
 
     def get_finished(self) -> list[TransferResult]:
-        # a failed load is "finished" for vLLM (it asserts success); its blocks are load errors
+        # a failed job is "finished" for vLLM (it asserts success): a load's blocks are load
+        # errors, a store's rows are marked failed in the region
         failed = [TransferResult(job_id, True) for job_id in self._failed_jobs]
         self._failed_jobs.clear()
         return failed + [TransferResult(f.job_id, True, f.size, f.seconds)
