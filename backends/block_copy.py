@@ -59,6 +59,7 @@ class Finished:
     job_id: int
     size: int
     seconds: float
+    ok: bool = True  # False: the job's copies could not be enqueued (a miss, never raised)
 
 
 class DescriptorCopier(Protocol):

@@ -52,6 +52,7 @@ from tiering.backends.block_copy import (
     merge_runs,
     split_at_segments,
 )
+from tiering.backends.copy_feeder import CopyFeeder, FeedJob
 from tiering.backends.staged_plan import plan_staged
 from tiering.settings import CUDA_BATCH_MAX
 from tiering.step_trace import TRACE
@@ -110,7 +111,10 @@ class CudaCopier:
     """Batched async copies and copy kernels on CUDA streams (see module doc).
 
     Called from one thread (vLLM's worker thread): ``submit``/``submit_job`` enqueue and
-    return, ``get_finished`` polls events, ``wait`` blocks on the named jobs' end events.
+    return, ``get_finished`` polls events, ``wait`` blocks on the named jobs' end events. With
+    ``load_queue_bytes``, loads are enqueued by a feeder thread instead (``CopyFeeder``), which
+    appends them to the load direction's job queue as it enqueues them; a load it could not
+    enqueue comes out of ``get_finished`` with ``ok`` False.
     """
 
     name = "cuda"
@@ -120,7 +124,7 @@ class CudaCopier:
                  copy: str = "auto", staging_bytes: int = 128 << 20,
                  small_page_bytes: int = 256 << 10, access_order: str = "stream",
                  copy_flags: int = 0, streams_per_direction: int = 1,
-                 register_segment: int = 0) -> None:
+                 register_segment: int = 0, load_queue_bytes: int = 0) -> None:
         import torch
         from cuda.bindings import runtime as rt
 
@@ -196,6 +200,12 @@ class CudaCopier:
         # the step trace (tiering/step_trace.py) puts job spans on the host clock through an
         # event recorded now: (host seconds, event)
         self._trace_base: tuple[float, torch.cuda.Event] | None = None
+        # loads: at most load_queue_bytes enqueued on the copy engine at once, the rest fed by
+        # a thread as room frees (backends/copy_feeder.py says why); 0: all enqueued at once
+        self._feeder: CopyFeeder | None = None
+        if load_queue_bytes:
+            self._feeder = CopyFeeder(torch, self.device, self.streams["load"], load_queue_bytes,
+                                      self._copy, self._load_started)
         if TRACE.on:
             base = torch.cuda.Event(enable_timing=True)
             base.record(self.streams["store"])
@@ -248,14 +258,20 @@ class CudaCopier:
         """The descriptor path: copy ``size[i]`` bytes from ``src[i]`` to ``dst[i]``."""
         torch = self.torch
         stream = self.streams[direction]
-        # Stores read blocks the model just wrote: order them after the compute stream's work.
-        # Loads are reported done (and only then used) through their end event.
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         store = direction == "store"
         # walk host memory in address order (stores: by destination, loads: by source)
         s, d, n = merge_runs(src, dst, size, by=("dst" if store else "src")
                              if self.order == "host" else ("src" if store else "dst"))
         s, d, n = (np.ascontiguousarray(a, dtype=np.uint64) for a in (s, d, n))
+        if direction == "load" and self._feeder is not None:
+            after = torch.cuda.Event()  # the compute stream's work so far comes first
+            after.record(torch.cuda.current_stream(self.device))
+            self._feeder.put(FeedJob(job_id, s, d, n, int(n.sum()), after))
+            self.jobs_by_path["dma"] += 1
+            return
+        # Stores read blocks the model just wrote: order them after the compute stream's work.
+        # Loads are reported done (and only then used) through their end event.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record(stream)
@@ -281,6 +297,10 @@ class CudaCopier:
         end.record(stream)
         self._jobs[direction].append((job_id, int(size.sum()), start, end))
         self.jobs_by_path["dma"] += 1
+
+    def _load_started(self, job_id: int, nbytes: int, start: Any, end: Any) -> None:
+        """The feeder enqueued a load (its thread): from now on it is polled as any job."""
+        self._jobs["load"].append((job_id, nbytes, start, end))
 
     def path_for(self, dev: np.ndarray, host: np.ndarray, size: np.ndarray) -> str:
         """Which path a job of these descriptors takes (see module doc)."""
@@ -484,6 +504,8 @@ class CudaCopier:
 
     def get_finished(self) -> list[Finished]:
         done = []
+        if self._feeder is not None:
+            done += [Finished(job_id, 0, 0.0, ok=False) for job_id in self._feeder.take_failed()]
         for direction, jobs in self._jobs.items():
             while jobs and jobs[0][3].query():
                 job = jobs.popleft()
@@ -496,12 +518,16 @@ class CudaCopier:
         return done
 
     def wait(self, job_ids: set[int]) -> None:
+        if self._feeder is not None:
+            self._feeder.wait_fed(job_ids)
         for jobs in self._jobs.values():
-            for job in jobs:
+            for job in list(jobs):  # the feeder thread may append meanwhile
                 if job[0] in job_ids:
                     job[3].synchronize()
 
     def shutdown(self) -> None:
+        if self._feeder is not None:
+            self._feeder.close()
         self.torch.cuda.synchronize(self.device)
         for ptr in self.registered:
             self.rt.cudaHostUnregister(ptr)

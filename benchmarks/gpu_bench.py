@@ -832,6 +832,10 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-load-starts", type=int, default=-1,
                    help="ours: max_load_starts_per_step (loads started in one scheduler step "
                         "while nothing computes; 0: no limit; -1: the spec's default)")
+    g.add_argument("--sweep-load-queue-mib", type=float, default=-1,
+                   help="ours: load_queue_bytes in MiB (loads enqueued on the copy engine at "
+                        "once, the rest fed as room frees; 0: all at once; -1: the spec's "
+                        "default)")
     g.add_argument("--sweep-trace", action="store_true",
                    help=f"{SWEEP_SCHED_CONFIG}, {SWEEP_HF_CONFIG}: a step trace of the engine "
                         "(tiering/step_trace.py) and a table of each batch's steps in --out")
@@ -894,7 +898,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
                           disk: tuple[Path, int] | None = None,
                           promote: str = "auto",
                           promotion_reserve: float | None = None,
-                          max_load_starts_per_step: int | None = None) -> dict | None:
+                          max_load_starts_per_step: int | None = None,
+                          load_queue_bytes: int | None = None) -> dict | None:
     """The sweep's offloading setups: vLLM's CPUOffloadingSpec (``cpu``) or our spec with its
     CPU tier only (``ours``), offloading chunks of ``chunk_tokens`` (None: each spec's default,
     ``default_chunk_tokens``); ``ours-disk``: ours over a file tier at ``disk`` (folder,
@@ -928,6 +933,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
             extra["hits_first"] = True
         if max_load_starts_per_step is not None:
             extra["max_load_starts_per_step"] = max_load_starts_per_step
+        if load_queue_bytes is not None:
+            extra["load_queue_bytes"] = load_queue_bytes
         return {**CONNECTOR_FIELDS, "kv_connector_extra_config": extra}
     else:
         raise ValueError(f"prefill sweep: unknown config {config!r}")
@@ -1188,7 +1195,9 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
                                 int(a.sweep_sync_load_mib * 2**20),
                                 None if a.sweep_max_loading < 0 else a.sweep_max_loading, disk,
                                 a.promote, a.sweep_promotion_reserve,
-                                None if a.sweep_load_starts < 0 else a.sweep_load_starts)
+                                None if a.sweep_load_starts < 0 else a.sweep_load_starts,
+                                None if a.sweep_load_queue_mib < 0
+                                else int(a.sweep_load_queue_mib * 2**20))
     kvt = with_switch_interval(kvt, a.switch_ms)
     plan = sweep_batches(n, a.sweep_hit_rates)
     if config == "none":  # no cache of any kind: a fresh batch, then the same prompts again

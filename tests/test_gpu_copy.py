@@ -147,8 +147,10 @@ def test_store_then_load_is_byte_exact(path, layout):
 
 @pytest.mark.parametrize("engine_kw", [{"streams_per_direction": 2},
                                        {"streams_per_direction": 3, "access_order": "any"},
-                                       {"access_order": "any"}, {"copy_flags": 1}],
-                         ids=["2-streams", "3-streams-any-order", "any-order", "flag-1"])
+                                       {"access_order": "any"}, {"copy_flags": 1},
+                                       {"load_queue_bytes": 1 << 20}],
+                         ids=["2-streams", "3-streams-any-order", "any-order", "flag-1",
+                              "load-queue-1MiB"])
 @pytest.mark.parametrize("layout", ["per-layer", "packed", "chunks-of-4"])
 def test_descriptor_options_move_the_same_bytes(layout, engine_kw):
     """A job split over several streams per direction, or read in any order, stores and
@@ -241,6 +243,36 @@ def test_store_waits_for_the_compute_that_wrote_the_blocks(path):
         s.finish([j])
         for r, b in enumerate(blocks):
             s.check_cell(r, [b])
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("queue", [0, 1 << 20], ids=["all-at-once", "fed-1MiB"])
+def test_a_load_waits_for_the_compute_that_read_its_blocks(queue):
+    """The compute stream reads the target blocks behind a long GPU sleep (as a step reads
+    blocks freed after it); the load is submitted at once, with loads queued ahead of it when
+    fed: the step must read the old contents, the blocks end with the row's."""
+    s = Setup("dma", [16384] * 8, num_blocks=200, rows=100,
+              engine_kw={"load_queue_bytes": queue})
+    try:
+        rng = np.random.default_rng(11)
+        src = rng.choice(60, 40, replace=False)
+        s.finish([s.submit(src, [40], [0], np.arange(40), "store")])
+        rows_data = [t[torch.as_tensor(src, device="cuda")].clone() for t in s.tensors]
+        ahead = [s.submit(100 + np.arange(k * 10, k * 10 + 10), [10], [0],
+                          np.arange(k * 10, k * 10 + 10), "load") for k in range(4)]
+        dst = np.array([70, 75, 80, 85])
+        idx = torch.as_tensor(dst, device="cuda")
+        old = [t[idx].clone() for t in s.tensors]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the current stream
+        seen = [t[idx].clone() for t in s.tensors]  # the step's read, after the sleep
+        j = s.submit(dst, [4], [0], [0, 1, 2, 3], "load")
+        s.finish([*ahead, j])
+        torch.cuda.synchronize()
+        for t, o, v, r in zip(s.tensors, old, seen, rows_data, strict=True):
+            assert torch.equal(v, o)  # the load did not overtake the read
+            assert torch.equal(t[idx], r[:4])
     finally:
         s.close()
 

@@ -71,6 +71,8 @@ def good(tmp_path, **over) -> dict:
      "max_load_starts_per_step: expected an integer"),
     (lambda e: e.update(max_load_starts_per_step=True),
      "max_load_starts_per_step: expected an integer"),
+    (lambda e: e.update(load_queue_bytes="lots"), "load_queue_bytes: expected a byte size"),
+    (lambda e: e.update(load_queue_bytes=-1), "load_queue_bytes: must not be negative"),
     (lambda e: e.update(hits_first="yes"), "hits_first: expected true or false"),
     (lambda e: e.update(switch_interval_ms=-1), "switch_interval_ms: expected a number"),
     (lambda e: e.update(switch_interval_ms="0.5"), "switch_interval_ms: expected a number"),

@@ -18,6 +18,7 @@ from tiering.policies import resolve
 from tiering.settings import (
     HITS_FIRST_DEFAULT,
     IO_SWITCH_INTERVAL_S,
+    LOAD_QUEUE_BYTES,
     MAX_LOAD_STARTS_PER_STEP,
     MAX_LOADING_REQUESTS,
     PROMOTION_RESERVE_DEFAULT,
@@ -31,7 +32,7 @@ VLLM_KEYS = {
     "enable_kv_cache_events",
 }
 OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests", "switch_interval_ms",
-            "hits_first", "max_load_starts_per_step"}
+            "hits_first", "max_load_starts_per_step", "load_queue_bytes"}
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
                  "prefill_tokens_per_s", "promotion_reserve"}
@@ -73,6 +74,9 @@ class TieredConfig:
     # loads started in one scheduler step while nothing computes (tiering.vllm.load_gate); 0:
     # no limit
     max_load_starts_per_step: int = MAX_LOAD_STARTS_PER_STEP
+    # loads enqueued on the GPU's copy engine at once, the rest fed as room frees
+    # (backends/copy_feeder.py); 0: all at once
+    load_queue_bytes: int = LOAD_QUEUE_BYTES
 
 
 def _int(value: Any, where: str, low: int) -> int:
@@ -111,6 +115,8 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
     cfg.max_load_starts_per_step = _int(extra.get("max_load_starts_per_step",
                                                   MAX_LOAD_STARTS_PER_STEP),
                                         "max_load_starts_per_step", 0)
+    queue = extra.get("load_queue_bytes", LOAD_QUEUE_BYTES)
+    cfg.load_queue_bytes = 0 if queue in (0, "0") else parse_size(queue, "load_queue_bytes")
     for i, tier in enumerate(tiers):
         where = f"tiers[{i}]"
         if not isinstance(tier, dict):

@@ -144,6 +144,13 @@ MAX_LOADING_REQUESTS = 256
 # engines had not compiled the kernels of the paced steps' batch shapes; to be measured again.
 MAX_LOAD_STARTS_PER_STEP = 0
 
+# The most bytes of loads enqueued on the GPU's copy engine at once (default of the spec's
+# ``load_queue_bytes``; 0: every load enqueued when vLLM submits it). The copy engine takes work
+# in order, and vLLM's model runner copies each step's inputs host to GPU as well: behind
+# gigabytes of enqueued loads a step waits for all of them (backends/copy_feeder.py). Off until
+# a GPU run measures it (docs/bench_copy_queue.py, then the prefill sweep).
+LOAD_QUEUE_BYTES = 0
+
 # -- vLLM adapter: hits first (under tiering.vllm.scheduler.TieringScheduler) --------------------
 # vLLM walks its waiting queue in order until the step's token budget is spent, so a cache hit
 # queued behind prompts that compute is not even looked up until they are scheduled: its load

@@ -180,7 +180,8 @@ class TieredOffloadingSpec(OffloadingSpec):
 
             copier: BlockCopier = CudaCopier(region.base_address, region.num_rows * region.row_bytes,
                                     device=kv_caches.tensors[0].tensor.device,
-                                    copy=self.cfg.gpu_copy)
+                                    copy=self.cfg.gpu_copy,
+                                    load_queue_bytes=self.cfg.load_queue_bytes)
         else:
             copier = MemcpyCopier()
         log.info("vllm-tiering worker rank %d: %s copies (%s), %d KV tensors", rank,

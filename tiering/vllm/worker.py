@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from tiering.backends.block_copy import BlockCopier, CopyFailed, CopyLayout, TensorInfo
 from tiering.backends.staging import StagingRegion
@@ -60,6 +61,8 @@ class TieredWorker(OffloadingWorker):
         self._load_error_blocks: set[int] = set()  # their GPU blocks, until vLLM takes them
         self.failed_loads = 0  # counted once per job, for the log and the tests
         self.failed_stores = 0
+        # jobs the copier accepted and has not reported: what a late failure needs
+        self._in_flight: dict[int, tuple[str, Any, Any]] = {}  # job -> (dir, blocks, rows)
 
     def take_load_error_blocks(self) -> set[int]:
         """The GPU blocks of loads that failed since the last call (vLLM's
@@ -74,29 +77,35 @@ class TieredWorker(OffloadingWorker):
             self.copier.submit_job(job_id, self.layout, gpu.block_ids, gpu.group_sizes,
                                    gpu.block_indices, rows.block_ids, direction)
         except CopyFailed as exc:
-            if direction == "store":
-                # marked before the job is reported: the scheduler reads the marks only once
-                # vLLM has heard that the job finished
-                self.region.mark_store_failed(int(r) for r in rows.block_ids)
-                self.failed_stores += 1
-                self._failed_jobs.append(job_id)
-                log.error("vllm-tiering: store job %d failed (%s); its %d CPU rows are marked "
-                          "failed and dropped when vLLM completes the store", job_id, exc,
-                          len(rows.block_ids))
-                return True
-            if not self.load_errors_reported:
-                raise
-            self.failed_loads += 1
+            self._failed(job_id, direction, gpu.block_ids, rows.block_ids, str(exc))
             self._failed_jobs.append(job_id)
-            self._load_error_blocks.update(int(b) for b in gpu.block_ids)
-            log.error("vllm-tiering: load job %d failed (%s); vLLM is told its %d GPU blocks "
-                      "did not load (recomputed under kv_load_failure_policy=recompute)",
-                      job_id, exc, len(gpu.block_ids))
             return True
+        self._in_flight[job_id] = (direction, gpu.block_ids, rows.block_ids)
         if TRACE.on:
             TRACE.add("submit", t=t0, dt=time.perf_counter() - t0, job=job_id, dir=direction,
                       blocks=len(gpu.block_ids))
         return True
+
+    def _failed(self, job_id: int, direction: str, blocks: Any, rows: Any, why: str) -> None:
+        """A job whose copies could not be enqueued (nothing of it in flight): a store's rows
+        are marked failed, a load's GPU blocks become load errors; raises where no connector
+        takes load errors (vLLM's own would count the blocks as loaded)."""
+        if direction == "store":
+            # marked before the job is reported: the scheduler reads the marks only once
+            # vLLM has heard that the job finished
+            self.region.mark_store_failed(int(r) for r in rows)
+            self.failed_stores += 1
+            log.error("vllm-tiering: store job %d failed (%s); its %d CPU rows are marked "
+                      "failed and dropped when vLLM completes the store", job_id, why,
+                      len(rows))
+            return
+        if not self.load_errors_reported:
+            raise CopyFailed(f"load job {job_id}: {why}")
+        self.failed_loads += 1
+        self._load_error_blocks.update(int(b) for b in blocks)
+        log.error("vllm-tiering: load job %d failed (%s); vLLM is told its %d GPU blocks "
+                  "did not load (recomputed under kv_load_failure_policy=recompute)",
+                  job_id, why, len(blocks))
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
                      dst_spec: LoadStoreSpec) -> bool:
@@ -111,8 +120,15 @@ class TieredWorker(OffloadingWorker):
         # errors, a store's rows are marked failed in the region
         failed = [TransferResult(job_id, True) for job_id in self._failed_jobs]
         self._failed_jobs.clear()
-        return failed + [TransferResult(f.job_id, True, f.size, f.seconds)
-                         for f in self.copier.get_finished()]
+        done = []
+        for f in self.copier.get_finished():
+            direction, blocks, rows = self._in_flight.pop(f.job_id, ("", (), ()))
+            if f.ok:
+                done.append(TransferResult(f.job_id, True, f.size, f.seconds))
+                continue
+            self._failed(f.job_id, direction, blocks, rows, "its copies could not be enqueued")
+            failed.append(TransferResult(f.job_id, True))
+        return failed + done
 
     def wait(self, job_ids: set[int]) -> None:
         self.copier.wait(job_ids.difference(self._failed_jobs))

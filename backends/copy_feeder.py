@@ -1,0 +1,143 @@
+"""CopyFeeder: at most so many bytes of loads queued on the GPU's copy engine at once.
+
+Why: a host-to-GPU copy runs on a copy engine that takes its work in order. vLLM's model runner
+copies each step's inputs (token ids, positions, block tables) host to GPU too, with small
+non-blocking copies on its compute stream. Where every load of a burst of cache hits is
+enqueued at once (gigabytes: a 100%-hit batch of 256 8B prompts loads 15 GB), a step's input
+copies can wait behind all of them, and so does the step: the 8B step trace showed 29-token
+steps lasting as long as the loads in flight (docs/benchmarks.md; ``docs/bench_copy_queue.py``
+measures the wait on its own). Keeping only ``limit`` bytes enqueued bounds that wait to about
+``limit`` / PCIe rate, while the copy engine stays busy as long as loads wait here.
+
+How: ``CudaCopier`` builds a load's descriptors on vLLM's worker thread and records there an
+event on the compute stream (the work the load must come after: the blocks it overwrites may
+have been read by the step before); it hands both to ``put``. One feeder thread enqueues jobs
+in submission order: a job's copies, between a start and an end event, on the load stream,
+after the job's event. Before it enqueues a job it waits (``Event.synchronize``, without the
+GIL) until the bytes enqueued and not yet copied leave room for it; a job larger than
+``limit`` is enqueued alone. An enqueued job is handed to the copier (``started``), which
+reports it finished by its end event, as any other job.
+
+Contract: ``put`` never blocks. A job whose copy API call failed (``CopyFailed``) is waited
+for until nothing of it is in flight and listed by ``take_failed`` (the copier reports it as a
+failed job; the vLLM worker turns that into a miss). ``wait_fed(ids)`` returns once none of
+``ids`` is still waiting here. ``close`` enqueues what is queued, then stops the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tiering.backends.block_copy import CopyFailed
+
+log = logging.getLogger(__name__)
+
+# (job id, sources, destinations, sizes, stream handle): enqueue a job's copies
+CopyFn = Callable[[int, np.ndarray, np.ndarray, np.ndarray, int], None]
+# (job id, bytes, start event, end event): the job is enqueued
+StartedFn = Callable[[int, int, Any, Any], None]
+
+
+@dataclass
+class FeedJob:
+    job_id: int
+    src: np.ndarray
+    dst: np.ndarray
+    size: np.ndarray
+    nbytes: int
+    after: Any  # a torch.cuda.Event on the submitting thread's stream
+
+
+class CopyFeeder:
+    def __init__(self, torch: Any, device: Any, stream: Any, limit: int, copy: CopyFn,
+                 started: StartedFn, name: str = "load") -> None:
+        if limit <= 0:
+            raise ValueError(f"limit: expected a positive byte count, got {limit}")
+        self.torch, self.device, self.stream, self.limit = torch, device, stream, limit
+        self._copy, self._started = copy, started
+        self._pending: deque[FeedJob] = deque()
+        self._failed: list[int] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self.waits = 0  # times the feeder waited for room (a measure of the limit binding)
+        self._thread = threading.Thread(target=self._run, name=f"tiering-{name}-feeder",
+                                        daemon=True)
+        self._thread.start()
+
+    def put(self, job: FeedJob) -> None:
+        with self._cond:
+            if self._stop:
+                raise RuntimeError("the copy feeder is closed")
+            self._pending.append(job)
+            self._cond.notify_all()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def take_failed(self) -> list[int]:
+        with self._cond:
+            failed, self._failed = self._failed, []
+        return failed
+
+    def wait_fed(self, job_ids: set[int]) -> None:
+        with self._cond:
+            while any(j.job_id in job_ids for j in self._pending):
+                self._cond.wait()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    # -- the feeder thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        torch = self.torch
+        torch.cuda.set_device(self.device)
+        inflight: deque[tuple[int, Any]] = deque()  # (bytes, end event), in enqueue order
+        queued = 0
+        while True:
+            with self._cond:
+                while not self._pending and not self._stop:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                job = self._pending[0]
+            while inflight and inflight[0][1].query():
+                queued -= inflight.popleft()[0]
+            while inflight and queued + job.nbytes > self.limit:
+                self.waits += 1
+                nbytes, end = inflight.popleft()
+                end.synchronize()  # the GIL is released while the copy engine works
+                queued -= nbytes
+            try:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True, blocking=True)
+                self.stream.wait_event(job.after)
+                start.record(self.stream)
+                self._copy(job.job_id, job.src, job.dst, job.size, self.stream.cuda_stream)
+                end.record(self.stream)
+            except Exception as exc:  # CopyFailed, or anything else: the job is a miss
+                if not isinstance(exc, CopyFailed):
+                    log.exception("copy feeder: job %d failed", job.job_id)
+                self.stream.synchronize()  # nothing of the job in flight any more
+                with self._cond:
+                    self._pending.popleft()
+                    self._failed.append(job.job_id)
+                    self._cond.notify_all()
+                continue
+            # handed to the copier before it leaves the queue: wait_fed then finds it there
+            self._started(job.job_id, job.nbytes, start, end)
+            inflight.append((job.nbytes, end))
+            queued += job.nbytes
+            with self._cond:
+                self._pending.popleft()
+                self._cond.notify_all()

@@ -1,0 +1,243 @@
+"""CopyFeeder (backends/copy_feeder.py) over a stand-in copy engine: at most ``limit`` bytes of
+loads enqueued at once, in submission order, a job over the limit alone, failures listed (never
+raised), ``wait_fed`` and ``close`` that return; and the vLLM worker turning a copier's late
+failure (``Finished.ok`` False) into load errors or failed-store marks."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+from tiering.backends.block_copy import CopyFailed, Finished
+from tiering.backends.copy_feeder import CopyFeeder, FeedJob
+
+
+class Engine:
+    """A copy engine the test drives: an end event completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.ends: list[Event] = []
+        self.enqueued: list[int] = []  # job ids, in the order their copies were enqueued
+        self.lock = threading.Lock()
+
+    def finish(self, n: int) -> None:
+        """Complete the first n end events not yet complete."""
+        with self.lock:
+            for ev in [e for e in self.ends if not e.done.is_set()][:n]:
+                ev.done.set()
+
+
+ENGINE: Engine
+
+
+class Event:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
+        self.done = threading.Event()
+        self.blocking = blocking  # the feeder's end events (a job's start completes at once)
+
+    def record(self, stream: object = None) -> None:
+        if self.blocking and getattr(stream, "is_load_stream", False):
+            with ENGINE.lock:
+                ENGINE.ends.append(self)
+        else:
+            self.done.set()  # an event on the compute stream: nothing ahead of it here
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        assert self.done.wait(10), "an end event never completed"
+
+    def elapsed_time(self, other: Event) -> float:
+        return 1.0
+
+
+class Stream:
+    is_load_stream = True
+    cuda_stream = 0x99
+
+    def wait_event(self, ev: Event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        ENGINE.finish(len(ENGINE.ends))
+
+
+def fake_torch() -> types.SimpleNamespace:
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event,
+                                                            set_device=lambda d: None))
+
+
+@pytest.fixture
+def engine():
+    global ENGINE
+    ENGINE = Engine()
+    yield ENGINE
+    ENGINE.finish(10_000)
+
+
+def make(limit: int, fail: set[int] = frozenset()) -> tuple[CopyFeeder, list, dict]:
+    started: list = []
+    copied: dict[int, bytes] = {}
+
+    def copy(job_id, src, dst, size, stream):
+        if job_id in fail:
+            raise CopyFailed(f"job {job_id}: injected")
+        ENGINE.enqueued.append(job_id)
+        copied[job_id] = bytes(src.astype(np.uint8))
+
+    def on_started(job_id, nbytes, start, end):
+        started.append((job_id, nbytes, end))
+
+    return CopyFeeder(fake_torch(), "cuda:0", Stream(), limit, copy, on_started), started, copied
+
+
+def job(i: int, nbytes: int) -> FeedJob:
+    a = np.arange(i, i + 4, dtype=np.uint64)
+    return FeedJob(i, a, a, np.full(4, nbytes // 4, dtype=np.uint64), nbytes, Event())
+
+
+def until(cond, what: str, timeout: float = 5.0) -> None:
+    t = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < t, what
+        time.sleep(0.002)
+
+
+def test_no_more_than_the_limit_is_enqueued_and_order_is_kept(engine):
+    """Five 40-byte jobs under a 100-byte limit: two are enqueued, the third only once the
+    first has finished, and so on; every job in submission order, each handed over once."""
+    feeder, started, copied = make(100)
+    for i in range(1, 6):
+        feeder.put(job(i, 40))
+    until(lambda: engine.enqueued == [1, 2], "the first two are enqueued")
+    time.sleep(0.05)
+    assert engine.enqueued == [1, 2] and feeder.pending() == 3  # no room for a third
+    engine.finish(1)
+    until(lambda: engine.enqueued == [1, 2, 3], "the third follows the first's end")
+    time.sleep(0.03)
+    assert engine.enqueued == [1, 2, 3]
+    engine.finish(3)
+    until(lambda: engine.enqueued == [1, 2, 3, 4, 5], "the rest follow")
+    assert [s[0] for s in started] == [1, 2, 3, 4, 5] and sorted(copied) == [1, 2, 3, 4, 5]
+    assert feeder.waits >= 2
+    feeder.close()
+
+
+def test_a_job_over_the_limit_goes_alone(engine):
+    feeder, started, _ = make(100)
+    feeder.put(job(1, 40))
+    feeder.put(job(2, 400))
+    feeder.put(job(3, 40))
+    until(lambda: engine.enqueued == [1], "the first")
+    time.sleep(0.03)
+    assert engine.enqueued == [1]  # the large job waits for room, not for nothing
+    engine.finish(1)
+    until(lambda: engine.enqueued == [1, 2], "the large one, alone")
+    time.sleep(0.03)
+    assert engine.enqueued == [1, 2]
+    engine.finish(1)
+    until(lambda: engine.enqueued == [1, 2, 3], "then the last")
+    feeder.close()
+
+
+def test_a_failed_job_is_listed_once_and_the_next_is_fed(engine):
+    feeder, started, _ = make(100, fail={2})
+    for i in (1, 2, 3):
+        feeder.put(job(i, 10))
+    feeder.wait_fed({1, 2, 3})
+    assert engine.enqueued == [1, 3] and [s[0] for s in started] == [1, 3]
+    assert feeder.take_failed() == [2] and feeder.take_failed() == []
+    feeder.close()
+
+
+def _bounded(fn, *args) -> None:
+    """Run fn in a thread; fail (never hang) if it has not returned within 10 s."""
+    t = threading.Thread(target=fn, args=args, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), f"{fn.__name__} did not return"
+
+
+def test_wait_fed_returns_once_the_job_left_the_queue_and_close_drains(engine):
+    feeder, started, _ = make(50)
+    for i in range(1, 4):
+        feeder.put(job(i, 50))
+    until(lambda: engine.enqueued == [1], "the first")
+    stop = threading.Event()
+
+    def pump() -> None:  # the copy engine finishing whatever is enqueued, every 5 ms
+        while not stop.wait(0.005):
+            engine.finish(1)
+
+    threading.Thread(target=pump, daemon=True).start()
+    _bounded(feeder.wait_fed, {3})  # needs both earlier jobs' ends
+    assert engine.enqueued == [1, 2, 3]
+    feeder.put(job(4, 50))
+    _bounded(feeder.close)
+    stop.set()
+    assert engine.enqueued == [1, 2, 3, 4]
+    with pytest.raises(RuntimeError):
+        feeder.put(job(5, 1))
+
+
+def test_a_limit_must_be_positive():
+    with pytest.raises(ValueError, match="limit"):
+        CopyFeeder(fake_torch(), "cuda:0", Stream(), 0, lambda *a: None, lambda *a: None)
+
+
+# -- the worker: a late failure from the copier ------------------------------------------------
+
+
+class _LateFailingCopier:
+    """Accepts every job; reports the ones in ``fail`` as not enqueued (``ok`` False), as the
+    CUDA copier's feeder does."""
+
+    def __init__(self, fail: set[int]) -> None:
+        self.fail, self.jobs = fail, []
+
+    def submit_job(self, job_id, *args, **kwargs) -> None:
+        self.jobs.append(job_id)
+
+    def get_finished(self):
+        done = [Finished(j, 0 if j in self.fail else 8, 0.0, ok=j not in self.fail)
+                for j in self.jobs]
+        self.jobs = []
+        return done
+
+    def wait(self, job_ids) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_the_worker_turns_a_late_failure_into_load_errors_or_failed_store_marks(
+        tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    import tiering.backends.staging as staging
+    from tiering.backends.staging import StagingRegion
+    from tiering.vllm.compat import GPULoadStoreSpec
+    from tiering.vllm.worker import RowsSpec, TieredWorker
+
+    monkeypatch.setattr(staging, "SHM_DIR", tmp_path / "shm")
+    region = StagingRegion("late", 8, 4096)
+    w = TieredWorker(None, _LateFailingCopier({2, 3}), region,  # type: ignore[arg-type]
+                     load_errors_reported=True)
+    assert w.submit_store(1, GPULoadStoreSpec([5], [1], [0]), RowsSpec([0]))
+    assert w.submit_load(2, RowsSpec([1, 2]), GPULoadStoreSpec([20, 21], [2], [0]))
+    assert w.submit_store(3, GPULoadStoreSpec([6], [1], [0]), RowsSpec([4]))
+    done = w.get_finished()
+    assert sorted(r.job_id for r in done) == [1, 2, 3] and all(r.success for r in done)
+    assert w.take_load_error_blocks() == {20, 21} and w.failed_loads == 1
+    assert w.failed_stores == 1 and region.take_store_failed(4)
+    assert not region.take_store_failed(0)
+    plain = TieredWorker(None, _LateFailingCopier({7}), region)  # type: ignore[arg-type]
+    assert plain.submit_load(7, RowsSpec([1]), GPULoadStoreSpec([9], [1], [0]))
+    with pytest.raises(CopyFailed):
+        plain.get_finished()
+    region.close()
