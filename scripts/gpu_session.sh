@@ -26,6 +26,11 @@
 #               prompts, none,ours-disk at 0/50/100% on this machine's disk, then ours-disk
 #               on the RAM disk (its none is the first one's); the advisor's decision lines
 #               (VLLM_LOGGING_LEVEL=DEBUG) in OUT/disk_sweep_*_decisions.txt         ~5 min
+#   copy-queue  docs/bench_copy_queue.py: does a queue of bulk loads hold up a small input copy
+#               on the compute stream, and does feeding the loads in waves help (issue 15)  ~1 min
+#   sweep-ab    the prefill sweep's 1B and 8B at 0/50/100%: none, then ours-sched with loads fed
+#               FEED_MIB (default 256) at a time (load_queue_bytes), then ours-sched with no
+#               load cap (max_loading_requests 0), with step traces                 ~5 min
 # The RAM disk: ext4 on a loop device over a file in /dev/shm (O_DIRECT works, as on NVMe),
 # RAMDISK_GIB (default 26) or what /dev/shm has free less RAMDISK_SPARE_GIB (default 12, for the
 # CPU tiers' shared memory); made by the first step that needs it, removed at exit. Needs root.
@@ -43,14 +48,14 @@ OUT=${1:?usage: BUDGET_S=540 bash scripts/gpu_session.sh OUT [tests|phases|throu
 shift
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(tests phases throughput 32b)
-STEP_NAMES="tests, phases, throughput, 32b, sweep, disk-hit, disk-hit-ab, phases-ramdisk, throughput-wb, disk-sweep"
+STEP_NAMES="tests, phases, throughput, 32b, sweep, disk-hit, disk-hit-ab, phases-ramdisk, throughput-wb, disk-sweep, copy-queue, sweep-ab"
 BUDGET_S=${BUDGET_S:-540}
 TAG=${TAG:-h200}
 MARGIN_S=15  # for gpu-bench to write its table and exit after its last step
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 for step in "${STEPS[@]}"; do
-  case $step in tests|phases|throughput|32b|sweep|disk-hit|disk-hit-ab|phases-ramdisk|throughput-wb|disk-sweep) ;;
+  case $step in tests|phases|throughput|32b|sweep|disk-hit|disk-hit-ab|phases-ramdisk|throughput-wb|disk-sweep|copy-queue|sweep-ab) ;;
     *) echo "gpu_session: unknown step '$step' ($STEP_NAMES)" >&2; exit 2 ;;
   esac
 done
@@ -240,6 +245,16 @@ for step in "${STEPS[@]}"; do
         gzip -f "$OUT/disk-sweep-ramdisk.log"
         rm -rf "$ram_mnt/scratch"
       fi ;;
+    copy-queue)
+      run copy-queue 30 90 python3 -P docs/bench_copy_queue.py --bulk-gib 0,1,4,8 \
+        --json "$OUT/copy_queue.json" ;;
+    sweep-ab)
+      ab=(--phases prefill-sweep --sweep-shapes 1b,8b --sweep-hit-rates 0,50,100 --sweep-trace)
+      run sweep-ab-feed 90 "$BUDGET_S" "${bench[@]}" --tag "${TAG}feed" "${ab[@]}" \
+        --sweep-configs none,ours-sched --sweep-load-queue-mib "${FEED_MIB:-256}" "${extra[@]}"
+      bench[7]=$(($(left) - MARGIN_S))  # --budget-s: what is left now
+      run sweep-ab-nocap 60 "$BUDGET_S" "${bench[@]}" --tag "${TAG}nocap" "${ab[@]}" \
+        --sweep-configs ours-sched --sweep-max-loading 0 "${extra[@]}" ;;
   esac
 done
 echo "[session] done in ${SECONDS}s; results in $OUT" | tee -a "$summary"

@@ -385,6 +385,10 @@ def test_sweep_configs_are_valid_and_set_the_chunk_size():
     on = gpu_bench.sweep_transfer_config("ours-disk", 1 << 28, None, 16,
                                         disk=(Path("/x/kv"), 3 << 30), promotion_reserve=0.125)
     assert parse(dict(on["kv_connector_extra_config"])).cpu.promotion_reserve == 0.125
+    fed = gpu_bench.sweep_transfer_config("ours-sched", 1 << 30, None, 16,
+                                         load_queue_bytes=256 << 20)
+    assert parse(dict(fed["kv_connector_extra_config"])).load_queue_bytes == 256 << 20
+    assert parse(dict(ours)).load_queue_bytes == 0  # the spec's default where none is named
 
 
 def test_ours_sched_is_ours_under_our_scheduler():
