@@ -18,9 +18,10 @@ GIL) until the bytes enqueued and not yet copied leave room for it; a job larger
 ``limit`` is enqueued alone. An enqueued job is handed to the copier (``started``), which
 reports it finished by its end event, as any other job.
 
-Contract: ``put`` never blocks. A job whose copy API call failed (``CopyFailed``) is waited
-for until nothing of it is in flight and listed by ``take_failed`` (the copier reports it as a
-failed job; the vLLM worker turns that into a miss). ``wait_fed(ids)`` returns once none of
+Contract: ``put`` never blocks. A job whose copy API call failed (``CopyFailed``), or that met
+any other error of the CUDA calls around it (a wait, an event), is waited for until nothing of
+it is in flight and listed by ``take_failed`` (the copier reports it as a failed job; the vLLM
+worker turns that into a miss); the thread goes on with the next job, so no waiter hangs. ``wait_fed(ids)`` returns once none of
 ``ids`` is still waiting here. ``close`` enqueues what is queued, then stops the thread.
 """
 
@@ -101,7 +102,10 @@ class CopyFeeder:
     # -- the feeder thread -------------------------------------------------------------------
     def _run(self) -> None:
         torch = self.torch
-        torch.cuda.set_device(self.device)
+        try:
+            torch.cuda.set_device(self.device)
+        except Exception:  # the copies below then fail, job by job, and are listed
+            log.exception("copy feeder: cannot use %s", self.device)
         inflight: deque[tuple[int, Any]] = deque()  # (bytes, end event), in enqueue order
         queued = 0
         while True:
@@ -111,24 +115,29 @@ class CopyFeeder:
                 if not self._pending:
                     return
                 job = self._pending[0]
-            while inflight and inflight[0][1].query():
-                queued -= inflight.popleft()[0]
-            while inflight and queued + job.nbytes > self.limit:
-                self.waits += 1
-                nbytes, end = inflight.popleft()
-                end.synchronize()  # the GIL is released while the copy engine works
-                queued -= nbytes
             try:
+                while inflight and inflight[0][1].query():
+                    queued -= inflight.popleft()[0]
+                while inflight and queued + job.nbytes > self.limit:
+                    self.waits += 1
+                    nbytes, end = inflight.popleft()
+                    end.synchronize()  # the GIL is released while the copy engine works
+                    queued -= nbytes
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True, blocking=True)
                 self.stream.wait_event(job.after)
                 start.record(self.stream)
                 self._copy(job.job_id, job.src, job.dst, job.size, self.stream.cuda_stream)
                 end.record(self.stream)
-            except Exception as exc:  # CopyFailed, or anything else: the job is a miss
+            except Exception as exc:  # CopyFailed, or any CUDA error: this job is a miss
                 if not isinstance(exc, CopyFailed):
                     log.exception("copy feeder: job %d failed", job.job_id)
-                self.stream.synchronize()  # nothing of the job in flight any more
+                try:
+                    self.stream.synchronize()  # nothing of the job in flight any more
+                except Exception:  # a broken stream: what was enqueued is not waited for
+                    log.exception("copy feeder: the load stream cannot be synchronized")
+                inflight.clear()  # their events are the copier's to report; room is not
+                queued = 0        # counted against a stream that was drained or is broken
                 with self._cond:
                     self._pending.popleft()
                     self._failed.append(job.job_id)

@@ -178,12 +178,21 @@ class StagingRegion:
 
     # -- failed stores: the worker marks, the scheduler takes ---------------------------------
     def mark_store_failed(self, rows: Iterable[int]) -> None:
-        """Worker side: the GPU's copy into these rows failed (what they hold is not the KV)."""
-        self._store_failed[np.fromiter(rows, dtype=np.int64)] = 1
+        """Worker side: the GPU's copy into these rows failed (what they hold is not the KV).
+        A row outside the region is a ValueError naming it, and then no row is marked."""
+        self._store_failed[self._rows(rows)] = 1
 
     def clear_store_failed(self, rows: Iterable[int]) -> None:
         """Scheduler side: these rows are reserved for a new store (no mark left from before)."""
-        self._store_failed[np.fromiter(rows, dtype=np.int64)] = 0
+        self._store_failed[self._rows(rows)] = 0
+
+    def _rows(self, rows: Iterable[int]) -> np.ndarray:
+        idx = np.fromiter(rows, dtype=np.int64)
+        bad = idx[(idx < 0) | (idx >= self.num_rows)]
+        if bad.size:
+            raise ValueError(f"{self.path}: rows {bad[:8].tolist()} are outside the region's "
+                             f"{self.num_rows} rows")
+        return idx
 
     def take_store_failed(self, row: int) -> bool:
         """Scheduler side: did the store into ``row`` fail? The mark is cleared."""
@@ -193,6 +202,8 @@ class StagingRegion:
         return True
 
     def row(self, i: int) -> memoryview:
+        if not 0 <= i < self.num_rows:  # past the rows lie the store marks, not a row
+            raise IndexError(f"{self.path}: row {i} of {self.num_rows}")
         return memoryview(self._mmap)[i * self.row_bytes:(i + 1) * self.row_bytes]
 
     def close(self, unlink: bool = False) -> None:

@@ -110,7 +110,9 @@ def _unnoted(name: str) -> Any:
     def change(self: _InflightSet, *args: Any) -> Any:
         self._complete = False
         out = method(self, *args)
-        return self if name.startswith("__i") else out  # in-place operators return the set
+        if out is NotImplemented or not name.startswith("__i"):
+            return out  # an operand set's operators do not take: Python tries the other side
+        return self  # in-place operators return the set
 
     change.__name__ = name
     return change

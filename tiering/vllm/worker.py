@@ -93,7 +93,10 @@ class TieredWorker(OffloadingWorker):
         if direction == "store":
             # marked before the job is reported: the scheduler reads the marks only once
             # vLLM has heard that the job finished
-            self.region.mark_store_failed(int(r) for r in rows)
+            try:
+                self.region.mark_store_failed(int(r) for r in rows)
+            except ValueError as exc:  # rows the CPU tier never gave out: nothing to drop
+                log.error("vllm-tiering: store job %d: %s", job_id, exc)
             self.failed_stores += 1
             log.error("vllm-tiering: store job %d failed (%s); its %d CPU rows are marked "
                       "failed and dropped when vLLM completes the store", job_id, why,
