@@ -963,3 +963,16 @@ def test_random_traffic_with_hits_first_answers_vllms_sum(model, seed):
     run = _traffic(model, mod.TieringSyncScheduler, seed, hits_first=True)
     _exact(run)
     assert run.h.scheduler._tiering_hits.moved > 0 and len(run.asks) >= 5
+
+
+def test_more_random_traffic_answers_vllms_sum_at_every_ask(model, trials):
+    """More seeds of the traffic above under our scheduler alone (two by default;
+    ``TIERING_FAULT_TRIALS=N`` or ``--long`` for a long run): every ask answered with vLLM's
+    sum, never a fallback."""
+    mod = _sched_mod_033()
+    asks = 0
+    for seed in range(1000, 1000 + trials(2)):
+        run = _traffic(model, mod.TieringSyncScheduler, seed, hits_first=seed % 3 == 0)
+        _exact(run)
+        asks += len(run.asks)
+    assert asks >= 5, asks
