@@ -895,7 +895,7 @@ def _traffic(model: str, cls: type | None, seed: int, hits_first: bool = False):
         preempted |= {rid for rid, r in s.requests.items() if r.num_preemptions}
         steps.append((sorted(s.requests), h.loads, h.stores, dict(sorted(h.cached.items())),
                       sorted(r.request_id for r in s._inflight_prefills)))
-    h.run()
+    h.run(max_steps=2000)  # decodes of up to 300 tokens that arrived late, one token a step
     h.manager.shutdown()
     assert isinstance(s, mod._ReservationMemo) == issubclass(cls or object, mod._ReservationMemo)
     return types.SimpleNamespace(steps=steps, asks=asks, aborted=aborted, preempted=preempted,
