@@ -7,6 +7,7 @@ MODEL=${MODEL:-meta-llama/Llama-3.1-8B-Instruct}
 KV_DIR=${KV_DIR:-/mnt/nvme/kv}
 vllm serve "$MODEL" \
   --prefix-caching-hash-algo sha256 \
+  --scheduler-cls tiering.vllm.scheduler.TieringScheduler \
   --kv-transfer-config '{
     "kv_connector": "TieredOffloadingConnector", "kv_connector_module_path": "tiering.vllm",
     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -21,3 +22,5 @@ vllm serve "$MODEL" \
       ]}}'
 # --prefix-caching-hash-algo sha256 keeps block hashes stable across restarts, so the disk tier
 # still hits after the server restarts (the log line "cached chunks DO survive a restart").
+# --scheduler-cls: vLLM's scheduler with its per-admission sum over loading requests made linear;
+# it schedules exactly as vLLM's own does (docs/vllm.md, "The scheduler option").

@@ -116,6 +116,23 @@ def test_config_prints_valid_transfer_config(tmp_path, capsys):
     assert not (tmp_path / "kv").exists()  # validating creates nothing
 
 
+def test_config_prints_a_serve_command_naming_our_scheduler(capsys):
+    """The printed ``vllm serve`` line names TieringScheduler by a path vLLM resolves to a
+    subclass of its scheduler, and carries the printed transfer config as is."""
+    assert main(["config", "--cpu", "1GiB"]) == 0
+    cap = capsys.readouterr()
+    line = cap.err.strip().splitlines()[-1]
+    assert line.startswith("vllm serve ") and "--prefix-caching-hash-algo sha256" in line
+    flag = line.split("--scheduler-cls ", 1)[1].split()[0]
+    assert flag == "tiering.vllm.scheduler.TieringScheduler"
+    assert line.endswith(f"--kv-transfer-config '{cap.out.strip()}'")
+    pytest.importorskip("vllm")
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert issubclass(resolve_obj_by_qualname(flag), Scheduler)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--disk", "{tmp}/x"], "--disk: expected PATH:CAPACITY"),
     (["--disk", "{tmp}/x:1EiB"], "capacity: expected a byte size"),

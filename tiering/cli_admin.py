@@ -266,6 +266,12 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     return watch(args.url, args.interval, args.count, sys.stdout, args.json)
 
 
+# vLLM's scheduler with its per-admission reservation sum made linear (docs/vllm.md, "The
+# scheduler option"): it schedules exactly as vLLM's does (hits_first is off by default), only
+# faster when many loads are admitted at once, so the printed command names it
+SCHEDULER_CLS = "tiering.vllm.scheduler.TieringScheduler"
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from tiering.config import build_transfer_config
 
@@ -276,7 +282,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     text = json.dumps(cfg, separators=(",", ":"))
     print(text)
     print(f"\nvllm serve {args.model} --prefix-caching-hash-algo sha256 "
-          f"--kv-transfer-config '{text}'", file=sys.stderr)
+          f"--scheduler-cls {SCHEDULER_CLS} --kv-transfer-config '{text}'", file=sys.stderr)
     return 0
 
 
