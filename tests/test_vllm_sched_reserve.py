@@ -68,6 +68,16 @@ class _Spy:
         sched._inflight_prefill_reserved_blocks = recorded_reserved
 
 
+def _stored_then_watched(h: Harness, prompts: list[list[int]]) -> _Spy:
+    """Store every prompt (one fill request each, run to the end), drop them from the GPU's
+    prefix cache so that they come back as CPU hits, and start watching the asks."""
+    for i, p in enumerate(prompts):
+        h.add(f"fill{i}", p, max_tokens=1)
+    h.run()
+    h.reset_gpu_prefix_cache()
+    return _Spy(h.scheduler)
+
+
 def _run(model: str, cls: type | None, n: int = 10):
     """n prompts of different lengths stored, the GPU prefix cache reset, then the n again with
     n new ones interleaved (hits that load asynchronously, misses that prefill in chunks),
@@ -75,11 +85,7 @@ def _run(model: str, cls: type | None, n: int = 10):
     h = Harness(model, _extra(8 * n), gpu_tokens=6 * n * 512, delay=3, max_num_seqs=4 * n,
                 batched_tokens=1024, scheduler_cls=cls)
     prompts = [prompt(300 + i, 384 + 64 * (i % 5)) for i in range(n)]
-    for i, p in enumerate(prompts):
-        h.add(f"fill{i}", p, max_tokens=1)
-    h.run()
-    h.reset_gpu_prefix_cache()
-    spy = _Spy(h.scheduler)
+    spy = _stored_then_watched(h, prompts)
     steps = []
     for i, p in enumerate(prompts):
         h.add(f"hit{i}", p, max_tokens=2)
@@ -138,15 +144,12 @@ def test_the_pass_sum_is_exact_when_loads_finish_and_prefills_start_between_asks
                 max_num_seqs=4 * n, batched_tokens=768,
                 scheduler_cls=sched_mod.TieringSyncScheduler)
     prompts = [prompt(seed * 1000 + i, rng.randrange(200, 600)) for i in range(n)]
-    for i, p in enumerate(prompts):
-        h.add(f"fill{i}", p, max_tokens=1)
-    h.run()
-    h.reset_gpu_prefix_cache()
-    spy = _Spy(h.scheduler)
+    spy = _stored_then_watched(h, prompts)
     later = []
     for i, p in enumerate(prompts):
-        (later if rng.random() < 0.4 else []).append(i)
-        if i not in later:
+        if rng.random() < 0.4:
+            later.append(i)  # arrives mid-run
+        else:
             h.add(f"hit{i}", p, max_tokens=rng.randrange(1, 4))
         h.add(f"new{i}", prompt(seed * 1000 + 500 + i, rng.randrange(100, 700)),
               max_tokens=rng.randrange(1, 4))

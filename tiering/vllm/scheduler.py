@@ -64,7 +64,7 @@ CHECK_ENV = "TIERING_SCHEDULER_CHECK"
 # (request id, tokens, computed tokens, then per KV cache group: blocks held, blocks cached?)
 _Key = tuple[Any, ...]
 _request_id = attrgetter("request_id")
-_token_ids = attrgetter("_all_token_ids")  # Request.num_tokens is len() of it, as a property
+_num_tokens = attrgetter("num_tokens")
 _computed = attrgetter("num_computed_tokens")
 # per KV cache group, its manager's request -> blocks and request -> cached-block-count maps
 _Groups = tuple[tuple[dict[str, Any], dict[str, Any]], ...]
@@ -291,7 +291,7 @@ class _ReservationMemo:
         groups = self._tiering_groups
         assert groups is not None
         rid = req.request_id
-        key: list[Any] = [rid, len(req._all_token_ids), req.num_computed_tokens]
+        key: list[Any] = [rid, req.num_tokens, req.num_computed_tokens]
         for blocks, cached in groups:
             key.append(len(blocks.get(rid, ())))
             key.append(rid in cached)
@@ -308,7 +308,7 @@ class _ReservationMemo:
         if not reqs:
             return 0, []
         rids = list(map(_request_id, reqs))
-        columns: list[list[Any]] = [rids, list(map(len, map(_token_ids, reqs))),
+        columns: list[list[Any]] = [rids, list(map(_num_tokens, reqs)),
                                     list(map(_computed, reqs))]
         for blocks, cached in groups:
             columns.append(list(map(len, map(blocks.get, rids, repeat((), len(rids))))))
