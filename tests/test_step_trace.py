@@ -69,12 +69,13 @@ def test_busy_time_is_the_union_of_spans_inside_the_window():
 
 def _rows() -> list[dict]:
     return [
-        {"k": "schedule", "t": 10.0, "t0": 10.0, "t1": 10.2, "tokens": 0, "reqs": 0,
+        {"k": "schedule", "t": 10.0, "t0": 10.0, "t1": 10.2, "cpu": 0.08, "tokens": 0, "reqs": 0,
          "loads": 4, "stores": 0, "waiting": 0},
-        {"k": "submit", "t": 10.25, "dt": 0.05, "job": 1, "dir": "load", "blocks": 8},
+        {"k": "submit", "t": 10.25, "dt": 0.05, "cpu": 0.004, "job": 1, "dir": "load",
+         "blocks": 8},
         {"k": "copy", "t": 10.9, "job": 1, "dir": "load", "bytes": 1, "g0": 10.26, "g1": 10.6},
-        {"k": "schedule", "t": 10.7, "t0": 10.7, "t1": 10.71, "tokens": 4, "reqs": 4,
-         "loads": 0, "stores": 0, "waiting": 0},
+        {"k": "schedule", "t": 10.7, "t0": 10.7, "t1": 10.71, "cpu": 0.01, "tokens": 4,
+         "reqs": 4, "loads": 0, "stores": 0, "waiting": 0},
         {"k": "update", "t": 10.8, "t0": 10.8, "t1": 10.81, "recv": 4},
     ]
 
@@ -83,11 +84,23 @@ def test_the_summary_shows_each_step_and_the_totals():
     text = summarize(_rows(), 10.0, 11.0)
     lines = text.splitlines()
     first, second = lines[1].split(), lines[2].split()
-    assert first[:7] == ["0.0", "200.0", "0", "0", "4", "0", "0"]
-    assert first[7] == "50.0" and first[8] == "340.0"  # submit ms, load busy ms in [10.0, 10.7)
-    assert second[:3] == ["700.0", "10.0", "4"] and second[-1] == "4"  # landed in that step
+    assert first[:8] == ["0.0", "200.0", "80.0", "0", "0", "4", "0", "0"]
+    # submit ms and its CPU, load busy ms in [10.0, 10.7)
+    assert first[8:11] == ["50.0", "4.0", "340.0"]
+    assert second[:4] == ["700.0", "10.0", "10.0", "4"] and second[-1] == "4"  # landed then
+    assert second[8] == "0.0" and second[9] == "0.0"  # nothing submitted in that step
     assert "2 steps" in lines[-1] and "loads on the GPU 340.0 ms busy" in lines[-1]
+    assert "schedule 210.0 ms (CPU 90.0 ms)" in lines[-1]
+    assert "worker submits 50.0 ms (CPU 4.0 ms, 1 jobs)" in lines[-1]
     assert "first from 260.0 to 600.0 ms" in lines[-1]
+
+
+def test_a_trace_without_cpu_times_shows_a_dash():
+    """Traces taken before the CPU time was recorded still summarize, with "-" for it."""
+    rows = [{k: v for k, v in r.items() if k != "cpu"} for r in _rows()]
+    lines = summarize(rows, 10.0, 11.0).splitlines()
+    assert lines[1].split()[2] == "-" and lines[1].split()[9] == "-"
+    assert "(CPU - ms)" in lines[-1] and "(CPU - ms, 1 jobs)" in lines[-1]
 
 
 def test_a_window_keeps_only_its_steps():
@@ -138,6 +151,8 @@ def test_under_tiering_scheduler_each_step_is_a_row(tmp_path, monkeypatch):
     h.manager.shutdown()
     sched = [r for r in rows if r["k"] == "schedule"]
     assert sched and all(r["t1"] >= r["t0"] for r in sched)
+    # the thread's CPU time in each call, never more than its wall time (clock granularity aside)
+    assert all(0 <= r["cpu"] <= r["t1"] - r["t0"] + 1e-3 for r in sched)
     assert sum(r["loads"] for r in sched) == 1  # b's hits, one job
     assert sum(r["stores"] for r in sched) >= 1  # a's chunks
     assert sum(r["tokens"] for r in sched) >= 512 + 1  # a computed whole, b its last token

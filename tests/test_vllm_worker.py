@@ -444,3 +444,22 @@ def test_a_store_that_cannot_be_copied_is_reported_done_with_its_rows_marked_fai
     with pytest.raises(CopyFailed):
         plain.submit_load(3, RowsSpec([0]), GPULoadStoreSpec([20], [1], [0]))
     w.shutdown()
+
+
+def test_with_the_step_trace_on_each_submission_records_its_wall_and_cpu_time(monkeypatch):
+    """tiering/step_trace.py: a submission's row says how long it took and how much of that the
+    worker thread ran (a wall time far above it means the thread waited, e.g. for the GIL)."""
+    from tiering import step_trace
+
+    monkeypatch.setattr(step_trace.TRACE, "on", True)
+    monkeypatch.setattr(step_trace.TRACE, "path", None)  # flush writes nothing
+    monkeypatch.setattr(step_trace.TRACE, "_rows", [])
+    monkeypatch.setattr(step_trace.TRACE, "_writer", object())  # no writer thread
+    kv, region, w = make()
+    assert w.submit_store(1, GPULoadStoreSpec([7, 3], [2], [0]), RowsSpec([5, 0]))
+    assert w.submit_load(2, RowsSpec([5, 0]), GPULoadStoreSpec([30, 11], [2], [0]))
+    rows = [r for r in step_trace.TRACE._rows if r["k"] == "submit"]
+    assert [(r["job"], r["dir"], r["blocks"]) for r in rows] == [(1, "store", 2), (2, "load", 2)]
+    assert all(0 <= r["cpu"] <= r["dt"] + 1e-3 for r in rows)
+    w.get_finished()
+    w.shutdown()

@@ -8,10 +8,11 @@ What is recorded, each row with ``time.perf_counter()`` seconds (the system's mo
 the same in every process of the machine):
 
 * ``schedule`` — one per ``Scheduler.schedule`` call under ``TieringScheduler``: when it began
-  and ended, the tokens and requests it scheduled, the load and store jobs it issued, the
-  requests still waiting;
+  and ended, the thread's CPU time in it, the tokens and requests it scheduled, the load and
+  store jobs it issued, the requests still waiting;
 * ``update`` — ``update_from_output``: when, and how many loads it was told had landed;
-* ``submit`` — our worker handing a job to its copier: when, how long, direction, blocks;
+* ``submit`` — our worker handing a job to its copier: when, how long, the thread's CPU time in
+  it, direction, blocks;
 * ``copy`` — a copy job seen finished: its span on the GPU (from its CUDA events, put on the host
   clock through an event recorded when the copier started), direction and bytes.
 
@@ -19,6 +20,11 @@ The rows are kept in memory and written by a daemon thread every half second (ne
 thread that recorded them: vLLM's scheduler thread does no I/O) to ``PATH.<pid>.jsonl``; rows of
 the last half second before a process is killed may be lost. With the variable unset, each hook
 costs one attribute read.
+
+Why CPU time beside the wall time: a call whose wall time is far above its thread's CPU time
+waited, for the GIL (another thread of the engine core, such as the one taking requests in, ran
+Python meanwhile: each call that releases the GIL may wait up to the switch interval to get it
+back) or in a blocking driver call. The summary prints both.
 """
 
 from __future__ import annotations
@@ -107,11 +113,23 @@ def _busy(spans: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
     return total
 
 
+def _cpu_ms(rows: Iterable[dict[str, Any]]) -> str:
+    """The rows' thread CPU time in ms, or "-" where a row has none (traces before it was
+    recorded)."""
+    total = 0.0
+    for r in rows:
+        if "cpu" not in r:
+            return "-"
+        total += float(r["cpu"])
+    return f"{total * 1e3:.1f}"
+
+
 def summarize(rows: list[dict[str, Any]], t0: float | None = None,
               t1: float | None = None) -> str:
     """One line per scheduler step in [t0, t1] (default: the whole trace): when it began (ms
-    from t0), how long ``schedule`` took, what it scheduled and issued, the worker's submission
-    time and the copy engines' busy time until the next step; then the totals."""
+    from t0), how long ``schedule`` took (wall, then the thread's CPU), what it scheduled and
+    issued, the worker's submission time (wall and CPU) and the copy engines' busy time until
+    the next step; then the totals."""
     sched = [r for r in rows if r["k"] == "schedule"]
     if not sched:
         return "no schedule rows (the trace is taken under TieringScheduler)"
@@ -121,24 +139,27 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
     copies = {d: [(r["g0"], r["g1"]) for r in rows if r["k"] == "copy" and r["dir"] == d
                   and r["g1"] >= t0 and r["g0"] <= t1] for d in ("load", "store", "expedited")}
     submits = [r for r in rows if r["k"] == "submit" and t0 <= r["t"] <= t1]
-    lines = [f"{'ms':>8} {'sched ms':>8} {'tokens':>7} {'reqs':>5} {'loads':>5} {'stores':>6} "
-             f"{'waiting':>7} {'submit ms':>9} {'load busy':>9} {'store busy':>10} {'landed':>6}"]
+    lines = [f"{'ms':>8} {'sched ms':>8} {'cpu':>6} {'tokens':>7} {'reqs':>5} {'loads':>5} {'stores':>6} "
+             f"{'waiting':>7} {'submit ms':>9} {'sub cpu':>7} {'load busy':>9} {'store busy':>10} "
+             f"{'landed':>6}"]
     updates = [r for r in rows if r["k"] == "update" and t0 <= r["t0"] <= t1]
     for i, r in enumerate(sched):
         lo = r["t0"]
         hi = sched[i + 1]["t0"] if i + 1 < len(sched) else t1
         sub = sum(s["dt"] for s in submits if lo <= s["t"] < hi)
+        sub_cpu = _cpu_ms(s for s in submits if lo <= s["t"] < hi)
         landed = sum(u.get("recv", 0) for u in updates if lo <= u["t0"] < hi)
         lines.append(f"{(lo - t0) * 1e3:8.1f} {(r['t1'] - r['t0']) * 1e3:8.1f} "
-                     f"{r['tokens']:7d} {r['reqs']:5d} {r['loads']:5d} {r['stores']:6d} "
-                     f"{r['waiting']:7d} {sub * 1e3:9.1f} "
+                     f"{_cpu_ms([r]):>6} {r['tokens']:7d} {r['reqs']:5d} {r['loads']:5d} {r['stores']:6d} "
+                     f"{r['waiting']:7d} {sub * 1e3:9.1f} {sub_cpu:>7} "
                      f"{_busy(copies['load'] + copies['expedited'], lo, hi) * 1e3:9.1f} "
                      f"{_busy(copies['store'], lo, hi) * 1e3:10.1f} {landed:6d}")
     loads = copies["load"] + copies["expedited"]
     span = t1 - t0
     lines.append(f"window {span * 1e3:.1f} ms, {len(sched)} steps; schedule "
-                 f"{sum(r['t1'] - r['t0'] for r in sched) * 1e3:.1f} ms; worker submits "
-                 f"{sum(s['dt'] for s in submits) * 1e3:.1f} ms ({len(submits)} jobs); loads on "
+                 f"{sum(r['t1'] - r['t0'] for r in sched) * 1e3:.1f} ms (CPU {_cpu_ms(sched)} ms); "
+                 f"worker submits {sum(s['dt'] for s in submits) * 1e3:.1f} ms (CPU "
+                 f"{_cpu_ms(submits)} ms, {len(submits)} jobs); loads on "
                  f"the GPU {_busy(loads, t0, t1) * 1e3:.1f} ms busy"
                  + (f", first from {(min(a for a, _ in loads) - t0) * 1e3:.1f} to "
                     f"{(max(b for _, b in loads) - t0) * 1e3:.1f} ms" if loads else "")

@@ -332,11 +332,11 @@ class _StepTimes:
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         if not TRACE.on:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        t1 = time.perf_counter()
+        t1, cpu = time.perf_counter(), time.thread_time() - c0
         meta = getattr(out, "kv_connector_metadata", None)
-        TRACE.add("schedule", t0=t0, t1=t1, t=t0,
+        TRACE.add("schedule", t0=t0, t1=t1, t=t0, cpu=cpu,
                   tokens=int(sum(out.num_scheduled_tokens.values())),
                   reqs=len(out.num_scheduled_tokens),
                   loads=len(getattr(meta, "load_jobs", None) or ()),

@@ -73,6 +73,7 @@ class TieredWorker(OffloadingWorker):
     def _submit(self, job_id: int, gpu: GPULoadStoreSpec, rows: LoadStoreSpec,
                 direction: str) -> bool:
         t0 = time.perf_counter() if TRACE.on else 0.0
+        c0 = time.thread_time() if TRACE.on else 0.0  # wall far above CPU: the thread waited
         try:
             self.copier.submit_job(job_id, self.layout, gpu.block_ids, gpu.group_sizes,
                                    gpu.block_indices, rows.block_ids, direction)
@@ -82,8 +83,8 @@ class TieredWorker(OffloadingWorker):
             return True
         self._in_flight[job_id] = (direction, gpu.block_ids, rows.block_ids)
         if TRACE.on:
-            TRACE.add("submit", t=t0, dt=time.perf_counter() - t0, job=job_id, dir=direction,
-                      blocks=len(gpu.block_ids))
+            TRACE.add("submit", t=t0, dt=time.perf_counter() - t0, cpu=time.thread_time() - c0,
+                      job=job_id, dir=direction, blocks=len(gpu.block_ids))
         return True
 
     def _failed(self, job_id: int, direction: str, blocks: Any, rows: Any, why: str) -> None:
