@@ -139,9 +139,9 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
     copies = {d: [(r["g0"], r["g1"]) for r in rows if r["k"] == "copy" and r["dir"] == d
                   and r["g1"] >= t0 and r["g0"] <= t1] for d in ("load", "store", "expedited")}
     submits = [r for r in rows if r["k"] == "submit" and t0 <= r["t"] <= t1]
-    lines = [f"{'ms':>8} {'sched ms':>8} {'cpu':>6} {'tokens':>7} {'reqs':>5} {'loads':>5} {'stores':>6} "
-             f"{'waiting':>7} {'submit ms':>9} {'sub cpu':>7} {'load busy':>9} {'store busy':>10} "
-             f"{'landed':>6}"]
+    lines = [f"{'ms':>8} {'sched ms':>8} {'cpu':>6} {'tokens':>7} {'reqs':>5} {'loads':>5} "
+             f"{'stores':>6} {'waiting':>7} {'submit ms':>9} {'sub cpu':>7} {'load busy':>9} "
+             f"{'store busy':>10} {'landed':>6}"]
     updates = [r for r in rows if r["k"] == "update" and t0 <= r["t0"] <= t1]
     for i, r in enumerate(sched):
         lo = r["t0"]
@@ -150,8 +150,8 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
         sub_cpu = _cpu_ms(s for s in submits if lo <= s["t"] < hi)
         landed = sum(u.get("recv", 0) for u in updates if lo <= u["t0"] < hi)
         lines.append(f"{(lo - t0) * 1e3:8.1f} {(r['t1'] - r['t0']) * 1e3:8.1f} "
-                     f"{_cpu_ms([r]):>6} {r['tokens']:7d} {r['reqs']:5d} {r['loads']:5d} {r['stores']:6d} "
-                     f"{r['waiting']:7d} {sub * 1e3:9.1f} {sub_cpu:>7} "
+                     f"{_cpu_ms([r]):>6} {r['tokens']:7d} {r['reqs']:5d} {r['loads']:5d} "
+                     f"{r['stores']:6d} {r['waiting']:7d} {sub * 1e3:9.1f} {sub_cpu:>7} "
                      f"{_busy(copies['load'] + copies['expedited'], lo, hi) * 1e3:9.1f} "
                      f"{_busy(copies['store'], lo, hi) * 1e3:10.1f} {landed:6d}")
     loads = copies["load"] + copies["expedited"]

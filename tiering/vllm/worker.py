@@ -72,8 +72,8 @@ class TieredWorker(OffloadingWorker):
 
     def _submit(self, job_id: int, gpu: GPULoadStoreSpec, rows: LoadStoreSpec,
                 direction: str) -> bool:
-        t0 = time.perf_counter() if TRACE.on else 0.0
-        c0 = time.thread_time() if TRACE.on else 0.0  # wall far above CPU: the thread waited
+        # wall time and the thread's CPU time: wall far above CPU means the thread waited
+        t0, c0 = (time.perf_counter(), time.thread_time()) if TRACE.on else (0.0, 0.0)
         try:
             self.copier.submit_job(job_id, self.layout, gpu.block_ids, gpu.group_sizes,
                                    gpu.block_indices, rows.block_ids, direction)
