@@ -28,9 +28,9 @@
 #               (VLLM_LOGGING_LEVEL=DEBUG) in OUT/disk_sweep_*_decisions.txt         ~5 min
 #   copy-queue  docs/bench_copy_queue.py: does a queue of bulk loads hold up a small input copy
 #               on the compute stream, and does feeding the loads in waves help (issue 15)  ~1 min
-#   sweep-ab    the prefill sweep's 1B and 8B at 0/50/100%: none, then ours-sched with loads fed
-#               FEED_MIB (default 256) at a time (load_queue_bytes), then ours-sched with no
-#               load cap (max_loading_requests 0), with step traces                 ~5 min
+#   sweep-ab    the prefill sweep's 1B and 8B at 0/50/100%: none and ours-sched with the defaults
+#               of now, then ours-sched with those before 2026-12-06 (max_loading_requests 256,
+#               loads not fed: load_queue_bytes 0), with step traces                ~4.5 min
 # The RAM disk: ext4 on a loop device over a file in /dev/shm (O_DIRECT works, as on NVMe),
 # RAMDISK_GIB (default 26) or what /dev/shm has free less RAMDISK_SPARE_GIB (default 12, for the
 # CPU tiers' shared memory); made by the first step that needs it, removed at exit. Needs root.
@@ -250,11 +250,11 @@ for step in "${STEPS[@]}"; do
         --json "$OUT/copy_queue.json" ;;
     sweep-ab)
       ab=(--phases prefill-sweep --sweep-shapes 1b,8b --sweep-hit-rates 0,50,100 --sweep-trace)
-      run sweep-ab-feed 90 "$BUDGET_S" "${bench[@]}" --tag "${TAG}feed" "${ab[@]}" \
-        --sweep-configs none,ours-sched --sweep-load-queue-mib "${FEED_MIB:-256}" "${extra[@]}"
+      run sweep-ab-new 90 "$BUDGET_S" "${bench[@]}" --tag "${TAG}new" "${ab[@]}" \
+        --sweep-configs none,ours-sched "${extra[@]}"
       bench[7]=$(($(left) - MARGIN_S))  # --budget-s: what is left now
-      run sweep-ab-nocap 60 "$BUDGET_S" "${bench[@]}" --tag "${TAG}nocap" "${ab[@]}" \
-        --sweep-configs ours-sched --sweep-max-loading 0 "${extra[@]}" ;;
+      run sweep-ab-old 60 "$BUDGET_S" "${bench[@]}" --tag "${TAG}old" "${ab[@]}" \
+        --sweep-configs ours-sched --sweep-max-loading 256 --sweep-load-queue-mib 0 "${extra[@]}" ;;
   esac
 done
 echo "[session] done in ${SECONDS}s; results in $OUT" | tee -a "$summary"

@@ -302,3 +302,71 @@ def test_schedule_takes_the_engine_cores_arguments(model):
     assert out.num_scheduled_tokens
     assert h.scheduler.schedule(throttle_prefills=True) is not None
     h.manager.shutdown()
+
+
+# -- the load cap's default under TieringScheduler ------------------------------------------------
+
+def _most_loading(model, cls, extra: dict, n: int = 6) -> tuple[int, int]:
+    """n prompts stored, then the same n again, all arriving in one step: the most requests
+    seen loading at once, and the scans the load gate deferred."""
+    _, Harness = _vllm()
+    h = Harness(model, extra, gpu_tokens=2 * n * 512 + 1024, delay=2, max_num_seqs=2 * n,
+                prefix_caching=False, scheduler_cls=cls)
+    prompts = [prompt(300 + i) for i in range(n)]
+    for i, p in enumerate(prompts):
+        h.add(f"fill{i}", p, max_tokens=1)
+    h.run()
+    for i, p in enumerate(prompts):
+        h.add(f"hit{i}", p, max_tokens=1)
+    gate, most = h.manager.load_gate, 0
+    for _ in range(200):
+        if not h.scheduler.requests and not h._pending:
+            break
+        h.step()
+        most = max(most, gate.loading())
+    h.run()
+    assert all(h.cached[f"hit{i}"] >= 384 for i in range(n)), h.cached
+    deferred = h.manager.chain.cpu.stats["loads_deferred"]
+    h.manager.shutdown()
+    return most, deferred
+
+
+def test_tiering_scheduler_lifts_the_default_load_cap_and_keeps_a_chosen_one(model, monkeypatch):
+    """The cap bounds vLLM's quadratic in-flight sum, which TieringScheduler makes linear: under
+    it the default cap is lifted (every hit of a burst loads at once, no scan deferred), while
+    vLLM's own scheduler keeps the default, and a cap named in the config is kept under both.
+    The default is lowered to 2 here so that a burst of six crosses it."""
+    sched_mod, _ = _vllm()
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    import tiering.vllm.load_gate as load_gate
+
+    monkeypatch.setattr(load_gate, "MAX_LOADING_REQUESTS", 2)
+    ours = sched_mod.TieringSyncScheduler
+    assert _most_loading(model, ours, _extra(32, hits_first=False)) == (6, 0)
+    most, deferred = _most_loading(model, Scheduler, _extra(32, hits_first=False))
+    assert most == 2 and deferred > 0
+    most, deferred = _most_loading(model, ours, _extra(32, cap=2, hits_first=False))
+    assert most == 2 and deferred > 0
+
+
+def test_a_cap_named_equal_to_the_default_is_still_kept(model):
+    """Naming the default's value is a choice too: TieringScheduler keeps it."""
+    sched_mod, Harness = _vllm()
+    from tiering.settings import MAX_LOADING_REQUESTS
+
+    h = Harness(model, _extra(16, cap=MAX_LOADING_REQUESTS),
+                scheduler_cls=sched_mod.TieringSyncScheduler)
+    assert h.manager.load_gate.cap == MAX_LOADING_REQUESTS
+    h.manager.shutdown()
+    h = Harness(model, _extra(16), scheduler_cls=sched_mod.TieringSyncScheduler)
+    assert h.manager.load_gate.cap == 0
+    h.manager.shutdown()
+
+
+def test_max_loading_requests_is_left_to_the_default_unless_named():
+    from tiering.config import parse
+
+    assert parse({"cpu_bytes_to_use": "1GiB"}).max_loading_requests is None
+    assert parse({"cpu_bytes_to_use": "1GiB", "max_loading_requests": 0}).max_loading_requests == 0
+    assert parse({"cpu_bytes_to_use": "1GiB", "max_loading_requests": 9}).max_loading_requests == 9

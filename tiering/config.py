@@ -20,7 +20,6 @@ from tiering.settings import (
     IO_SWITCH_INTERVAL_S,
     LOAD_QUEUE_BYTES,
     MAX_LOAD_STARTS_PER_STEP,
-    MAX_LOADING_REQUESTS,
     PROMOTION_RESERVE_DEFAULT,
 )
 from tiering.switch_interval import parse_switch_interval_ms
@@ -62,8 +61,9 @@ class TieredConfig:
     # the shared Mooncake Store tier, at most one, below every file tier
     mooncake: list[MooncakeTierConfig] = field(default_factory=list)
     gpu_copy: str = "auto"  # how GPU workers move KV pages (backends/cuda_copy.py)
-    # requests with a load to the GPU in flight at once (tiering.vllm.load_gate); 0: no cap
-    max_loading_requests: int = MAX_LOADING_REQUESTS
+    # requests with a load to the GPU in flight at once (tiering.vllm.load_gate); 0: no cap;
+    # None: the default (MAX_LOADING_REQUESTS, no cap under our TieringScheduler)
+    max_loading_requests: int | None = None
     # the engine process's switch interval while tiers run I/O threads; 0: Python's own
     # (tiering.settings.IO_SWITCH_INTERVAL_S says why)
     switch_interval_ms: float = IO_SWITCH_INTERVAL_S * 1000
@@ -104,9 +104,8 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
         raise ValueError(f"gpu_copy: expected one of {', '.join(GPU_COPY_MODES)}, got "
                          f"{gpu_copy!r}")
     cfg = TieredConfig(cpu_bytes_to_use=cpu_bytes, gpu_copy=gpu_copy,
-                       max_loading_requests=_int(extra.get("max_loading_requests",
-                                                           MAX_LOADING_REQUESTS),
-                                                 "max_loading_requests", 0))
+                       max_loading_requests=None if "max_loading_requests" not in extra
+                       else _int(extra["max_loading_requests"], "max_loading_requests", 0))
     cfg.switch_interval_ms = parse_switch_interval_ms(extra.get("switch_interval_ms"))
     hits_first = extra.get("hits_first", HITS_FIRST_DEFAULT)
     if not isinstance(hits_first, bool):

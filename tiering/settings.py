@@ -122,22 +122,27 @@ ADVISOR_RATE_MIN_RUNS = 8
 ADVISOR_RATE_MIN_ROWS = 16
 
 # -- vLLM adapter: loads to the GPU ---------------------------------------------------------------
-# The most requests with a load to the GPU in flight at once (default of the spec's
-# ``max_loading_requests``; 0: no cap). vLLM's scheduler sums the remaining blocks of every
-# request still prefilling or loading before it admits each asynchronous load, so N cache hits
-# admitted together cost N(N-1)/2 of those sums; a request past the cap waits a step instead
-# (tiering.vllm.load_gate), and each waiting request costs one short connector scan per step, so
-# the best cap grows about as sqrt(N). Chosen from docs/bench_load_path.py (docs/benchmarks.md,
-# "The CPU-tier load path, per block"), CPU us a loaded block at 256, 1024 and 2048 hits at once:
-# no cap 13.5 / 30.5 / 57.1, a cap of 64 12.8 / 17.5 / 24.1, of 256 13.8 / 22.5 / 25.6.
-# On the H200 (64-token chunks, docs/benchmarks.md, "The H200, second run") a cap
-# of 64 held 100%-hit batches to waves: 256 8B prompts 104.5k tokens/s against 163.7k without
-# a cap, 96 32B prompts 52.2k against 100.6k; each wave waits a step for the last one's loads.
-# 256 never binds there and still bounds the quadratic sums for bursts of ~1000 hits. With 256
-# (third run): 1B 1024 prompts 221k at 100% hits (195k with 64), 8B 216k, 32B 91.5k. Admitting a
-# burst over several steps instead (at most 16 or 32 loads started a step) was slower on the H200
-# (8B 42.6k and 174.6k against 150.2k in one call) and was reverted.
+# The most requests with a load to the GPU in flight at once under vLLM's own scheduler (default
+# of the spec's ``max_loading_requests``; 0: no cap). vLLM's scheduler sums the remaining blocks
+# of every request still prefilling or loading before it admits each asynchronous load, so N
+# cache hits admitted together cost N(N-1)/2 of those sums; a request past the cap waits a step
+# instead (tiering.vllm.load_gate), and each waiting request costs one short connector scan per
+# step, so the best cap grows about as sqrt(N). Chosen from docs/bench_load_path.py
+# (docs/benchmarks.md, "The CPU-tier load path, per block"), CPU us a loaded block at 256, 1024
+# and 2048 hits at once: no cap 13.5 / 30.5 / 57.1, a cap of 64 12.8 / 17.5 / 24.1, of 256
+# 13.8 / 22.5 / 25.6. On the H200 (64-token chunks, docs/benchmarks.md, "The H200, second run")
+# a cap of 64 held 100%-hit batches to waves: 256 8B prompts 104.5k tokens/s against 163.7k
+# without a cap, 96 32B prompts 52.2k against 100.6k. 256 never binds there and still bounds the
+# quadratic sums for bursts of ~1000 hits. Admitting a burst over several steps instead (at most
+# 16 or 32 loads started a step) was slower on the H200 and was reverted.
 MAX_LOADING_REQUESTS = 256
+# Under tiering.vllm.scheduler.TieringScheduler, whose in-flight sum is linear, the default is
+# no cap (an explicit ``max_loading_requests`` is kept): the cap only bounded that sum, and each
+# request it defers is asked again every step. An H100 (docs/benchmarks.md, "An H100,
+# 2026-12-06"): 1B, 1024 prompts, 100% hits, 673.9k tokens/s in 9 steps without the cap
+# against 607.2k in 16 with 256 (one engine each); the build machine: 4 steps against 10 and
+# 7.8 against 9.3 us of scheduler time a loaded block.
+MAX_LOADING_REQUESTS_UNDER_OUR_SCHEDULER = 0
 # The most loads started in one scheduler step while nothing computes (default of the spec's
 # ``max_load_starts_per_step``; 0: no limit; tiering.vllm.load_gate says why). Off: a limit of
 # 16 was slower on the H200 (42.6k tokens/s against 150.2k at 8B, 100% hits) in a run whose
@@ -145,11 +150,15 @@ MAX_LOADING_REQUESTS = 256
 MAX_LOAD_STARTS_PER_STEP = 0
 
 # The most bytes of loads enqueued on the GPU's copy engine at once (default of the spec's
-# ``load_queue_bytes``; 0: every load enqueued when vLLM submits it). The copy engine takes work
-# in order, and vLLM's model runner copies each step's inputs host to GPU as well: behind
-# gigabytes of enqueued loads a step waits for all of them (backends/copy_feeder.py). Off until
-# a GPU run measures it (docs/bench_copy_queue.py, then the prefill sweep).
-LOAD_QUEUE_BYTES = 0
+# ``load_queue_bytes``; 0: every load enqueued when vLLM submits it; backends/copy_feeder.py).
+# The copy engine takes work in order, and vLLM's model runner copies each step's inputs host to
+# GPU as well: behind gigabytes of enqueued loads a step waits for all of them. Measured on an
+# H100 (docs/benchmarks.md, "An H100, 2026-12-06"): a 64 KiB input copy took 17 ms behind 1 GiB
+# of enqueued loads and 41 ms behind 4 GiB (a higher stream priority changed nothing), 3.3 ms
+# with the loads fed 256 MiB at a time, at the same 51 GB/s; in the prefill sweep (8B, 100%
+# hits) unfed batches had steps of a few dozen tokens lasting 195 and 525 ms behind the loads,
+# fed ones none over 70 ms: 273.0k tokens/s fed against 257.1k and 172.2k unfed.
+LOAD_QUEUE_BYTES = 256 << 20
 
 # -- vLLM adapter: hits first (under tiering.vllm.scheduler.TieringScheduler) --------------------
 # vLLM walks its waiting queue in order until the step's token budget is spent, so a cache hit

@@ -31,13 +31,14 @@ def parse_switch_interval_ms(value: Any = None) -> float:
     return float(value)
 
 
-def shorten_switch_interval(ms: float) -> None:
+def shorten_switch_interval(ms: float, why: str = "the tiers' I/O threads get the GIL back "
+                            "soon after each read while the scheduler runs") -> None:
     """Lower this process's switch interval to ``ms`` milliseconds (0: leave it); never raise
-    it. Called once a tier with I/O threads is opened."""
+    it. Called once a tier with I/O threads is opened, and where a GPU worker feeds its loads
+    from a thread (``load_queue_bytes``; backends/copy_feeder.py): ``why`` says which."""
     now = sys.getswitchinterval()
     seconds = ms / 1000
     if 0 < seconds < now:
         sys.setswitchinterval(seconds)
-        log.info("vllm-tiering: interpreter switch interval %.2g ms (was %.2g ms), so that the "
-                 "tiers' I/O threads get the GIL back soon after each read while the scheduler "
-                 "runs (switch_interval_ms: 0 leaves it)", ms, now * 1000)
+        log.info("vllm-tiering: interpreter switch interval %.2g ms (was %.2g ms), so that %s "
+                 "(switch_interval_ms: 0 leaves it)", ms, now * 1000, why)

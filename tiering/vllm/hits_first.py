@@ -73,11 +73,10 @@ class HitProbe:
         spec with ``hits_first`` on, under the FCFS policy; else None (and why, at INFO)."""
         from tiering.vllm.manager import TieredManager
 
-        connector = getattr(scheduler, "connector", None)
-        side: Any = getattr(connector, "connector_scheduler", None)
-        manager = getattr(side, "manager", None)
-        if not isinstance(manager, TieredManager):
+        manager = TieredManager.of_scheduler(scheduler)
+        if manager is None:
             return None  # no connector, or not our spec: nothing of ours to ask
+        side: Any = scheduler.connector.connector_scheduler
         if not manager.hits_first:
             log.info("hits first: off (\"hits_first\": false in the spec's config)")
             return None

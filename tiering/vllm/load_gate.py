@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tiering.settings import MAX_LOADING_REQUESTS, MAX_LOADING_REQUESTS_UNDER_OUR_SCHEDULER
 from tiering.stats import TierStats
 from tiering.vllm.compat import LookupResult
 
@@ -52,16 +53,19 @@ _GROUP_BYTES = 4
 
 
 class LoadGate:
-    def __init__(self, cap: int, stats: TierStats, per_step: int = 0) -> None:
-        """``cap``: the most requests with a load in flight at once; 0: no cap. ``per_step``:
+    def __init__(self, cap: int | None, stats: TierStats, per_step: int = 0) -> None:
+        """``cap``: the most requests with a load in flight at once; 0: no cap; None: the
+        default (``MAX_LOADING_REQUESTS``, until ``scheduler_sums_linearly``). ``per_step``:
         the most loads started in one step while nothing computes; 0: no limit. ``stats``: the
         CPU tier's counters (``loads_deferred``)."""
-        if cap < 0:
+        if cap is not None and cap < 0:
             raise ValueError(f"max_loading_requests: expected an integer >= 0, got {cap}")
         if per_step < 0:
             raise ValueError(f"max_load_starts_per_step: expected an integer >= 0, got "
                              f"{per_step}")
-        self.cap, self.per_step = cap, per_step
+        self.cap_is_default = cap is None  # the user did not choose one
+        self.cap = MAX_LOADING_REQUESTS if cap is None else cap
+        self.per_step = per_step
         self._started_now = 0  # loads started (prepare_load) since the last step's end
         self._stats = stats
         self._loading: dict[str, int] = {}  # request -> its load jobs in flight
@@ -76,6 +80,17 @@ class LoadGate:
         # vLLM 0.33 offers before ``on_schedule_end`` (``end_step`` carries it into
         # ``computing``), 0.32 after it (still set at the next step's lookups)
         self._offered = False
+
+    def scheduler_sums_linearly(self) -> bool:
+        """Our ``TieringScheduler`` keeps vLLM's in-flight sum linear, the cost the cap bounds
+        (module doc): the default cap becomes ``MAX_LOADING_REQUESTS_UNDER_OUR_SCHEDULER``
+        (tiering.settings says why); a cap the user chose stays. Called once, on the scheduler
+        thread, before the first step; returns whether the cap changed."""
+        if not self.cap_is_default or self.cap == MAX_LOADING_REQUESTS_UNDER_OUR_SCHEDULER:
+            return False
+        self.cap = MAX_LOADING_REQUESTS_UNDER_OUR_SCHEDULER
+        self._update()
+        return True
 
     @property
     def limits(self) -> bool:

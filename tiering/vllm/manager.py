@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiering.chain import Lookup, TierChain
 from tiering.request_scan import RequestScan
-from tiering.settings import HITS_FIRST_DEFAULT, MAX_LOAD_STARTS_PER_STEP, MAX_LOADING_REQUESTS
+from tiering.settings import HITS_FIRST_DEFAULT, MAX_LOAD_STARTS_PER_STEP
 from tiering.vllm.compat import (
     LookupResult,
     Medium,
@@ -53,7 +53,7 @@ def _as_bytes(keys: Iterable[bytes]) -> list[bytes]:
 class TieredManager(OffloadingManager):
     def __init__(self, chain: TierChain, metrics: TierMetrics | None = None,
                  on_shutdown: Callable[[], object] | None = None,
-                 max_loading_requests: int = MAX_LOADING_REQUESTS,
+                 max_loading_requests: int | None = None,
                  hits_first: bool = HITS_FIRST_DEFAULT,
                  max_load_starts_per_step: int = MAX_LOAD_STARTS_PER_STEP) -> None:
         self.chain = chain
@@ -61,11 +61,20 @@ class TieredManager(OffloadingManager):
         self.hits_first = hits_first
         self.metrics = metrics
         self._on_shutdown = on_shutdown
-        # requests with a load to the GPU in flight, at most max_loading_requests (0: no cap)
-        # and at most max_load_starts_per_step of them started in one step (0: no limit)
+        # requests with a load to the GPU in flight, at most max_loading_requests (0: no cap;
+        # None: the default, tiering.vllm.load_gate), and at most max_load_starts_per_step of
+        # them started in one step (0: no limit)
         self.load_gate = LoadGate(max_loading_requests, chain.cpu.stats,
                                   max_load_starts_per_step)
         self._scans: dict[str, RequestScan] = {}  # live requests' scans (tiering.request_scan)
+
+    @staticmethod
+    def of_scheduler(scheduler: Any) -> TieredManager | None:
+        """The manager behind a vLLM scheduler's connector (the offloading connector's
+        scheduler side over our spec), or None (no connector, or not our spec)."""
+        connector = getattr(scheduler, "connector", None)
+        manager = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+        return manager if isinstance(manager, TieredManager) else None
 
     def live_requests(self) -> int:
         """Requests with a scan (dropped when vLLM reports them finished)."""

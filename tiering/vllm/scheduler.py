@@ -54,6 +54,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from tiering.step_trace import TRACE
 from tiering.vllm.compat import share_vllm_logging
 from tiering.vllm.hits_first import HitsFirst
+from tiering.vllm.manager import TieredManager
 
 __all__ = ["TieringScheduler", "TieringAsyncScheduler", "TieringSyncScheduler"]
 
@@ -202,10 +203,15 @@ class _ReservationMemo:
         if self._tiering_groups is None:
             log.info("TieringScheduler: this KV cache layout is not plain full attention; "
                      "in-flight reservations are summed as vLLM does")
-        else:
-            log.info("%s: in-flight reservations remembered per request "
-                     "(%d KV cache group(s)%s)", type(self).__name__, len(self._tiering_groups),
-                     ", checked against vLLM's sum" if self._tiering_check else "")
+            return
+        log.info("%s: in-flight reservations remembered per request "
+                 "(%d KV cache group(s)%s)", type(self).__name__, len(self._tiering_groups),
+                 ", checked against vLLM's sum" if self._tiering_check else "")
+        # the sum is linear now: the default load cap, which only bounded it, is lifted
+        manager = TieredManager.of_scheduler(self)
+        if manager is not None and manager.load_gate.scheduler_sums_linearly():
+            log.info("%s: no cap on requests loading at once (max_loading_requests: the "
+                     "default; set it in the spec's config to keep one)", type(self).__name__)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._tiering_pass = None  # the pass's first ask checks every request

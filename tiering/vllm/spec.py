@@ -182,6 +182,13 @@ class TieredOffloadingSpec(OffloadingSpec):
                                     device=kv_caches.tensors[0].tensor.device,
                                     copy=self.cfg.gpu_copy,
                                     load_queue_bytes=self.cfg.load_queue_bytes)
+            if self.cfg.load_queue_bytes:
+                # the feeder waits for the GIL after each wait for room: Python's 5 ms lets
+                # the few milliseconds of loads it keeps enqueued run dry while vLLM's
+                # scheduler runs Python (tiering.settings, LOAD_QUEUE_BYTES)
+                shorten_switch_interval(self.cfg.switch_interval_ms,
+                                        "the loads' feeder thread gets the GIL back before "
+                                        "the copy engine runs out of enqueued loads")
         else:
             copier = MemcpyCopier()
         log.info("vllm-tiering worker rank %d: %s copies (%s), %d KV tensors", rank,
