@@ -157,7 +157,11 @@ MAX_LOAD_STARTS_PER_STEP = 0
 # of enqueued loads and 41 ms behind 4 GiB (a higher stream priority changed nothing), 3.3 ms
 # with the loads fed 256 MiB at a time, at the same 51 GB/s; in the prefill sweep (8B, 100%
 # hits) unfed batches had steps of a few dozen tokens lasting 195 and 525 ms behind the loads,
-# fed ones none over 70 ms: 273.0k tokens/s fed against 257.1k and 172.2k unfed.
+# fed ones none over 70 ms: 273.0k tokens/s fed against 257.1k and 172.2k unfed. At 1B (1024
+# prompts, cap 256) fed was 562.3k against 607.2k: the copy engine moved the same 16 GiB in 578
+# ms of busy time against 355, as if the feeder thread, waiting up to Python's 5 ms switch
+# interval for the GIL while the scheduler ran, let its 5 ms of queued loads run dry; the
+# interval is now lowered while a feeder runs (tiering/vllm/spec.py), not yet run on a GPU.
 LOAD_QUEUE_BYTES = 256 << 20
 
 # -- vLLM adapter: hits first (under tiering.vllm.scheduler.TieringScheduler) --------------------
