@@ -388,7 +388,12 @@ def test_sweep_configs_are_valid_and_set_the_chunk_size():
     fed = gpu_bench.sweep_transfer_config("ours-sched", 1 << 30, None, 16,
                                          load_queue_bytes=256 << 20)
     assert parse(dict(fed["kv_connector_extra_config"])).load_queue_bytes == 256 << 20
-    assert parse(dict(ours)).load_queue_bytes == 0  # the spec's default where none is named
+    from tiering.settings import LOAD_QUEUE_BYTES
+
+    # the spec's default where none is named; 0 (not fed) only where named
+    assert parse(dict(ours)).load_queue_bytes == LOAD_QUEUE_BYTES
+    unfed = gpu_bench.sweep_transfer_config("ours-sched", 1 << 30, None, 16, load_queue_bytes=0)
+    assert parse(dict(unfed["kv_connector_extra_config"])).load_queue_bytes == 0
 
 
 def test_ours_sched_is_ours_under_our_scheduler():
