@@ -8,7 +8,9 @@ request). Loading requests are bounded only by the GPU KV cache, not by ``max_nu
 burst of N cache hits admitted together costs N(N-1)/2 walks: at N=256 the largest single cost
 of the scheduler thread (docs/benchmarks.md, "The CPU-tier load path, per block"). The fix
 belongs upstream (keep that reservation as a running total); within the connector interface the
-spec can only keep the in-flight set small.
+spec can only keep the in-flight set small. Our ``TieringScheduler`` makes that sum linear, so
+under it the default is no cap (``scheduler_sums_linearly``; tiering.settings says what it
+measured); a cap named in the spec's config is kept.
 
 How: the manager tracks the requests between ``prepare_load`` and ``complete_load`` (vLLM loads
 a request's hits in one job). While ``cap`` of them are in flight, a request that would start

@@ -26,6 +26,9 @@ from more). For any other KV cache layout, the class behaves exactly as vLLM's s
 The remembered sum changes no scheduling decision: same admissions, same order, same blocks
 (``tests/test_vllm_sched_reserve.py`` checks it against vLLM's scheduler step by step, with
 hits first off). Hits first does change the order, on purpose: its module says how.
+One default differs under this class: our spec's cap on requests loading at once
+(``max_loading_requests``, tiering.vllm.load_gate), which only bounded the quadratic sum, is
+lifted unless the spec's config names one.
 
 Contract: the override runs on vLLM's scheduler thread inside ``schedule()``; it does no I/O and
 never raises: on any error it logs once and returns vLLM's own sum. With
