@@ -22,7 +22,7 @@ VLLM033_TESTS := tests/test_vllm_spec.py tests/test_vllm_adapters.py tests/test_
                  tests/test_vllm_scheduler.py tests/test_vllm_sched_reserve.py tests/test_vllm_hits_first.py \
                  tests/test_hits_first_hostile.py tests/test_step_trace.py \
                  tests/test_engine_facts.py tests/test_advisor.py tests/test_backlog_hostile.py \
-                 tests/test_copy_feeder.py tests/test_new_paths_hostile.py \
+                 tests/test_copy_feeder.py tests/test_new_paths_hostile.py tests/test_defaults_hostile.py \
                  tests/vllm_contract
 
 test: env

@@ -83,14 +83,16 @@ class LoadGate:
         # ``computing``), 0.32 after it (still set at the next step's lookups)
         self._offered = False
 
-    def scheduler_sums_linearly(self) -> bool:
+    def scheduler_sums_linearly(self, linear: bool = True) -> bool:
         """Our ``TieringScheduler`` keeps vLLM's in-flight sum linear, the cost the cap bounds
         (module doc): the default cap becomes ``MAX_LOADING_REQUESTS_UNDER_OUR_SCHEDULER``
-        (tiering.settings says why); a cap the user chose stays. Called once, on the scheduler
-        thread, before the first step; returns whether the cap changed."""
-        if not self.cap_is_default or self.cap == MAX_LOADING_REQUESTS_UNDER_OUR_SCHEDULER:
+        (tiering.settings says why); with ``linear`` False (it fell back to vLLM's quadratic
+        sum after a fault) the default comes back. A cap the user chose stays either way.
+        Called on the scheduler thread; returns whether the cap changed."""
+        want = MAX_LOADING_REQUESTS_UNDER_OUR_SCHEDULER if linear else MAX_LOADING_REQUESTS
+        if not self.cap_is_default or self.cap == want:
             return False
-        self.cap = MAX_LOADING_REQUESTS_UNDER_OUR_SCHEDULER
+        self.cap = want
         self._update()
         return True
 

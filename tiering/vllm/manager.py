@@ -107,6 +107,19 @@ class TieredManager(OffloadingManager):
         end = max(positions.values())
         return end if isinstance(end, int) else None
 
+    @staticmethod
+    def _asked_from_the_end(key: bytes, req_context: ReqContext) -> bool:
+        """Is ``key``, the first chunk vLLM asks about for the request, its prompt's last of
+        several? vLLM scans a full-attention group from the prompt's start (after its own GPU
+        hits), so a miss there means the prompt computes; it scans a sliding-window group from
+        the end, where the tail's miss says nothing of the hits before it. False where vLLM
+        records no positions (0.32): the scan is taken as forward."""
+        positions = getattr(req_context, "_offload_key_positions", None)
+        if not isinstance(positions, dict) or len(positions) < 2:
+            return False
+        end = positions.get(key)
+        return end is not None and end == max(positions.values())
+
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         gate = self.load_gate
         if gate.closed:  # the cap is reached: a request that would load waits a step
@@ -123,7 +136,8 @@ class TieredManager(OffloadingManager):
         found = scan.lookup(key if type(key) is bytes else bytes(key), first,
                             (lambda: self._prompt_end(req_context)) if advisor is not None
                             else None)
-        if found is Lookup.MISS and gate.limits and not gate.computing and scan.counted <= {key}:
+        if (found is Lookup.MISS and gate.limits and not gate.computing
+                and scan.counted <= {key} and not self._asked_from_the_end(key, req_context)):
             gate.prompt_computes()  # its first chunk missed: vLLM computes it this step
         return _LOOKUP[found]
 

@@ -258,18 +258,29 @@ class _ReservationMemo:
         try:
             total = self._remembered_total()
         except Exception:  # never into vLLM's scheduler: its own sum from here on
-            self._tiering_failed = True
             log.exception("TieringScheduler: remembering reservations failed; summing as vLLM "
                           "does from now on")
+            self._fall_back_to_vllms_sum()
             return self._vllm_sum()
         if self._tiering_check:
             exact = self._vllm_sum()
             if exact != total:
-                self._tiering_failed = True
                 log.error("TieringScheduler: remembered reservations %d != vLLM's %d; summing "
                           "as vLLM does from now on", total, exact)
+                self._fall_back_to_vllms_sum()
                 return exact
         return total
+
+    def _fall_back_to_vllms_sum(self) -> None:
+        """From now on vLLM's own (quadratic) sum: the default load cap that bounds it is back."""
+        self._tiering_failed = True
+        try:
+            manager = TieredManager.of_scheduler(self)
+            if manager is not None and manager.load_gate.scheduler_sums_linearly(False):
+                log.info("%s: requests loading at once capped at the default again",
+                         type(self).__name__)
+        except Exception:  # never into vLLM's scheduler
+            log.exception("TieringScheduler: could not restore the load cap")
 
     def _remembered_total(self) -> int:
         """Within a ``schedule()`` pass after its first ask: the pass's running sum, updated
