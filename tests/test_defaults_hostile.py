@@ -563,21 +563,10 @@ def _spec_extra(**over) -> dict:
 
 
 def _spec_config(extra: dict, engine: str):
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
+    """tests/test_vllm_spec.py's config (one group, two layers, 16-token blocks)."""
+    from test_vllm_spec import config
 
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("l0", "l1"), 0),), worker_kv_bytes_per_block=BLOCK,
-        enable_kv_cache_events=False, extra_config=extra, engine_id=engine,
-        model=OffloadingModelConfig("tiny", "bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
-        kv_cache_layout="LBHNC")
+    return config(extra, engine)
 
 
 def _one_tensor_kv(t):
