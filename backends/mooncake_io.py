@@ -39,7 +39,7 @@ import numpy as np
 
 from tiering.backends.mooncake_config import MooncakeTierConfig
 from tiering.backends.mooncake_value import HEADER_BYTES, META_NAME, ValueCodec, namespace_prefix
-from tiering.settings import MOONCAKE_READ_AGAIN_WITHIN
+from tiering.settings import MOONCAKE_TRANSFER_AGAIN_WITHIN
 
 log = logging.getLogger(__name__)
 
@@ -318,29 +318,44 @@ class MooncakeClient:
         if batch.kind is Kind.STORE:
             for i, (it, b) in enumerate(zip(items, bufs, strict=True)):
                 self.codec.pack(it.key, b, hview[i * HEADER_BYTES:(i + 1) * HEADER_BYTES])
-            reasons, fault, detail, secs = self._call(
-                lambda: self._store.batch_put_from_multi_buffers(names, ptrs, sizes), len(items),
-                lambda codes: ["" if c in (0, ALREADY_EXISTS) else reason_of(c) for c in codes])
+            reasons, fault, detail, secs = self._once_more(self._put, "puts", names, ptrs, sizes)
             return BatchDone(batch, reasons, secs, fault, detail)
-        reasons, fault, detail, secs = self._read(names, ptrs, sizes)
-        again = [i for i, r in enumerate(reasons) if r == "transfer"]
-        if again and not fault and secs < MOONCAKE_READ_AGAIN_WITHIN * self.cfg.timeout_s:
-            log.debug("mooncake: %d of %d reads failed (%s); reading them again", len(again),
-                      len(items), detail)
-            reasons2, fault, detail2, secs2 = self._read(
-                [names[i] for i in again], [ptrs[i] for i in again], [sizes[i] for i in again])
-            for i, r in zip(again, reasons2, strict=True):
-                reasons[i] = r
-            if any(reasons2):
-                detail = detail2
-            elif not any(reasons):
-                detail = ""
-            secs += secs2
+        reasons, fault, detail, secs = self._once_more(self._read, "reads", names, ptrs, sizes)
         for i, (it, b) in enumerate(zip(items, bufs, strict=True)):
             if not reasons[i]:
                 reasons[i] = self.codec.check(it.key, hview[i * HEADER_BYTES:(i + 1) * HEADER_BYTES],
                                               b, self.cfg.verify)
         return BatchDone(batch, reasons, secs, fault, detail)
+
+    def _once_more(self, call: Callable[[list[str], list[list[int]], list[list[int]]],
+                                        tuple[list[str], str, str, float]],
+                   what: str, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+                   ) -> tuple[list[str], str, str, float]:
+        """``call`` (a batch put or get); the items that failed with a transfer error are sent
+        once more when the first call was quick (``MOONCAKE_TRANSFER_AGAIN_WITHIN``) and the link
+        is not at fault. A failed put was revoked by Mooncake's client, so sending it again
+        cannot find a half-written value."""
+        reasons, fault, detail, secs = call(names, ptrs, sizes)
+        again = [i for i, r in enumerate(reasons) if r == "transfer"]
+        if not again or fault or secs >= MOONCAKE_TRANSFER_AGAIN_WITHIN * self.cfg.timeout_s:
+            return reasons, fault, detail, secs
+        log.debug("mooncake: %d of %d %s failed (%s); sending them again", len(again),
+                  len(names), what, detail)
+        reasons2, fault, detail2, secs2 = call(
+            [names[i] for i in again], [ptrs[i] for i in again], [sizes[i] for i in again])
+        for i, r in zip(again, reasons2, strict=True):
+            reasons[i] = r
+        if any(reasons2):
+            detail = detail2
+        elif not any(reasons):
+            detail = ""
+        return reasons, fault, detail, secs + secs2
+
+    def _put(self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+             ) -> tuple[list[str], str, str, float]:
+        return self._call(
+            lambda: self._store.batch_put_from_multi_buffers(names, ptrs, sizes), len(names),
+            lambda codes: ["" if c in (0, ALREADY_EXISTS) else reason_of(c) for c in codes])
 
     def _read(self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
               ) -> tuple[list[str], str, str, float]:

@@ -472,17 +472,25 @@ def test_tiers_config_places_the_mooncake_tier_last(tmp_path):
 
 
 class FlakyTransfers:
-    """The real store, except that its first ``fail`` batch reads report Mooncake's transfer
-    failure (-800) for every item: what a TCP transfer under load returned in CI."""
+    """The real store, except that its first ``fail`` batch reads (or puts) report Mooncake's
+    transfer failure (-800) for every item: what a TCP transfer under load returned in CI. A put
+    that fails so has been revoked by Mooncake's client (nothing of it stays on the master), which
+    is what not calling the real store models."""
 
     def __init__(self, store: object, fail: int) -> None:
-        self._store, self.fail, self.calls = store, fail, 0
+        self._store, self.fail, self.calls, self.puts = store, fail, 0, 0
 
     def batch_get_into_multi_buffers(self, names, ptrs, sizes):
         self.calls += 1
         if self.calls <= self.fail:
             return [-800] * len(names)
         return self._store.batch_get_into_multi_buffers(names, ptrs, sizes)
+
+    def batch_put_from_multi_buffers(self, names, ptrs, sizes):
+        self.puts += 1
+        if self.puts <= self.fail:
+            return [-800] * len(names)
+        return self._store.batch_put_from_multi_buffers(names, ptrs, sizes)
 
     def __getattr__(self, name: str):
         return getattr(self._store, name)
@@ -507,3 +515,27 @@ def test_a_transient_transfer_failure_is_read_again_once(open_tier, staging, fai
         assert reader.stats["remote_errors:transfer"] == 0
     else:
         assert reader.stats["remote_errors:transfer"] == 4
+
+
+@pytest.mark.parametrize("fail, stored", [(1, True), (2, False)])
+def test_a_transient_transfer_failure_is_stored_again_once(open_tier, staging, fail, stored):
+    """A put whose transfer failed once (seen in CI: -800 under load, so B recomputed what A had
+    computed) is sent once more; a second failure is a rejected store, counted."""
+    buf, rows = staging
+    writer, reader = open_tier(), open_tier()
+    flaky = FlakyTransfers(writer.client._store, fail)
+    writer.client._store = flaky
+    keys = unique_keys("flaky-put", 4)
+    done = store(writer, keys, buf)
+    assert [c.ok for c in done] == [stored] * 4
+    assert flaky.puts == 2, "one put again, never more"
+    if stored:
+        assert writer.stats["remote_errors:transfer"] == 0 and writer.stats["stores"] == 4
+        assert resolve(reader, keys) == [Lookup.HIT] * 4
+        rows[8:12] = 0
+        assert reader.get([(k, view(buf, 8 + i), i) for i, k in enumerate(keys)]) == [True] * 4
+        assert [c.ok for c in reader.wait_idle(timeout=30)] == [True] * 4
+        assert np.array_equal(rows[8:12], rows[0:4])
+    else:
+        assert writer.stats["remote_errors:transfer"] == 4 and writer.stats["stores"] == 0
+        assert resolve(reader, keys) == [Lookup.MISS] * 4
