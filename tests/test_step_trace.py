@@ -157,3 +157,21 @@ def test_under_tiering_scheduler_each_step_is_a_row(tmp_path, monkeypatch):
     assert sum(r["stores"] for r in sched) >= 1  # a's chunks
     assert sum(r["tokens"] for r in sched) >= 512 + 1  # a computed whole, b its last token
     assert sum(r.get("recv", 0) for r in rows if r["k"] == "update") == 1
+
+
+def test_load_jobs_slower_than_their_bytes_are_summed_as_late():
+    """A fed load whose start event was recorded and whose copies came later (the feeder waiting
+    for the GIL in between) spans more than its bytes take at the jobs' median rate: the excess
+    is reported, and jobs at the median rate add nothing."""
+    mib = 1 << 20
+    rows = [{"k": "schedule", "t": 10.0, "t0": 10.0, "t1": 10.01, "cpu": 0.01, "tokens": 0,
+             "reqs": 0, "loads": 5, "stores": 0, "waiting": 0}]
+    spans = [(10.100, 10.101), (10.101, 10.102), (10.102, 10.103), (10.103, 10.134),
+             (10.134, 10.135)]  # 1 ms a MiB, but the fourth took 31 ms
+    rows += [{"k": "copy", "t": 10.2, "job": j, "dir": "load", "bytes": mib, "g0": a, "g1": b}
+             for j, (a, b) in enumerate(spans)]
+    last = summarize(rows, 10.0, 11.0).splitlines()[-1]
+    assert "load jobs late 30.0 ms (1 of 5 over 1 ms late)" in last, last
+    # one job is its own median: never late
+    assert "load jobs late 0.0 ms (0 of 1 over 1 ms late)" in \
+        summarize(_rows(), 10.0, 11.0).splitlines()[-1]

@@ -113,6 +113,18 @@ def _busy(spans: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
     return total
 
 
+def _late(copies: Sequence[dict[str, Any]]) -> tuple[float, int]:
+    """Seconds the jobs spanned beyond their bytes at the median job's rate, and the jobs over
+    1 ms late. A job spans from its start event to its end event: a feeder that recorded the
+    start and took the GIL back only later leaves the copy engine idle inside the job."""
+    rates = sorted(r["bytes"] / (r["g1"] - r["g0"]) for r in copies if r["g1"] > r["g0"])
+    if not rates:
+        return 0.0, 0
+    rate = rates[len(rates) // 2]
+    late = [max(0.0, r["g1"] - r["g0"] - r["bytes"] / rate) for r in copies]
+    return sum(late), sum(1 for x in late if x > 1e-3)
+
+
 def _cpu_ms(rows: Iterable[dict[str, Any]]) -> str:
     """The rows' thread CPU time in ms, or "-" where a row has none (traces before it was
     recorded)."""
@@ -129,7 +141,7 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
     """One line per scheduler step in [t0, t1] (default: the whole trace): when it began (ms
     from t0), how long ``schedule`` took (wall, then the thread's CPU), what it scheduled and
     issued, the worker's submission time (wall and CPU) and the copy engines' busy time until
-    the next step; then the totals."""
+    the next step; then the totals, with how late the load jobs ran (``_late``)."""
     sched = [r for r in rows if r["k"] == "schedule"]
     if not sched:
         return "no schedule rows (the trace is taken under TieringScheduler)"
@@ -155,6 +167,8 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
                      f"{_busy(copies['load'] + copies['expedited'], lo, hi) * 1e3:9.1f} "
                      f"{_busy(copies['store'], lo, hi) * 1e3:10.1f} {landed:6d}")
     loads = copies["load"] + copies["expedited"]
+    late_s, late_n = _late([r for r in rows if r["k"] == "copy" and r["dir"] == "load"
+                            and r["g1"] >= t0 and r["g0"] <= t1])
     span = t1 - t0
     lines.append(f"window {span * 1e3:.1f} ms, {len(sched)} steps; schedule "
                  f"{sum(r['t1'] - r['t0'] for r in sched) * 1e3:.1f} ms (CPU {_cpu_ms(sched)} ms); "
@@ -163,6 +177,8 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
                  f"the GPU {_busy(loads, t0, t1) * 1e3:.1f} ms busy"
                  + (f", first from {(min(a for a, _ in loads) - t0) * 1e3:.1f} to "
                     f"{(max(b for _, b in loads) - t0) * 1e3:.1f} ms" if loads else "")
+                 + f"; load jobs late {late_s * 1e3:.1f} ms ({late_n} of "
+                 f"{len(copies['load'])} over 1 ms late)"
                  + f"; stores {_busy(copies['store'], t0, t1) * 1e3:.1f} ms busy")
     return "\n".join(lines)
 
