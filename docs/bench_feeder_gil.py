@@ -1,7 +1,7 @@
 """How fast ``CopyFeeder`` keeps a copy engine fed while another thread runs Python (issue 15).
 
     python docs/bench_feeder_gil.py [--jobs 1024] [--job-mib 16] [--gbps 51] [--queue-mib 256]
-        [--switch-ms 5,0.5] [--baseline COMMIT] [--repeat 3]
+        [--switch-ms 5,0.5] [--baseline COMMIT] [--repeat 3] [--hold-ms 0]
 
 No GPU: a stand-in CUDA whose calls give the GIL up and take it back, as torch's and ctypes'
 do (a ctypes call of ``getpid``), and a copy engine that works without the GIL: an end event
@@ -12,6 +12,8 @@ scheduler does for 20-30 ms of each step of a 1B hit burst on an H100). Each cal
 the GIL up then waits up to the interpreter's switch interval to take it back. Reported per
 feeder (this tree's ``backends/copy_feeder.py``, and ``--baseline``'s from git) and switch
 interval: the time to copy every job against the engine's own time (bytes / rate).
+``--hold-ms H``: after every 2 ms of Python the main thread also keeps the GIL H ms in one C
+call, which no switch interval cuts (on the H100 a fed job waited up to 34 ms for the GIL).
 """
 
 from __future__ import annotations
@@ -108,10 +110,36 @@ def _busy_python_for(seconds: float) -> None:
             x ^= hash((i, x))
 
 
+class _GilHolder:
+    """One C call that keeps the GIL for about ``seconds`` (``sorted`` of a list of ints: no
+    bytecode boundary inside, so the switch interval cannot cut it), as an engine's thread does
+    in a long C routine (encoding a step's outputs, say)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.items: list[int] = []
+        if seconds <= 0:
+            return
+        n = 1 << 14
+        while True:
+            items = [hash((i, 7)) for i in range(n)]
+            t = time.perf_counter()
+            sorted(items)
+            took = time.perf_counter() - t
+            if took >= seconds or n >= 1 << 24:
+                self.items = items[:max(1, int(n * seconds / took))]
+                return
+            n *= 2
+
+    def hold(self) -> None:
+        if self.items:
+            sorted(self.items)
+
+
 def run(mod: types.ModuleType, jobs: int, job_bytes: int, rate: float, queue: int,
-        switch_s: float) -> tuple[float, float]:
-    """Feed ``jobs`` loads through ``mod.CopyFeeder`` while this thread runs Python: (seconds
-    until the last byte is copied, seconds the engine itself needs)."""
+        switch_s: float, holder: _GilHolder | None = None) -> tuple[float, float]:
+    """Feed ``jobs`` loads through ``mod.CopyFeeder`` while this thread runs Python (and, with
+    ``holder``, a C call that keeps the GIL after every 2 ms of it): (seconds until the last
+    byte is copied, seconds the engine itself needs)."""
     global ENGINE
     ENGINE = _Engine(rate)
     old = sys.getswitchinterval()
@@ -127,6 +155,8 @@ def run(mod: types.ModuleType, jobs: int, job_bytes: int, rate: float, queue: in
             feeder.put(mod.FeedJob(i, a, a, size, job_bytes, _Event()))
         while feeder.pending():  # vLLM's thread: Python, while the feeder works
             _busy_python_for(0.002)
+            if holder is not None:
+                holder.hold()
         end = ENGINE.busy_until
     finally:
         feeder.close()
@@ -144,7 +174,11 @@ def main() -> None:
     ap.add_argument("--baseline", default="", help="a commit whose backends/copy_feeder.py "
                                                   "to compare")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--hold-ms", type=float, default=0.0,
+                    help="after every 2 ms of Python, the main thread keeps the GIL this long "
+                         "in one C call")
     a = ap.parse_args()
+    holder = _GilHolder(a.hold_ms / 1000) if a.hold_ms else None
     root = Path(__file__).resolve().parent.parent
     feeders = [("this tree", (root / "backends" / "copy_feeder.py").read_text())]
     if a.baseline:
@@ -153,14 +187,15 @@ def main() -> None:
             capture_output=True, text=True, cwd=root).stdout))
     job_bytes = int(a.job_mib * 2**20)
     print(f"{a.jobs} jobs of {a.job_mib:g} MiB, engine {a.gbps:g} GB/s, queue {a.queue_mib:g} "
-          "MiB; the main thread runs Python throughout")
+          "MiB; the main thread runs Python throughout"
+          + (f", keeping the GIL {a.hold_ms:g} ms in C after every 2 ms" if holder else ""))
     print(f"{'feeder':<14} {'switch':>7} {'wall s':>8} {'engine s':>9} {'x engine':>9}")
     for r in range(a.repeat):
         for switch_ms in (float(x) for x in a.switch_ms.split(",")):
             for k, (name, source) in enumerate(feeders):
                 wall, ideal = run(_load(f"feeder_{r}_{k}_{switch_ms}", source), a.jobs,
                                   job_bytes, a.gbps * 1e9, int(a.queue_mib * 2**20),
-                                  switch_ms / 1000)
+                                  switch_ms / 1000, holder)
                 print(f"{name:<14} {switch_ms:>5.1f}ms {wall:>8.3f} {ideal:>9.3f} "
                       f"{wall / ideal:>8.2f}x", flush=True)
 
