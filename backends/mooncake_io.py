@@ -48,6 +48,9 @@ NOT_FOUND = -704  # OBJECT_NOT_FOUND: the name is not (or no longer) in the stor
 ALREADY_EXISTS = -705  # OBJECT_ALREADY_EXISTS: another engine stored it first
 NO_SPACE = -200  # NO_AVAILABLE_HANDLE: no segment has room (the store is full)
 RPC_RANGE = range(-999, -899)  # RPC_FAIL, RPC_TIMEOUT, ...: the master did not answer
+# TRANSFER_FAIL (-800) and the transfer engine's other codes: a transfer that broke (TCP under
+# load returns -800 now and then); the one failure that a second call may not meet
+TRANSFER_RANGE = range(-899, -799)
 
 RECONNECT_S = 1.0  # between setup attempts while the master is unreachable
 SETUP_RETRIES = "1"  # Mooncake's own setup retries per attempt (we retry ourselves)
@@ -97,6 +100,24 @@ class BatchDone:
     seconds: float = 0.0
     fault: str = ""  # the link failed during this batch ("unavailable", "not_set_up")
     detail: str = ""  # for the log line
+
+
+@dataclass
+class CallResult:
+    """One Mooncake batch call, per item: why it failed ("" where it did not), what the log
+    says of it, and whether a second call may succeed (a transfer that broke, or a binding
+    that raised); and for the call: the link fault it met and its seconds."""
+
+    reasons: list[str]
+    details: list[str]
+    again: list[bool]
+    fault: str
+    secs: float
+
+    @property
+    def detail(self) -> str:
+        """What the log says of the batch: the first item that still failed."""
+        return next((d for d, r in zip(self.details, self.reasons, strict=True) if r), "")
 
 
 class LinkUp:
@@ -285,21 +306,31 @@ class MooncakeClient:
               reasons_of: Callable[[Sequence[int]], list[str]]
               ) -> tuple[list[str], str, str, float]:
         """Run one Mooncake batch call: (reasons per item, link fault, detail, seconds)."""
+        r = self._call_items(fn, n, reasons_of)
+        return r.reasons, r.fault, r.detail, r.secs
+
+    def _call_items(self, fn: Callable[[], Sequence[int]], n: int,
+                    reasons_of: Callable[[Sequence[int]], list[str]]) -> CallResult:
         if not self.set_up:
-            return ["unavailable"] * n, "not_set_up", "client not set up", 0.0
+            return CallResult(["unavailable"] * n, ["client not set up"] * n, [False] * n,
+                              "not_set_up", 0.0)
         t0 = time.perf_counter()
         try:
             codes = list(fn())
         except Exception as exc:  # the binding raised (should not): every item failed
-            return (["transfer"] * n, "", f"{type(exc).__name__}: {exc}",
-                    time.perf_counter() - t0)
+            return CallResult(["transfer"] * n, [f"{type(exc).__name__}: {exc}"] * n,
+                              [True] * n, "", time.perf_counter() - t0)
         secs = time.perf_counter() - t0
         if len(codes) != n:
-            return ["transfer"] * n, "", f"{len(codes)} results for {n} items", secs
+            return CallResult(["transfer"] * n, [f"{len(codes)} results for {n} items"] * n,
+                              [True] * n, "", secs)
         reasons = reasons_of(codes)
         fault = "unavailable" if any(r == "unavailable" for r in reasons) else ""
-        detail = next((f"code {c}" for c, r in zip(codes, reasons, strict=True) if r), "")
-        return reasons, fault, detail, secs
+        return CallResult(reasons, [f"code {c}" if r else "" for c, r in zip(codes, reasons,
+                                                                               strict=True)],
+                          [bool(r) and c in TRANSFER_RANGE for c, r in zip(codes, reasons,
+                                                                         strict=True)],
+                          fault, secs)
 
     def _transfer(self, batch: Batch, headers: np.ndarray) -> BatchDone:
         items, rb = batch.items, self.codec.row_bytes
@@ -318,49 +349,49 @@ class MooncakeClient:
         if batch.kind is Kind.STORE:
             for i, (it, b) in enumerate(zip(items, bufs, strict=True)):
                 self.codec.pack(it.key, b, hview[i * HEADER_BYTES:(i + 1) * HEADER_BYTES])
-            reasons, fault, detail, secs = self._once_more(self._put, "puts", names, ptrs, sizes)
-            return BatchDone(batch, reasons, secs, fault, detail)
-        reasons, fault, detail, secs = self._once_more(self._read, "reads", names, ptrs, sizes)
+            r = self._once_more(self._put, "puts", names, ptrs, sizes)
+            return BatchDone(batch, r.reasons, r.secs, r.fault, r.detail)
+        r = self._once_more(self._read, "reads", names, ptrs, sizes)
         for i, (it, b) in enumerate(zip(items, bufs, strict=True)):
-            if not reasons[i]:
-                reasons[i] = self.codec.check(it.key, hview[i * HEADER_BYTES:(i + 1) * HEADER_BYTES],
-                                              b, self.cfg.verify)
-        return BatchDone(batch, reasons, secs, fault, detail)
+            if not r.reasons[i]:
+                r.reasons[i] = self.codec.check(
+                    it.key, hview[i * HEADER_BYTES:(i + 1) * HEADER_BYTES], b, self.cfg.verify)
+                if r.reasons[i]:
+                    r.details[i] = f"the value's {r.reasons[i]} check failed"
+        return BatchDone(batch, r.reasons, r.secs, r.fault, r.detail)
 
     def _once_more(self, call: Callable[[list[str], list[list[int]], list[list[int]]],
-                                        tuple[list[str], str, str, float]],
+                                        CallResult],
                    what: str, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
-                   ) -> tuple[list[str], str, str, float]:
-        """``call`` (a batch put or get); the items that failed with a transfer error are sent
-        once more when the first call was quick (``MOONCAKE_TRANSFER_AGAIN_WITHIN``) and the link
-        is not at fault. A failed put was revoked by Mooncake's client, so sending it again
-        cannot find a half-written value."""
-        reasons, fault, detail, secs = call(names, ptrs, sizes)
-        again = [i for i, r in enumerate(reasons) if r == "transfer"]
-        if not again or fault or secs >= MOONCAKE_TRANSFER_AGAIN_WITHIN * self.cfg.timeout_s:
-            return reasons, fault, detail, secs
+                   ) -> CallResult:
+        """``call`` (a batch put or get); the items whose failure a second call may not meet
+        (``CallResult.again``: a transfer error, ``TRANSFER_RANGE``) are sent once more when the
+        first call was quick (``MOONCAKE_TRANSFER_AGAIN_WITHIN``) and the link is not at fault.
+        A put whose transfer failed was revoked by Mooncake's client, so sending it again cannot
+        find a half-written value. Other failures (full, gone, invalid) would fail the same way
+        and are not sent again."""
+        r = call(names, ptrs, sizes)
+        again = [i for i, a in enumerate(r.again) if a]
+        if not again or r.fault or r.secs >= MOONCAKE_TRANSFER_AGAIN_WITHIN * self.cfg.timeout_s:
+            return r
         log.debug("mooncake: %d of %d %s failed (%s); sending them again", len(again),
-                  len(names), what, detail)
-        reasons2, fault, detail2, secs2 = call(
-            [names[i] for i in again], [ptrs[i] for i in again], [sizes[i] for i in again])
-        for i, r in zip(again, reasons2, strict=True):
-            reasons[i] = r
-        if any(reasons2):
-            detail = detail2
-        elif not any(reasons):
-            detail = ""
-        return reasons, fault, detail, secs + secs2
+                  len(names), what, r.details[again[0]])
+        r2 = call([names[i] for i in again], [ptrs[i] for i in again], [sizes[i] for i in again])
+        for j, i in enumerate(again):
+            r.reasons[i], r.details[i], r.again[i] = r2.reasons[j], r2.details[j], r2.again[j]
+        r.fault, r.secs = r2.fault, r.secs + r2.secs
+        return r
 
     def _put(self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
-             ) -> tuple[list[str], str, str, float]:
-        return self._call(
+             ) -> CallResult:
+        return self._call_items(
             lambda: self._store.batch_put_from_multi_buffers(names, ptrs, sizes), len(names),
             lambda codes: ["" if c in (0, ALREADY_EXISTS) else reason_of(c) for c in codes])
 
     def _read(self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
-              ) -> tuple[list[str], str, str, float]:
+              ) -> CallResult:
         rb = self.codec.row_bytes
-        return self._call(
+        return self._call_items(
             lambda: self._store.batch_get_into_multi_buffers(names, ptrs, sizes), len(names),
             lambda codes: [reason_of(c) if c < 0 else ("" if c == HEADER_BYTES + rb else "short")
                            for c in codes])

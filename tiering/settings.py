@@ -261,10 +261,11 @@ MOONCAKE_PROBE_S = 1.0
 MOONCAKE_OVERRUN_FACTOR = 3.0
 # One log line per fault reason at most this often (counters count every occurrence).
 MOONCAKE_LOG_EVERY_S = 60.0
-# A read or put whose items failed with a transfer error (Mooncake's TCP transport under load
-# returns -800 now and then; a read's value is still stored, a put's was revoked) sends those items
-# once more when the first call took less than this share of timeout_s: one failed transfer need
-# not make vLLM recompute, nor a store be lost to the other servers.
+# A read or put whose items failed with a transfer error (-8xx: Mooncake's TCP transport under
+# load returns -800 now and then; a read's value is still stored, a put's was revoked) sends those
+# items once more when the first call took less than this share of timeout_s: one failed transfer
+# need not make vLLM recompute, nor a store be lost to the other servers. Other codes (full, gone,
+# invalid key or parameters) would fail the same way and are not sent again.
 MOONCAKE_TRANSFER_AGAIN_WITHIN = 0.5
 
 # -- offloaded chunks -----------------------------------------------------------------------------
