@@ -135,6 +135,10 @@ ramdisk_up() {
 
 fio_bin=${FIO:-$(command -v fio || true)}
 [ -z "$fio_bin" ] && [ -x .device/fio/fio ] && fio_bin=$PWD/.device/fio/fio
+# a static fio carried xz-compressed (docs/gpu.md says how to build it): the GPU machine has none
+if [ -z "$fio_bin" ] && [ -f .device/fio/fio.xz ]; then
+  xz -dc .device/fio/fio.xz > /tmp/tiering-fio && chmod +x /tmp/tiering-fio && fio_bin=/tmp/tiering-fio
+fi
 export TIERING_FIO=${fio_bin}
 # fio_disk NAME DIR: write, then read 4 GiB (a 32k prompt of the 8B shape; less if DIR's file
 # system has not twice that free) in DIR: 8 jobs (the file tier's io_threads), 2 MiB blocks
@@ -142,7 +146,7 @@ export TIERING_FIO=${fio_bin}
 fio_disk() {
   local name=$1 dir=$2 rw per_job
   if [ -z "$fio_bin" ] || ! "$fio_bin" --version >/dev/null 2>&1; then
-    echo "[session] fio $name: no fio (\$FIO, PATH, .device/fio/fio)" | tee -a "$summary"
+    echo "[session] fio $name: no fio (\$FIO, PATH, .device/fio/fio, .device/fio/fio.xz)" | tee -a "$summary"
     return 0
   fi
   per_job=$(( $(df --output=avail -m "$dir" | tail -1) / 16 / 2 * 2 ))
