@@ -7,7 +7,11 @@ enqueued at once (gigabytes: a 100%-hit batch of 256 8B prompts loads 15 GB), a 
 copies can wait behind all of them, and so does the step: the 8B step trace showed 29-token
 steps lasting as long as the loads in flight (docs/benchmarks.md; ``docs/bench_copy_queue.py``
 measures the wait on its own). Keeping only ``limit`` bytes enqueued bounds that wait to about
-``limit`` / PCIe rate, while the copy engine stays busy as long as loads wait here.
+``limit`` / PCIe rate, while the copy engine stays busy as long as loads wait here. Unless
+this thread comes back later than the queued loads last: Python's other threads can keep the GIL
+longer than any switch interval (in C code), and on an H100 a fed job waited up to 34 ms for it
+while 256 MiB of loads last 5 ms. So each time the feeder finds every enqueued load done while
+another waited (``ran_dry``), the limit doubles, up to ``grow_to`` (``LOAD_QUEUE_MAX_BYTES``).
 
 How: ``CudaCopier`` builds a load's descriptors on vLLM's worker thread and records there an
 event on the compute stream (the work the load must come after: the blocks it overwrites may
@@ -58,10 +62,14 @@ class FeedJob:
 
 class CopyFeeder:
     def __init__(self, torch: Any, device: Any, stream: Any, limit: int, copy: CopyFn,
-                 started: StartedFn, name: str = "load") -> None:
+                 started: StartedFn, name: str = "load", grow_to: int = 0) -> None:
         if limit <= 0:
             raise ValueError(f"limit: expected a positive byte count, got {limit}")
         self.torch, self.device, self.stream, self.limit = torch, device, stream, limit
+        # the limit doubles, up to grow_to, each time the queue ran dry while loads waited
+        # (the feeder came back later than the queued loads lasted); 0: a fixed limit
+        self.grow_to = grow_to
+        self.ran_dry = 0  # times the copy engine had done every enqueued load while one waited
         self._copy, self._started = copy, started
         self._pending: deque[FeedJob] = deque()
         self._failed: list[int] = []
@@ -108,8 +116,11 @@ class CopyFeeder:
             log.exception("copy feeder: cannot use %s", self.device)
         inflight: deque[tuple[int, Any]] = deque()  # (bytes, end event), in enqueue order
         queued = 0
+        waited_behind = False  # another load waited when the last one was enqueued
         while True:
             with self._cond:
+                if not self._pending:
+                    waited_behind = False  # the burst ended: an idle engine is not a late feeder
                 while not self._pending and not self._stop:
                     self._cond.wait()
                 if not self._pending:
@@ -123,6 +134,10 @@ class CopyFeeder:
                     nbytes, end = inflight.popleft()
                     end.synchronize()  # the GIL is released while the copy engine works
                     queued -= nbytes
+                    while inflight and inflight[0][1].query():
+                        queued -= inflight.popleft()[0]
+                if waited_behind and not inflight:
+                    self._ran_dry()
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True, blocking=True)
                 self.stream.wait_event(job.after)
@@ -138,6 +153,7 @@ class CopyFeeder:
                     log.exception("copy feeder: the load stream cannot be synchronized")
                 inflight.clear()  # their events are the copier's to report; room is not
                 queued = 0        # counted against a stream that was drained or is broken
+                waited_behind = False  # drained on purpose: not a queue that ran dry
                 with self._cond:
                     self._pending.popleft()
                     self._failed.append(job.job_id)
@@ -149,4 +165,18 @@ class CopyFeeder:
             queued += job.nbytes
             with self._cond:
                 self._pending.popleft()
+                waited_behind = bool(self._pending)
                 self._cond.notify_all()
+
+    def _ran_dry(self) -> None:
+        """Every enqueued load was done while the next one waited here: the copy engine idled
+        for as long as this thread was late (waiting for the GIL: on the H100 of 2026-12-06b up
+        to 34 ms, while 256 MiB of loads last 5 ms). Double the limit, up to ``grow_to``: a
+        queue that outlasts the waits keeps the engine busy, and still bounds how long a step's
+        input copies wait behind it."""
+        self.ran_dry += 1
+        if self.limit < self.grow_to:
+            self.limit = min(self.grow_to, self.limit * 2)
+            log.info("vllm-tiering: the loads' queue ran dry %d time(s) while loads waited for "
+                     "the feeder thread; up to %d MiB of loads are enqueued at once from now on",
+                     self.ran_dry, self.limit >> 20)

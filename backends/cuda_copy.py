@@ -54,7 +54,7 @@ from tiering.backends.block_copy import (
 )
 from tiering.backends.copy_feeder import CopyFeeder, FeedJob
 from tiering.backends.staged_plan import plan_staged
-from tiering.settings import CUDA_BATCH_MAX
+from tiering.settings import CUDA_BATCH_MAX, LOAD_QUEUE_MAX_BYTES
 from tiering.step_trace import TRACE
 
 if TYPE_CHECKING:  # never at run time: torch comes with the copier (see above)
@@ -205,7 +205,8 @@ class CudaCopier:
         self._feeder: CopyFeeder | None = None
         if load_queue_bytes:
             self._feeder = CopyFeeder(torch, self.device, self.streams["load"], load_queue_bytes,
-                                      self._copy, self._load_started)
+                                      self._copy, self._load_started,
+                                      grow_to=max(load_queue_bytes, LOAD_QUEUE_MAX_BYTES))
         if TRACE.on:
             base = torch.cuda.Event(enable_timing=True)
             base.record(self.streams["store"])

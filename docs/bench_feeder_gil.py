@@ -1,7 +1,7 @@
 """How fast ``CopyFeeder`` keeps a copy engine fed while another thread runs Python (issue 15).
 
     python docs/bench_feeder_gil.py [--jobs 1024] [--job-mib 16] [--gbps 51] [--queue-mib 256]
-        [--switch-ms 5,0.5] [--baseline COMMIT] [--repeat 3] [--hold-ms 0]
+        [--switch-ms 5,0.5] [--baseline COMMIT] [--repeat 3] [--hold-ms 0] [--grow-mib 1024]
 
 No GPU: a stand-in CUDA whose calls give the GIL up and take it back, as torch's and ctypes'
 do (a ctypes call of ``getpid``), and a copy engine that works without the GIL: an end event
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import inspect
 import subprocess
 import sys
 import threading
@@ -29,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tiering.settings import LOAD_QUEUE_MAX_BYTES  # noqa: E402
 
 _LIBC = ctypes.CDLL(None)
 
@@ -136,7 +140,8 @@ class _GilHolder:
 
 
 def run(mod: types.ModuleType, jobs: int, job_bytes: int, rate: float, queue: int,
-        switch_s: float, holder: _GilHolder | None = None) -> tuple[float, float]:
+        switch_s: float, holder: _GilHolder | None = None, grow_to: int = 0
+        ) -> tuple[float, float]:
     """Feed ``jobs`` loads through ``mod.CopyFeeder`` while this thread runs Python (and, with
     ``holder``, a C call that keeps the GIL after every 2 ms of it): (seconds until the last
     byte is copied, seconds the engine itself needs)."""
@@ -146,7 +151,8 @@ def run(mod: types.ModuleType, jobs: int, job_bytes: int, rate: float, queue: in
     sys.setswitchinterval(switch_s)
     torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=_Event,
                                                              set_device=lambda d: None))
-    feeder = mod.CopyFeeder(torch, "cuda:0", _Stream(), queue, _copy, lambda *a: None)
+    kw = {"grow_to": grow_to} if "grow_to" in inspect.signature(mod.CopyFeeder).parameters else {}
+    feeder = mod.CopyFeeder(torch, "cuda:0", _Stream(), queue, _copy, lambda *a: None, **kw)
     a = np.zeros(8, dtype=np.uint64)
     size = np.full(8, job_bytes // 8, dtype=np.uint64)
     try:
@@ -174,6 +180,9 @@ def main() -> None:
     ap.add_argument("--baseline", default="", help="a commit whose backends/copy_feeder.py "
                                                   "to compare")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--grow-mib", type=float, default=LOAD_QUEUE_MAX_BYTES / 2**20,
+                    help="the most the feeder's limit grows to (feeders that grow it; "
+                         "0: a fixed limit)")
     ap.add_argument("--hold-ms", type=float, default=0.0,
                     help="after every 2 ms of Python, the main thread keeps the GIL this long "
                          "in one C call")
@@ -195,7 +204,7 @@ def main() -> None:
             for k, (name, source) in enumerate(feeders):
                 wall, ideal = run(_load(f"feeder_{r}_{k}_{switch_ms}", source), a.jobs,
                                   job_bytes, a.gbps * 1e9, int(a.queue_mib * 2**20),
-                                  switch_ms / 1000, holder)
+                                  switch_ms / 1000, holder, int(a.grow_mib * 2**20))
                 print(f"{name:<14} {switch_ms:>5.1f}ms {wall:>8.3f} {ideal:>9.3f} "
                       f"{wall / ideal:>8.2f}x", flush=True)
 

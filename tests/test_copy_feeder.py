@@ -17,12 +17,14 @@ from tiering.backends.copy_feeder import CopyFeeder, FeedJob
 
 
 class Engine:
-    """A copy engine the test drives: an end event completes when the test says so."""
+    """A copy engine the test drives: an end event completes when the test says so, or at once
+    where ``instant`` (an engine always ahead of the feeder: a feeder starved of the GIL)."""
 
     def __init__(self) -> None:
         self.ends: list[Event] = []
         self.enqueued: list[int] = []  # job ids, in the order their copies were enqueued
         self.lock = threading.Lock()
+        self.instant = False
 
     def finish(self, n: int) -> None:
         """Complete the first n end events not yet complete."""
@@ -43,6 +45,8 @@ class Event:
         if self.blocking and getattr(stream, "is_load_stream", False):
             with ENGINE.lock:
                 ENGINE.ends.append(self)
+                if ENGINE.instant:
+                    self.done.set()
         else:
             self.done.set()  # an event on the compute stream: nothing ahead of it here
 
@@ -80,7 +84,8 @@ def engine():
     ENGINE.finish(10_000)
 
 
-def make(limit: int, fail: set[int] = frozenset()) -> tuple[CopyFeeder, list, dict]:
+def make(limit: int, fail: set[int] = frozenset(), grow_to: int = 0
+         ) -> tuple[CopyFeeder, list, dict]:
     started: list = []
     copied: dict[int, bytes] = {}
 
@@ -93,7 +98,8 @@ def make(limit: int, fail: set[int] = frozenset()) -> tuple[CopyFeeder, list, di
     def on_started(job_id, nbytes, start, end):
         started.append((job_id, nbytes, end))
 
-    return CopyFeeder(fake_torch(), "cuda:0", Stream(), limit, copy, on_started), started, copied
+    return (CopyFeeder(fake_torch(), "cuda:0", Stream(), limit, copy, on_started,
+                       grow_to=grow_to), started, copied)
 
 
 def job(i: int, nbytes: int) -> FeedJob:
@@ -183,6 +189,54 @@ def test_wait_fed_returns_once_the_job_left_the_queue_and_close_drains(engine):
     assert engine.enqueued == [1, 2, 3, 4]
     with pytest.raises(RuntimeError):
         feeder.put(job(5, 1))
+
+
+def test_a_queue_that_ran_dry_while_loads_waited_doubles_up_to_its_ceiling(engine):
+    """Each time the feeder finds every enqueued load done while loads waited behind the last
+    one (the copy engine idled: on the H100 the feeder waited up to 34 ms for the GIL), the
+    limit doubles, up to ``grow_to``; the order and the handing over stay as they were."""
+    engine.instant = True
+    feeder, started, _ = make(100, grow_to=400)
+    for i in range(1, 9):
+        feeder.put(job(i, 50))
+    feeder.wait_fed(set(range(1, 9)))
+    assert engine.enqueued == list(range(1, 9)) and [s[0] for s in started] == engine.enqueued
+    assert feeder.limit == 400 and feeder.ran_dry == 7
+    feeder.close()
+
+
+def test_without_a_ceiling_or_with_loads_in_flight_the_limit_stays(engine):
+    engine.instant = True
+    feeder, _, _ = make(100)  # grow_to 0: a fixed limit
+    for i in range(1, 6):
+        feeder.put(job(i, 50))
+    feeder.wait_fed(set(range(1, 6)))
+    assert feeder.limit == 100 and feeder.ran_dry == 4
+    feeder.close()
+    engine.instant = False
+    feeder, _, _ = make(100, grow_to=400)  # the engine works only as the test says
+    for i in range(1, 6):
+        feeder.put(job(i, 50))
+    until(lambda: engine.enqueued[-2:] == [1, 2], "the first two")
+    for n in range(3, 6):  # one end at a time: the queue never runs dry
+        engine.finish(1)
+        until(lambda n=n: engine.enqueued[-1] == n, f"job {n} follows")
+    assert feeder.limit == 100 and feeder.ran_dry == 0
+    feeder.close()
+
+
+def test_a_new_burst_after_an_idle_feeder_is_not_a_queue_run_dry(engine):
+    """Loads that finish while no other load waits (the burst ended) leave the feeder idle, not
+    late: the next burst does not grow the limit."""
+    engine.instant = True
+    feeder, _, _ = make(100, grow_to=400)
+    feeder.put(job(1, 50))
+    feeder.wait_fed({1})
+    time.sleep(0.02)
+    feeder.put(job(2, 50))
+    feeder.wait_fed({2})
+    assert feeder.limit == 100 and feeder.ran_dry == 0
+    feeder.close()
 
 
 def test_a_limit_must_be_positive():

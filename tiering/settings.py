@@ -171,6 +171,14 @@ MAX_LOAD_STARTS_PER_STEP = 0
 # interval for the GIL while the scheduler ran, let its 5 ms of queued loads run dry; the
 # interval is now lowered while a feeder runs (tiering/vllm/spec.py), not yet run on a GPU.
 LOAD_QUEUE_BYTES = 256 << 20
+# ... and the most it grows to: the feeder doubles its limit each time the copy engine had done
+# every enqueued load while another waited for the feeder thread (backends/copy_feeder.py). On
+# an H100 (docs/benchmarks.md, 2026-12-06b) fed 1B loads ran 11% behind unfed ones: 135 of 1024
+# jobs waited up to 34 ms for the GIL between their start event and their copy. In the feeder's
+# model (docs/bench_feeder_gil.py) 10 ms GIL holds cost 1.71-1.77x the engine's time at 256 MiB
+# and 1.02-1.03x at 1 GiB; an input copy waits 17 ms behind 1 GiB (first H100 of 2026-12-06),
+# against 525 ms behind an unfed 8B burst.
+LOAD_QUEUE_MAX_BYTES = 1 << 30
 
 # -- vLLM adapter: hits first (under tiering.vllm.scheduler.TieringScheduler) --------------------
 # vLLM walks its waiting queue in order until the step's token budget is spent, so a cache hit
