@@ -129,14 +129,21 @@ class CopyFeeder:
             try:
                 while inflight and inflight[0][1].query():
                     queued -= inflight.popleft()[0]
+                waited, behind = False, 0
                 while inflight and queued + job.nbytes > self.limit:
                     self.waits += 1
                     nbytes, end = inflight.popleft()
+                    behind = len(inflight)  # loads still queued behind the one waited for
                     end.synchronize()  # the GIL is released while the copy engine works
                     queued -= nbytes
+                    waited = True
                     while inflight and inflight[0][1].query():
                         queued -= inflight.popleft()[0]
-                if waited_behind and not inflight:
+                # the engine ran dry if loads it still had when this thread last left it were
+                # all done when it came back: behind the load it waited for, or, without a
+                # wait, behind the last one it enqueued. Waiting for the last load in flight
+                # (a job that needs all the room) empties the queue on purpose: not late.
+                if not inflight and (behind if waited else waited_behind):
                     self._ran_dry()
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True, blocking=True)
