@@ -169,7 +169,9 @@ MAX_LOAD_STARTS_PER_STEP = 0
 # prompts, cap 256) fed was 562.3k against 607.2k: the copy engine moved the same 16 GiB in 578
 # ms of busy time against 355, as if the feeder thread, waiting up to Python's 5 ms switch
 # interval for the GIL while the scheduler ran, let its 5 ms of queued loads run dry; the
-# interval is now lowered while a feeder runs (tiering/vllm/spec.py), not yet run on a GPU.
+# interval is now lowered while a feeder runs (tiering/vllm/spec.py). On the next H100 (2026-12-06b)
+# fed loads still ran 5-11% behind unfed ones, the feeder waiting up to 34 ms for the GIL: hence
+# LOAD_QUEUE_MAX_BYTES below.
 LOAD_QUEUE_BYTES = 256 << 20
 # ... and the most it grows to: the feeder doubles its limit each time the copy engine had done
 # every enqueued load while another waited for the feeder thread (backends/copy_feeder.py). On
