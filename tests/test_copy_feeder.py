@@ -84,12 +84,16 @@ def engine():
     ENGINE.finish(10_000)
 
 
-def make(limit: int, fail: set[int] = frozenset(), grow_to: int = 0
-         ) -> tuple[CopyFeeder, list, dict]:
+def make(limit: int, fail: set[int] = frozenset(), grow_to: int = 0,
+         gate: threading.Event | None = None) -> tuple[CopyFeeder, list, dict]:
+    """``gate``: the first copy waits for it (the test puts its jobs meanwhile, so that every
+    job but the first was queued before the feeder took the one ahead of it)."""
     started: list = []
     copied: dict[int, bytes] = {}
 
     def copy(job_id, src, dst, size, stream):
+        if gate is not None:
+            assert gate.wait(10), "the test never opened the gate"
         if job_id in fail:
             raise CopyFailed(f"job {job_id}: injected")
         ENGINE.enqueued.append(job_id)
@@ -196,9 +200,11 @@ def test_a_queue_that_ran_dry_while_loads_waited_doubles_up_to_its_ceiling(engin
     one (the copy engine idled: on the H100 the feeder waited up to 34 ms for the GIL), the
     limit doubles, up to ``grow_to``; the order and the handing over stay as they were."""
     engine.instant = True
-    feeder, started, _ = make(100, grow_to=400)
+    gate = threading.Event()
+    feeder, started, _ = make(100, grow_to=400, gate=gate)
     for i in range(1, 9):
         feeder.put(job(i, 50))
+    gate.set()
     feeder.wait_fed(set(range(1, 9)))
     assert engine.enqueued == list(range(1, 9)) and [s[0] for s in started] == engine.enqueued
     assert feeder.limit == 400 and feeder.ran_dry == 7
@@ -207,9 +213,11 @@ def test_a_queue_that_ran_dry_while_loads_waited_doubles_up_to_its_ceiling(engin
 
 def test_without_a_ceiling_or_with_loads_in_flight_the_limit_stays(engine):
     engine.instant = True
-    feeder, _, _ = make(100)  # grow_to 0: a fixed limit
+    gate = threading.Event()
+    feeder, _, _ = make(100, gate=gate)  # grow_to 0: a fixed limit
     for i in range(1, 6):
         feeder.put(job(i, 50))
+    gate.set()
     feeder.wait_fed(set(range(1, 6)))
     assert feeder.limit == 100 and feeder.ran_dry == 4
     feeder.close()
