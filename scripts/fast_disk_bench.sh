@@ -67,7 +67,7 @@ fi
 fio_bin=${FIO:-$(command -v fio || true)}
 [ -z "$fio_bin" ] && [ -x .device/fio/fio ] && fio_bin=$PWD/.device/fio/fio
 if [ -z "$fio_bin" ] && [ -f .device/fio/fio.xz ]; then  # scripts/build_fio.sh's, compressed
-  xz -dc .device/fio/fio.xz > /tmp/tiering-fio && chmod +x /tmp/tiering-fio && fio_bin=/tmp/tiering-fio
+  fio_bin=$(mktemp -t tiering-fio.XXXXXX) && xz -dc .device/fio/fio.xz > "$fio_bin" && chmod +x "$fio_bin"
 fi
 if [ -n "$fio_bin" ] && "$fio_bin" --version >/dev/null 2>&1; then
   export TIERING_FIO=$fio_bin

@@ -137,7 +137,7 @@ fio_bin=${FIO:-$(command -v fio || true)}
 [ -z "$fio_bin" ] && [ -x .device/fio/fio ] && fio_bin=$PWD/.device/fio/fio
 # a static fio carried xz-compressed (docs/gpu.md says how to build it): the GPU machine has none
 if [ -z "$fio_bin" ] && [ -f .device/fio/fio.xz ]; then
-  xz -dc .device/fio/fio.xz > /tmp/tiering-fio && chmod +x /tmp/tiering-fio && fio_bin=/tmp/tiering-fio
+  fio_bin=$(mktemp -t tiering-fio.XXXXXX) && xz -dc .device/fio/fio.xz > "$fio_bin" && chmod +x "$fio_bin"
 fi
 export TIERING_FIO=${fio_bin}
 # fio_disk NAME DIR: write, then read 4 GiB (a 32k prompt of the 8B shape; less if DIR's file
