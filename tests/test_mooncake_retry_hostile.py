@@ -11,6 +11,7 @@ stored, at most one retry, and none when the first call was slow or the link was
 are compared whole (every non-zero counter of the tier), so a stray count fails too.
 """
 
+# ruff: noqa: F811
 from __future__ import annotations
 
 import ctypes
@@ -27,18 +28,25 @@ import pytest
 
 pytest.importorskip("mooncake.store")
 
-from mooncake_util import MooncakeMaster  # noqa: E402
+# the fixtures master, open_tier and staging are registered here by importing them; the tests
+# name them as parameters, which ruff reads as redefinitions (F811)
+from test_mooncake_tier import (  # noqa: E402, F401
+    FACTS,
+    RB,
+    master,
+    open_tier,
+    resolve,
+    staging,
+    unique_keys,
+    view,
+)
+from test_mooncake_tier import store as store_rows  # noqa: E402
 
 from tiering.backends.mooncake_io import ALREADY_EXISTS  # noqa: E402
 from tiering.backends.mooncake_tier import LinkState, MooncakeTier  # noqa: E402
 from tiering.backends.mooncake_value import HEADER_BYTES, object_name  # noqa: E402
-from tiering.backends.namespace import NamespaceFacts  # noqa: E402
 from tiering.settings import MOONCAKE_TRANSFER_AGAIN_WITHIN  # noqa: E402
 from tiering.tier import Lookup  # noqa: E402
-
-RB = 64 << 10  # row bytes
-ROWS = 32
-FACTS = NamespaceFacts("model-a", "bfloat16", "NHD", RB, 16)
 
 # Mooncake's ErrorCode values (mooncake-store/include/types.h)
 TRANSFER_FAIL = -800
@@ -49,68 +57,14 @@ INVALID_KEY = -400
 INVALID_PARAMS = -600
 
 
-# -- fixtures and helpers (as in tests/test_mooncake_tier.py) --------------------------------------
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    m = MooncakeMaster(tmp_path_factory.mktemp("mooncake-retry")).start()
-    yield m
-    m.close()
-
-
-@pytest.fixture
-def staging():
-    """A page-aligned region of ROWS random rows, as the CPU tier's staging region is."""
-    buf = mmap.mmap(-1, ROWS * RB)
-    rows = np.frombuffer(buf, dtype=np.uint8).reshape(ROWS, RB)
-    rows[:] = np.random.default_rng(11).integers(0, 256, rows.shape, dtype=np.uint8)
-    yield buf, rows
-    del rows
-
-
-def view(buf: mmap.mmap, i: int) -> memoryview:
-    return memoryview(buf)[i * RB:(i + 1) * RB]
-
-
-@pytest.fixture
-def open_tier(master):
-    tiers: list[MooncakeTier] = []
-
-    def make(**cfg: object) -> MooncakeTier:
-        conf = master.tier_config(**{"local_hostname": "127.0.0.1", "timeout_s": 1.0, **cfg})
-        t = MooncakeTier(conf, FACTS)
-        tiers.append(t)
-        assert t.wait_connected(30), "the tier did not connect to the master"
-        return t
-
-    yield make
-    for t in tiers:
-        if isinstance(t.client._store, Scripted):
-            t.client._store = t.client._store._store  # close the real client
-        t.close()
-
-
-def resolve(tier: MooncakeTier, keys: list[bytes], timeout: float = 10.0) -> list[Lookup]:
-    deadline = time.monotonic() + timeout
-    while True:
-        answers = [tier.lookup(k) for k in keys]
-        if Lookup.RETRY not in answers or time.monotonic() > deadline:
-            return answers
-        tier.poll(wait=0.05)
-
-
-def unique_keys(tag: str, n: int) -> list[bytes]:
-    return [f"{tag}-{time.monotonic_ns()}-{i}".encode() for i in range(n)]
-
-
+# -- helpers (the fixtures, view, resolve and unique_keys are tests/test_mooncake_tier.py's) -------
 def names_of(keys: list[bytes]) -> list[str]:
     return [object_name(FACTS.namespace_id, k) for k in keys]
 
 
 def store(tier: MooncakeTier, keys: list[bytes], buf: mmap.mmap, first_row: int = 0) -> list:
     """Store rows first_row.. under keys; the completions in key order."""
-    out = tier.put(keys, [view(buf, first_row + i) for i in range(len(keys))])
-    assert out.admitted == keys, out
-    done = tier.wait_idle(timeout=30)
+    done = store_rows(tier, keys, buf, first_row)
     assert sorted(c.key for c in done) == sorted(keys)
     return sorted(done, key=lambda c: keys.index(c.key))
 
@@ -196,21 +150,20 @@ class Scripted:
     def _answer(plan: Plan, n: int, names: list[str]) -> Answer | None:
         return plan(n, names) if callable(plan) else plan.get(n)
 
-    def batch_put_from_multi_buffers(self, names, ptrs, sizes):
+    def _batch(self, calls: list[list[str]], plan: Plan, real: Callable, names, ptrs, sizes):
         with self._lock:
-            self.put_calls.append(list(names))
-            n = len(self.put_calls)
-        ans = self._answer(self.puts, n, list(names))
-        real = self._store.batch_put_from_multi_buffers
+            calls.append(list(names))
+            n = len(calls)
+        ans = self._answer(plan, n, list(names))
         return real(names, ptrs, sizes) if ans is None else ans.run(names, ptrs, sizes, real)
 
+    def batch_put_from_multi_buffers(self, names, ptrs, sizes):
+        return self._batch(self.put_calls, self.puts, self._store.batch_put_from_multi_buffers,
+                           names, ptrs, sizes)
+
     def batch_get_into_multi_buffers(self, names, ptrs, sizes):
-        with self._lock:
-            self.get_calls.append(list(names))
-            n = len(self.get_calls)
-        ans = self._answer(self.gets, n, list(names))
-        real = self._store.batch_get_into_multi_buffers
-        return real(names, ptrs, sizes) if ans is None else ans.run(names, ptrs, sizes, real)
+        return self._batch(self.get_calls, self.gets, self._store.batch_get_into_multi_buffers,
+                           names, ptrs, sizes)
 
     def __getattr__(self, name: str):
         return getattr(self._store, name)
