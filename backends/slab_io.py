@@ -53,6 +53,19 @@ def aligned_buffer(nbytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, size))[:nbytes]
 
 
+def resident_buffer(nbytes: int) -> memoryview:
+    """``aligned_buffer`` whose pages are all in memory before it is returned (MAP_POPULATE,
+    else one write a page). A read into fresh anonymous memory faults its pages in as the read
+    runs: timing one measures page faults as much as the device (on an ext4 RAM disk, 8 reads of
+    8 MiB ran at 1.3-2.7 GB/s into fresh memory and at 3.9-4.4 GB/s into resident memory)."""
+    size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+    if not populate:
+        np.frombuffer(m, np.uint8)[::ALIGN] = 0  # touch every page
+    return memoryview(m)[:nbytes]
+
+
 class SlabIo(ABC):
     """Moves bytes between buffers and open slab files.
 
