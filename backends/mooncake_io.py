@@ -403,6 +403,11 @@ class MooncakeClient:
                                              for c in codes])
         return BatchDone(batch, reasons, secs, fault, detail)
 
+    def registered_regions(self) -> list[tuple[int, int]]:
+        """(address, size) of every memory region registered with the client so far."""
+        with self._register_lock:
+            return list(self._registered)
+
     def _register(self, view: memoryview) -> bool:
         """Register the memory region ``view`` lies in with the client, once per region."""
         addr = _address(view)

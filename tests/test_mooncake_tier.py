@@ -328,6 +328,40 @@ def test_in_a_chain_a_remote_hit_is_promoted_into_a_cpu_row(open_tier, staging, 
         region.close(unlink=True)
 
 
+def test_calibrations_read_into_one_registered_region(open_tier, staging, tmp_path,
+                                                      monkeypatch):
+    """Every calibration of a Mooncake tier in a chain reads into the same resident memory,
+    registered with the client once. Fresh buffers were registered one by one at each
+    calibration, kept registered until the tier closed, and outlived by their registration
+    (a later mapping at that address passed for registered memory)."""
+    from tiering.advisor import PromotionAdvisor
+    from tiering.backends.staging import StagingRegion
+    from tiering.chain import TierChain
+    from tiering.cpu_tier import CpuTier
+
+    monkeypatch.setenv("VLLM_TIERING_SHM_DIR", str(tmp_path))
+    buf, rows = staging
+    keys = unique_keys("cal", 16)
+    store(open_tier(), keys, buf)
+    reader = open_tier()
+    assert resolve(reader, keys) == [Lookup.HIT] * 16
+    region = StagingRegion(f"mc-{time.monotonic_ns()}", 8, RB)
+    try:
+        chain = TierChain(CpuTier(region, "lru"), [reader],
+                          advisor=PromotionAdvisor(1, RB, chunk_tokens=16))
+        before = reader.client.registered_regions()
+        for _ in range(3):
+            assert chain.calibrate(1, keys)
+            chain.wait_idle(timeout=30)
+        assert reader.stats["calibration_reads"] == 48
+        assert chain.advisor is not None and chain.advisor.read_rate(1)
+        after = reader.client.registered_regions()
+        assert after[:len(before)] == before and len(after) == len(before) + 1
+        chain.close()
+    finally:
+        region.close(unlink=True)
+
+
 def test_tiering_inspect_and_stats_show_the_masters_view(master, open_tier, staging, capsys):
     import json
 
