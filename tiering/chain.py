@@ -249,9 +249,10 @@ class TierChain:
         disk, fresh buffers made a 64 MiB calibration read at 2.66 GB/s, fio 5.6, and the
         advisor recomputed an 8k disk hit that loads in 0.86x the time)."""
         buf = self._scratch_rows.get(i)
-        if buf is None:
-            buf = self._scratch_rows[i] = resident_buffer(self._calibration_rows()
-                                                          * self.row_bytes)
+        if buf is None:  # no more rows than the tier holds (a calibration reads rows it holds)
+            capacity_rows = self.file_tiers[i - 1].usage()[1] // self.row_bytes
+            rows = min(self._calibration_rows(), max(1, capacity_rows))
+            buf = self._scratch_rows[i] = resident_buffer(rows * self.row_bytes)
         return buf
 
     def calibrate(self, i: int, keys: Sequence[bytes] = ()) -> bool:
@@ -262,12 +263,17 @@ class TierChain:
             return False
         tier = self.file_tiers[i - 1]
         least = rate_min_rows(self.row_bytes)
-        rows = self._calibration_rows()
-        pick = [k for k in keys if tier.contains(k)][:rows]
+        scratch = self._scratch(i)
+        rb = self.row_bytes
+        rows = len(scratch) // rb
+        # each key once: the scratch has a row per key, and a key written down twice (taken
+        # again after its eviction) is twice in _written
+        pick = list(dict.fromkeys(k for k in keys if tier.contains(k)))[:rows]
         if len(pick) < least:  # too few for a rate: the rows last written, if they are more
             # (an engine restarted over a full tier has written none: the few it has still
             # give it a first rate, or its short runs would be recomputed unmeasured forever)
-            written = [k for k in self._written[i - 1] if tier.contains(k)][-rows:]
+            written = list(dict.fromkeys(k for k in reversed(self._written[i - 1])
+                                         if tier.contains(k)))[:rows][::-1]
             if len(written) > len(pick):
                 pick = written
         # fewer rows time latency, not a rate (on the H200 a calibration of the first 4 rows
@@ -279,12 +285,10 @@ class TierChain:
             return False
         b = self._next_batch
         self._next_batch += 1
-        scratch = self._scratch(i)
-        rb = self.row_bytes
         bufs = {k: scratch[n * rb:(n + 1) * rb] for n, k in enumerate(pick)}
         submitted = time.perf_counter()
         started = tier.get([(k, bufs[k], ("calibration", k, b)) for k in pick])
-        bufs = {k: buf for (k, buf), ok in zip(bufs.items(), started, strict=True) if ok}
+        bufs = {k: bufs[k] for k, ok in zip(pick, started, strict=True) if ok}
         n = len(bufs)
         if not n:
             return False
