@@ -113,7 +113,8 @@ ADVISOR_REPROBE_AFTER = 32
 # No request waits for it (the first disk hit of an engine used to be loaded to measure the
 # disk: on the H200 that made a 2k-token prompt 4x slower than recomputing it). It reads into
 # one calibration's rows of memory per file tier, made resident at engine start and kept
-# (64 MiB a tier here): into fresh pages it timed page faults too, 2.66 GB/s where fio read 5.6.
+# (64 MiB a tier, or rate_min_rows rows of larger rows, no more than the tier holds): into
+# fresh pages it timed page faults too, 2.66 GB/s where fio read 5.6.
 ADVISOR_CALIBRATION_BYTES = 64 << 20
 ADVISOR_CALIBRATION_MAX_ROWS = 64
 # A read batch of fewer rows than ``advisor.rate_min_rows(row_bytes)`` times the tier's latency
