@@ -9,6 +9,7 @@ import ctypes
 import errno
 import gc
 import mmap
+import os
 import random
 import threading
 import time
@@ -28,6 +29,8 @@ from tiering.chain import Lookup, TierChain
 from tiering.cpu_tier import CpuTier
 
 ROW = 8192
+# seeds of the random interleavings: 6 in CI, more for a long run
+SEEDS = int(os.environ.get("TIERING_CALIBRATION_SEEDS", "6"))
 
 
 @pytest.fixture(autouse=True)
@@ -485,7 +488,7 @@ def test_resident_buffer_is_aligned_writable_and_resident(monkeypatch, populate,
 
 # -- random interleavings -----------------------------------------------------------------------
 @pytest.mark.parametrize("faulty", [False, True])
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(SEEDS))
 def test_random_interleavings_keep_books_and_bytes(tmp_path, monkeypatch, seed, faulty):
     """Stores, lookups, promotions, loads, calibrations (distinct keys), resets, drops, step
     ends and polls in random order; ``faulty``: reads are slowed at random and one in 15
