@@ -42,15 +42,19 @@ def steps_of(n: int) -> list[tuple[int, int]]:
 
 
 class Engine:
-    """The H200 engine of one shape, rebuilt from its measured recompute TTFTs."""
+    """The engine of one shape, rebuilt from its measured recompute TTFTs (``ttft``: by prompt
+    length, as in ``data``; the H200's of 2026-12-01 unless given)."""
 
-    def __init__(self, shape: str, c: float = STEP_S) -> None:
-        s = DATA["shapes"][shape]
+    def __init__(self, shape: str, c: float = STEP_S, data: dict = DATA,
+                 ttft: dict | None = None) -> None:
+        s = data["shapes"][shape]
+        ttft = s["ttft_s"] if ttft is None else ttft
         self.kv_bytes_per_token = s["kv_bytes_per_token"]
-        self.row_bytes = CHUNK * self.kv_bytes_per_token
+        self.chunk = data["chunk_tokens"]
+        self.row_bytes = self.chunk * self.kv_bytes_per_token
         self.c = c
-        lengths = sorted(int(n) for n in s["ttft_s"])
-        self.measured = {n: s["ttft_s"][str(n)]["ours.recompute"] for n in lengths}
+        lengths = sorted(int(n) for n in ttft)
+        self.measured = {n: ttft[str(n)]["ours.recompute"] for n in lengths}
         x = [[sum(e - k for k, e in steps_of(n)), sum((e * e - k * k) / 2 for k, e in steps_of(n))]
              for n in lengths]
         y = [self.measured[n] - c * len(steps_of(n)) for n in lengths]
@@ -95,18 +99,18 @@ def replay_steps(adv: PromotionAdvisor, eng: Engine, prompts: list[int], decode_
         adv.step_end(ends[i])
 
 
-def advisor_for(shape: str, rate: float, c: float = STEP_S) -> tuple[PromotionAdvisor, Engine]:
-    eng = Engine(shape, c)
-    adv = PromotionAdvisor(1, eng.row_bytes, CHUNK, step_lag=1)
-    lengths = sorted(int(n) for n in DATA["shapes"][shape]["ttft_s"])
-    replay_steps(adv, eng, phases(lengths))
+def advisor_for(shape: str, rate: float, c: float = STEP_S, data: dict = DATA,
+                ttft: dict | None = None) -> tuple[PromotionAdvisor, Engine]:
+    eng = Engine(shape, c, data, ttft)
+    adv = PromotionAdvisor(1, eng.row_bytes, eng.chunk, step_lag=1)
+    replay_steps(adv, eng, phases(sorted(eng.measured)))
     adv.observe_read_batch(1, ADVISOR_CALIBRATION_BYTES, ADVISOR_CALIBRATION_BYTES / rate)
     return adv, eng
 
 
 def disk_phase(adv: PromotionAdvisor, n: int) -> bool:
     """The disk phase of an ``n``-token prompt: its whole prefix only on the file tier."""
-    return adv.decide([1] * (n // CHUNK), 0, n).load
+    return adv.decide([1] * (n // adv.chunk_tokens), 0, n).load
 
 
 @pytest.mark.parametrize("rate", VIRTUAL_DISK)
@@ -462,3 +466,41 @@ def test_a_stalled_first_step_of_few_tokens_is_not_taken_for_the_step_cost():
               for a in (16384 * 16384 / 2, (32768 * 32768 - 16384 * 16384) / 2)]
     measured = sum(float(np.mean(h)) for h in halves)  # a 32k prompt's two steps
     assert again.seconds(0, 32768) + 2 * again.c == pytest.approx(measured, rel=0.05)
+
+
+# -- the H100 of 2026-12-06c (tests/data/h100_2026-12-06c.json): 64-token chunks, both disks ----
+H100 = json.loads((Path(__file__).parent / "data" / "h100_2026-12-06c.json").read_text())
+H100_RAM = H100["disks"]["ram"]
+H100_VDISK = H100["disks"]["virtual"]
+
+
+def h100_advisor(disk: str, rate: float) -> tuple[PromotionAdvisor, Engine]:
+    return advisor_for("8b", rate, data=H100, ttft=H100["shapes"]["8b"]["ttft_s"][disk])
+
+
+def test_h100_ram_disk_8k_loads_at_the_rate_its_reads_ran_not_a_fresh_page_calibration():
+    """The first engine on the H100's RAM disk calibrated into freshly mapped memory (2.66 GB/s,
+    fio 5.61) and recomputed the 8k disk hit (449 ms, recompute 448); its promotion batches ran
+    at 3.7-4.3 GB/s, and the restarted engine, priced at such a rate, loaded it in 386 ms. At
+    the rates the disk's reads ran, 8k loads; 2k (256 MiB against ~60 ms) recomputes and 32k
+    loads at every rate, each as the measured costs say."""
+    ttft = H100["shapes"]["8b"]["ttft_s"]["ram"]
+    assert ttft["8192"]["ours.restart"] < ttft["8192"]["ours.recompute"]  # loading paid
+    adv, eng = h100_advisor("ram", H100_RAM["fresh_page_calibration_bytes_per_s"])
+    assert [disk_phase(adv, n) for n in (2048, 8192, 32768)] == [False, False, True]
+    for rate in (*H100_RAM["promotion_batch_bytes_per_s"], H100_RAM["fio_read_bytes_per_s"]):
+        adv, eng = h100_advisor("ram", rate)
+        assert [disk_phase(adv, n) for n in (2048, 8192, 32768)] == [False, True, True], rate
+        assert [eng.loading_wins(n, rate) for n in (2048, 8192, 32768)] == [False, True, True]
+
+
+@pytest.mark.parametrize("rate", [H100_VDISK["calibration_bytes_per_s"],
+                                  *H100_VDISK["disk_hit_bench_bytes_per_s"],
+                                  H100_VDISK["fio_read_bytes_per_s"]])
+def test_h100_virtual_disk_recomputes_2k_and_8k_and_loads_32k(rate):
+    """The H100's virtual disk (1.7 GB/s calibrated, 2.0-2.1 GB/s for a 32k disk hit, fio
+    2.65): 2k and 8k recompute (ours 147 / 444 ms recomputed against vLLM's fs tier loading in
+    229 / 814), 32k loads (2,217 ms against 4,560 to recompute, vLLM's fs tier 3,008)."""
+    adv, eng = h100_advisor("virtual", rate)
+    assert [disk_phase(adv, n) for n in (2048, 8192, 32768)] == [False, False, True]
+    assert [eng.loading_wins(n, rate) for n in (2048, 8192, 32768)] == [False, False, True]
