@@ -84,6 +84,10 @@ def parse() -> argparse.Namespace:
                     help=f"comma-separated, of {', '.join(CONFIGS)} (default: all)")
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--lengths", default="2048,8192,32768", help="prompt tokens, comma-separated")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="prompts per length, each of other tokens: every phase runs once per "
+                         "prompt and the table gives the median and the range (one request a "
+                         "cell spreads by tens of ms at 2k)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cpu-gib", type=float, default=0.0,
@@ -139,6 +143,8 @@ def parse() -> argparse.Namespace:
     a.configs = [c for c in a.configs.split(",") if c]
     a.phases = [p for p in a.phases.split(",") if p]
     a.lengths = _numbers(ap, "--lengths", a.lengths, int)
+    if a.repeats < 1:
+        ap.error(f"--repeats: expected at least 1, got {a.repeats}")
     a.tp_cpu_fraction = _numbers(ap, "--tp-cpu-fraction", a.tp_cpu_fraction, float)
     bad = sorted(set(a.configs) - set(CONFIGS)) + sorted(set(a.phases) - set(PHASES)
                                                          - {SWEEP_PHASE})
@@ -425,6 +431,12 @@ def prompt(seed: int, n: int, vocab: int) -> list[int]:
     return [r.randrange(100, vocab - 300) for _ in range(n)]
 
 
+def phase_prompts(lengths: list[int], repeats: int, vocab: int) -> list[tuple[int, list[int], int]]:
+    """(length, prompt, repeat) for the phases, each length's repeats together; the first
+    prompt of a length is the one runs without ``--repeats`` used, the others other tokens."""
+    return [(n, prompt(n + 1_000_003 * r, n, vocab), r) for n in lengths for r in range(repeats)]
+
+
 def record(rows, a, engine, config, length, phase, prompts, skip_cache=False, extra=None):
     wall, src, res = engine.generate(prompts, a.max_tokens, skip_cache)
     r = res[0]
@@ -444,7 +456,7 @@ def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, g
                cpu_bytes):
     """Phase engine (+ restart engine) of one config."""
     n_fill = fillers(cpu_bytes, max(a.lengths), kvb)
-    stored = (sum(a.lengths) + n_fill * max(a.lengths)) * kvb
+    stored = (a.repeats * sum(a.lengths) + n_fill * max(a.lengths)) * kvb
     kvt = transfer_config(config, scratch, cpu_bytes, a.disk_gib or max(1.0, 1.5 * stored / 2**30),
                           a.gpu_copy, a.promote)
     kvt = with_switch_interval(kvt, a.switch_ms)
@@ -453,16 +465,18 @@ def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, g
     eng = Engine(a, model, config, kvt, gpu_blocks, max_len, warm)
     timings["init_s"], timings["weights_s"] = eng.init_s, eng.weights_s
     try:
-        for length, p in lengths_prompts:
+        for length, p, rep in lengths_prompts:
+            extra = {"repeat": rep}
             if "cold" in a.phases:
-                record(rows, a, eng, config, length, "cold", [p])
+                record(rows, a, eng, config, length, "cold", [p], extra=extra)
             if "gpu" in a.phases:
-                record(rows, a, eng, config, length, "gpu", [p])
+                record(rows, a, eng, config, length, "gpu", [p], extra=extra)
             if "cpu" in a.phases:
                 eng.settle(0.5 + length * kvb / 20e9)
-                record(rows, a, eng, config, length, "cpu", [p])
+                record(rows, a, eng, config, length, "cpu", [p], extra=extra)
             if "recompute" in a.phases:
-                record(rows, a, eng, config, length, "recompute", [p], skip_cache=True)
+                record(rows, a, eng, config, length, "recompute", [p], skip_cache=True,
+                       extra=extra)
         if "disk" in a.phases and config != "none":
             # filler prompts, together larger than the CPU tier, push everything out of it
             per = max(a.lengths)
@@ -474,9 +488,9 @@ def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, g
             timings["filler_tokens"] = n_fill * per
             # every config waits (vLLM's CPU tier writes nothing, and the wait says so)
             timings["settle_disk"] = eng.settle(1.0, sync=True)
-            for length, p in lengths_prompts:
+            for length, p, rep in lengths_prompts:
                 eng.settle(0.2)
-                record(rows, a, eng, config, length, "disk", [p])
+                record(rows, a, eng, config, length, "disk", [p], extra={"repeat": rep})
         if "restart" in a.phases and config in HAS_DISK:
             timings["settle_restart"] = eng.settle(1.0, sync=True)
     finally:
@@ -485,9 +499,9 @@ def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, g
         eng = Engine(a, model, config, kvt, gpu_blocks, max_len, warm)
         timings["restart_init_s"] = eng.init_s
         try:
-            for length, p in lengths_prompts:
+            for length, p, rep in lengths_prompts:
                 eng.settle(0.2)
-                record(rows, a, eng, config, length, "restart", [p])
+                record(rows, a, eng, config, length, "restart", [p], extra={"repeat": rep})
         finally:
             eng.close()
     return timings
@@ -559,10 +573,12 @@ def compare(rows: list[dict], tp_rows: list[dict]) -> None:
       a full prefill multiply matrices of other shapes, so their bf16 roundings differ a
       little; vLLM without offloading shows that too: compare its ``gpu`` row with ``cold``.)
     """
-    ref = {r["length"]: r for r in rows if r["config"] == "none" and r["phase"] == "cold"}
-    gpu_hit = {(r["config"], r["length"]): r for r in rows if r["phase"] == "gpu"}
+    ref = {(r["length"], r.get("repeat", 0)): r for r in rows
+           if r["config"] == "none" and r["phase"] == "cold"}
+    gpu_hit = {(r["config"], r["length"], r.get("repeat", 0)): r for r in rows
+               if r["phase"] == "gpu"}
     for r in rows:
-        base = ref.get(r["length"])
+        base = ref.get((r["length"], r.get("repeat", 0)))
         if base is None:
             r["same_tokens"] = r["max_logprob_diff"] = None
         else:
@@ -570,7 +586,7 @@ def compare(rows: list[dict], tp_rows: list[dict]) -> None:
             diffs = [abs(x - y) for x, y in zip(r["logprobs"], base["logprobs"], strict=False)
                      if x is not None and y is not None]
             r["max_logprob_diff"] = max(diffs) if diffs else None
-        hit = gpu_hit.get((r["config"], r["length"]))
+        hit = gpu_hit.get((r["config"], r["length"], r.get("repeat", 0)))
         r["exact_vs_gpu_hit"] = (None if hit is None or r["phase"] not in ("cpu", "disk", "restart")
                                  or r["config"] == "none" else
                                  r["token_ids"] == hit["token_ids"]
@@ -584,6 +600,41 @@ def compare(rows: list[dict], tp_rows: list[dict]) -> None:
         t["same_tokens_fraction"] = same / len(t["token_ids"])
 
 
+def cell_rows(rows: list[dict], config: str, length: int, phase: str) -> list[dict]:
+    """The rows of one table cell: one per repeat (``--repeats``)."""
+    return [x for x in rows if x["config"] == config and x["length"] == length
+            and x["phase"] == phase]
+
+
+def median_ttft_ms(rs: list[dict]) -> float:
+    return statistics.median(r["ttft_s"] for r in rs) * 1000
+
+
+def cell(rs: list[dict], length: int) -> str:
+    """``TTFT ms (source) marks``; of several repeats the median TTFT, every source seen (each
+    repeat's, ``/``-separated where they differ) and ``[min-max, n]``; a mark if any repeat
+    has it."""
+    if not rs:
+        return ""
+    srcs = []
+    for r in rs:
+        src = "".join(k for k, v in (("g", r["from_gpu"]), ("c", r["from_cpu"]),
+                                     ("d", r["from_disk"])) if v > 0) or "r"
+        hit = r["from_gpu"] + r["from_cpu"] + r["from_disk"]
+        if src != "r" and hit < 0.9 * length:
+            src += f" {100 * hit / length:.0f}%"
+        if src not in srcs:
+            srcs.append(src)
+    mark = "" if all(r.get("same_tokens") in (True, None) for r in rs) else " *"
+    exact = [r.get("exact_vs_gpu_hit") for r in rs if r.get("exact_vs_gpu_hit") is not None]
+    mark += "" if not exact else (" =" if all(exact) else " !")
+    text = f"{median_ttft_ms(rs):.0f} ({'/'.join(srcs)}){mark}"
+    if len(rs) > 1:
+        ms = [r["ttft_s"] * 1000 for r in rs]
+        text += f" [{min(ms):.0f}-{max(ms):.0f}, {len(rs)}]"
+    return text
+
+
 def table(rows: list[dict], tp_rows: list[dict], configs: list[str]) -> str:
     lines = []
     phases = [p for p in PHASES if p != "throughput" and any(r["phase"] == p for r in rows)]
@@ -592,27 +643,11 @@ def table(rows: list[dict], tp_rows: list[dict], configs: list[str]) -> str:
         lines.append(f"\nTTFT ms, {length} prompt tokens (source of the prefix: g=GPU c=CPU "
                      f"d=disk r=recompute; * = greedy tokens differ from no offloading's cold "
                      f"run; = : tokens and logprobs bitwise equal to this engine's GPU hit; "
-                     f"! : they are not)")
+                     f"! : they are not; of several prompts: the median, [min-max, count])")
         lines.append("| phase | " + " | ".join(configs) + " |")
         lines.append("|---|" + "---|" * len(configs))
         for ph in phases:
-            cells = []
-            for c in configs:
-                r = next((x for x in rows if x["config"] == c and x["length"] == length
-                          and x["phase"] == ph), None)
-                if r is None:
-                    cells.append("")
-                    continue
-                src = "".join(k for k, v in (("g", r["from_gpu"]), ("c", r["from_cpu"]),
-                                             ("d", r["from_disk"])) if v > 0) or "r"
-                part = ""
-                hit = r["from_gpu"] + r["from_cpu"] + r["from_disk"]
-                if src != "r" and hit < 0.9 * length:
-                    part = f" {100 * hit / length:.0f}%"
-                mark = "" if r.get("same_tokens") in (True, None) else " *"
-                exact = r.get("exact_vs_gpu_hit")
-                mark += "" if exact is None else (" =" if exact else " !")
-                cells.append(f"{r['ttft_s'] * 1000:.0f} ({src}{part}){mark}")
+            cells = [cell(cell_rows(rows, c, length, ph), length) for c in configs]
             lines.append(f"| {ph} | " + " | ".join(cells) + " |")
     if tp_rows:
         t0 = tp_rows[0]
@@ -660,9 +695,8 @@ def plot(rows: list[dict], tp_rows: list[dict], configs: list[str], path: Path) 
         for k, c in enumerate(configs):
             ys = []
             for ph in phases:
-                r = next((x for x in rows if x["config"] == c and x["length"] == length
-                          and x["phase"] == ph), None)
-                ys.append(r["ttft_s"] * 1000 if r else 0)
+                rs = cell_rows(rows, c, length, ph)
+                ys.append(median_ttft_ms(rs) if rs else 0)
             ax.bar([i + k * width for i in range(len(phases))], ys, width, label=c)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(phases))], phases, rotation=30)
         ax.set_title(f"{length} prompt tokens")
@@ -1497,7 +1531,7 @@ def main() -> None:
     gpu_blocks = a.gpu_blocks or -(-int(max_len * 1.25) // block_size)
     cpu_bytes = int(a.cpu_gib * 2**30) if a.cpu_gib else auto_cpu_bytes(a.lengths, kvb)
     vocab = SHAPES[a.shape][5]
-    lengths_prompts = [(n, prompt(n, n, vocab)) for n in a.lengths]
+    lengths_prompts = phase_prompts(a.lengths, a.repeats, vocab)
     info = {"vllm": vllm.__version__, "shape": a.shape, "lengths": a.lengths,
             "configs": a.configs, "phases": a.phases, "kv_bytes_per_token": kvb,
             "params": sizes["params"], "weight_bytes": sizes["weight_bytes"],

@@ -518,3 +518,57 @@ def test_latency_split_says_whether_the_slowest_request_loaded_or_computed():
     none = gpu_bench.latency_split([out(0, None)])
     assert none["computed"] == {"requests": 1, "median_s": None, "max_s": None}
     assert none["loaded"]["requests"] == 0
+
+
+def test_repeats_give_each_length_prompts_of_other_tokens(monkeypatch, capsys):
+    """``--repeats R``: R prompts per length, the first the one a run without it uses, the others
+    of other tokens; 0 is refused."""
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--lengths", "64,128", "--repeats", "3"])
+    a = gpu_bench.parse()
+    got = gpu_bench.phase_prompts(a.lengths, a.repeats, 1000)
+    assert [(n, r) for n, _, r in got] == [(64, 0), (64, 1), (64, 2), (128, 0), (128, 1),
+                                           (128, 2)]
+    assert all(len(p) == n for n, p, _ in got)
+    assert got[0][1] == gpu_bench.prompt(64, 64, 1000) and got[3][1] == gpu_bench.prompt(128, 128, 1000)
+    assert len({tuple(p) for _, p, _ in got}) == 6
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--repeats", "0"])
+    with pytest.raises(SystemExit):
+        gpu_bench.parse()
+    assert "--repeats" in capsys.readouterr().err
+
+
+def _phase_row(config, phase, repeat, ms, tokens, source="r", length=2048):
+    hit = {"g": "from_gpu", "c": "from_cpu", "d": "from_disk"}.get(source)
+    row = {"config": config, "length": length, "phase": phase, "repeat": repeat,
+           "ttft_s": ms / 1000, "wall_s": ms / 1000, "cached_tokens": 0, "from_gpu": 0,
+           "from_cpu": 0, "from_disk": 0, "token_ids": tokens, "logprobs": [-1.0] * len(tokens)}
+    if hit:
+        row[hit] = length
+    return row
+
+
+def test_a_cell_of_several_repeats_gives_the_median_and_range_and_each_repeat_is_checked_alone():
+    """Each repeat's tier hit is checked against that repeat's own GPU hit and no-offloading
+    run (another prompt's tokens would never match); the cell shows the median TTFT, every
+    source seen and the range; one inexact repeat marks the cell."""
+    rows = []
+    for rep, toks in ((0, [1, 2]), (1, [3, 4]), (2, [5, 6])):
+        rows.append(_phase_row("none", "cold", rep, 70 + rep, toks))
+        rows.append(_phase_row("ours", "gpu", rep, 60, toks, "g"))
+    # disk: recomputed twice (73, 147 ms), loaded once (90 ms); the loaded one differs
+    rows.append(_phase_row("ours", "disk", 0, 73, [1, 2]))
+    rows.append(_phase_row("ours", "disk", 1, 147, [3, 4]))
+    rows.append(_phase_row("ours", "disk", 2, 90, [5, 7], "d"))
+    gpu_bench.compare(rows, [])
+    disk = [r for r in rows if r["phase"] == "disk"]
+    assert [r["same_tokens"] for r in disk] == [True, True, False]
+    assert [r["exact_vs_gpu_hit"] for r in disk] == [True, True, False]
+    text = gpu_bench.table(rows, [], ["none", "ours"])
+    line = next(x for x in text.splitlines() if x.startswith("| disk |"))
+    assert line == "| disk |  | 90 (r/d) * ! [73-147, 3] |"
+    cold = next(x for x in text.splitlines() if x.startswith("| cold |"))
+    assert cold == "| cold | 71 (r) [70-72, 3] |  |"
+    # one prompt a length (no --repeats): the cell as before
+    one = [r for r in rows if r["repeat"] == 0]
+    gpu_bench.compare(one, [])
+    assert "| disk |  | 73 (r) = |" in gpu_bench.table(one, [], ["none", "ours"])
