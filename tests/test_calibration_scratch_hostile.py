@@ -5,6 +5,7 @@ Real FileTiers in tmp_path; faults only at the I/O boundary (``PosixSlabIo.readv
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import gc
@@ -14,11 +15,12 @@ import random
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tierutil import facts, key, row_for
+from tierutil import facts, hit_prefix, key, row_for
 
 import tiering.backends.staging as staging
 from tiering.advisor import PromotionAdvisor, rate_min_rows
@@ -73,6 +75,19 @@ def fill(c: TierChain, keys: list[bytes]) -> None:
         np.frombuffer(c.region.row(r), np.uint8)[:] = np.frombuffer(row_for(k, c.row_bytes),
                                                                      np.uint8)
     c.complete_store(stored)
+
+
+@contextlib.contextmanager
+def filled(tmp_path: Path, n: int) -> Iterator[tuple[TierChain, list[bytes]]]:
+    """A chain over one disk tier holding ``n`` keys written down, closed afterwards."""
+    ks = [key(i) for i in range(n)]
+    c = chain(tmp_path, [disk(tmp_path)])
+    try:
+        fill(c, ks)
+        c.wait_idle()
+        yield c, ks
+    finally:
+        c.close()
 
 
 def idle_books(c: TierChain) -> None:
@@ -133,11 +148,7 @@ def spy_gets(tier: FileTier) -> list[list[tuple[bytes, int]]]:
 # -- duplicate keys ---------------------------------------------------------------------------
 def test_duplicate_keys_in_one_calibration_are_read_once(tmp_path):
     """``keys`` naming a chunk twice: one read per key, tracked and finished; the books idle."""
-    ks = [key(i) for i in range(20)]
-    c = chain(tmp_path, [disk(tmp_path)])
-    try:
-        fill(c, ks)
-        c.wait_idle()
+    with filled(tmp_path, 20) as (c, ks):
         pick = [ks[0], ks[0], *ks[1:16]]
         assert c.calibrate(1, pick)
         c.wait_idle()
@@ -145,8 +156,6 @@ def test_duplicate_keys_in_one_calibration_are_read_once(tmp_path):
         assert c.calibrate(1, ks[:16])  # and the next calibration runs
         c.wait_idle()
         idle_books(c)
-    finally:
-        c.close()
 
 
 def test_a_key_written_twice_does_not_break_the_step_end_calibration(tmp_path):
@@ -176,11 +185,7 @@ def test_a_key_written_twice_does_not_break_the_step_end_calibration(tmp_path):
 # -- failing reads ----------------------------------------------------------------------------
 def test_calibration_reads_that_all_fail_leave_nothing_behind(tmp_path, monkeypatch):
     faults = ReadFaults(monkeypatch)
-    ks = [key(i) for i in range(40)]
-    c = chain(tmp_path, [disk(tmp_path)])
-    try:
-        fill(c, ks)
-        c.wait_idle()
+    with filled(tmp_path, 40) as (c, ks):
         faults.watch(c._scratch(1))
         faults.fail = lambda a: True
         assert c.calibrate(1, ks[:16])
@@ -193,17 +198,11 @@ def test_calibration_reads_that_all_fail_leave_nothing_behind(tmp_path, monkeypa
         c.wait_idle()
         idle_books(c)
         assert c.advisor.read_rate(1) and not c.advisor.rate_is_provisional(1)
-    finally:
-        c.close()
 
 
 def test_a_partly_failed_calibration_gives_only_a_provisional_rate(tmp_path, monkeypatch):
     faults = ReadFaults(monkeypatch)
-    ks = [key(i) for i in range(40)]
-    c = chain(tmp_path, [disk(tmp_path)])
-    try:
-        fill(c, ks)
-        c.wait_idle()
+    with filled(tmp_path, 40) as (c, ks):
         scratch = c._scratch(1)
         faults.watch(scratch)
         base = addr(scratch)
@@ -218,8 +217,6 @@ def test_a_partly_failed_calibration_gives_only_a_provisional_rate(tmp_path, mon
         c.wait_idle()
         idle_books(c)
         assert not adv.rate_is_provisional(1)
-    finally:
-        c.close()
 
 
 def test_corrupt_slots_fail_the_calibration_cleanly(tmp_path):
@@ -520,14 +517,7 @@ def test_random_interleavings_keep_books_and_bytes(tmp_path, monkeypatch, seed, 
             op = rng.random()
             if op < 0.25:  # lookups in prefix order, a load of what hit
                 start = rng.randrange(len(universe) - 4)
-                seen: set[bytes] = set()
-                hits = []
-                for k in universe[start:start + rng.randint(1, 6)]:
-                    r = c.lookup(k, protect=seen)
-                    seen.add(k)
-                    if r is not Lookup.HIT:
-                        break
-                    hits.append(k)
+                hits = hit_prefix(c, universe[start:start + rng.randint(1, 6)])
                 if hits:
                     for k, r in zip(hits, c.prepare_load(hits), strict=True):
                         assert bytes(c.region.row(r)) == bytes(row_for(k)), k.hex()

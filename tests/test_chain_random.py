@@ -9,7 +9,7 @@ import random
 
 import numpy as np
 import pytest
-from tierutil import facts, key
+from tierutil import facts, hit_prefix, key
 
 import tiering.backends.staging as staging
 from tiering.backends.file_tier import FileTier
@@ -86,18 +86,7 @@ def test_random_operations_keep_invariants_and_bytes(tmp_path, seed):
         op = rng.random()
         if op < 0.3:  # a request's lookups, in prefix order, then a load of what hit
             start = rng.randrange(len(universe) - 4)
-            req = universe[start:start + rng.randint(1, 6)]
-            seen: set[bytes] = set()
-            hits = []
-            for k in req:
-                r = c.lookup(k, protect=seen)
-                seen.add(k)
-                if r is Lookup.MISS:
-                    break
-                if r is Lookup.HIT:
-                    hits.append(k)
-                else:
-                    break
+            hits = hit_prefix(c, universe[start:start + rng.randint(1, 6)])
             if hits:
                 _load_checked(c, hits, loading)
         elif op < 0.55:  # a store job: reserve rows, the "GPU" writes them
@@ -273,14 +262,7 @@ def test_random_operations_with_io_errors_drops_and_restarts_keep_the_write_coun
             rng.choice(faults).rate = rng.choice([0.0, 0.0, 0.2, 0.6, 1.0])
         elif op < 0.3:
             start = rng.randrange(len(universe) - 4)
-            seen: set[bytes] = set()
-            hits = []
-            for k in universe[start:start + rng.randint(1, 5)]:
-                r = c.lookup(k, protect=seen)
-                seen.add(k)
-                if r is not Lookup.HIT:
-                    break
-                hits.append(k)
+            hits = hit_prefix(c, universe[start:start + rng.randint(1, 5)])
             if hits:
                 _load_checked(c, hits, loading)
         elif op < 0.5:

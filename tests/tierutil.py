@@ -1,4 +1,4 @@
-"""Helpers shared by the file-tier tests."""
+"""Helpers shared by the tier and chain tests."""
 
 from __future__ import annotations
 
@@ -74,3 +74,19 @@ def read(tier: FileTier, k: bytes):
     done = tier.wait_idle()
     ok = all(d.ok for d in done)
     return (bytes(out) if ok else None), done
+
+
+def hit_prefix(chain, keys: list[bytes]) -> list[bytes]:
+    """One request's lookups of ``keys`` in prefix order (each protecting those before it), as
+    vLLM asks: the leading keys that are HITs, up to the first that is not."""
+    from tiering.tier import Lookup
+
+    seen: set[bytes] = set()
+    hits: list[bytes] = []
+    for k in keys:
+        r = chain.lookup(k, protect=seen)
+        seen.add(k)
+        if r is not Lookup.HIT:
+            break
+        hits.append(k)
+    return hits
