@@ -135,10 +135,9 @@ class TierChain:
         self._stored_in_step = self._stored_last_step = 0  # rows given to stores, per step
         # the rows stores leave unpinned for promotions, sized at each step's end
         self._for_promotions = PromotionReserve(cpu, promotion_reserve, bool(self.file_tiers))
-        if advisor is not None:  # allocated now, at engine start, not in a scheduler step
-            for i in range(1, len(self.file_tiers) + 1):
-                self._scratch(i)
         if advisor is not None:
+            for i in range(1, len(self.file_tiers) + 1):
+                self._scratch(i)  # allocated now, at engine start, not in a scheduler step
             self._restore_advisor()
 
     def _restore_advisor(self) -> None:
@@ -234,8 +233,11 @@ class TierChain:
     def _full_batch_rows(self, i: int) -> int:
         """Rows a read batch of tier ``i`` needs to measure its rate (``rate_min_rows``, or all
         a smaller tier can hold)."""
-        capacity_rows = self.tiers[i].usage()[1] // self.row_bytes
-        return max(1, min(rate_min_rows(self.row_bytes), capacity_rows))
+        return max(1, min(rate_min_rows(self.row_bytes), self._capacity_rows(i)))
+
+    def _capacity_rows(self, i: int) -> int:
+        """Rows file tier ``i`` can hold."""
+        return self.tiers[i].usage()[1] // self.row_bytes
 
     def _calibration_rows(self) -> int:
         """Rows one calibration reads at most (settings: ADVISOR_CALIBRATION_BYTES)."""
@@ -250,8 +252,7 @@ class TierChain:
         advisor recomputed an 8k disk hit that loads in 0.86x the time)."""
         buf = self._scratch_rows.get(i)
         if buf is None:  # no more rows than the tier holds (a calibration reads rows it holds)
-            capacity_rows = self.file_tiers[i - 1].usage()[1] // self.row_bytes
-            rows = min(self._calibration_rows(), max(1, capacity_rows))
+            rows = min(self._calibration_rows(), max(1, self._capacity_rows(i)))
             buf = self._scratch_rows[i] = resident_buffer(rows * self.row_bytes)
         return buf
 
