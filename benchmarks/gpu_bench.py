@@ -36,6 +36,7 @@ the engine-core process holds our spec's state, so a new ``LLM`` is an engine re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -138,10 +139,20 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--tag", default="h200")
     ap.add_argument("--cpu-platform", action="store_true",
                     help="vLLM's CPU platform (a smoke run of this script without a GPU)")
+    ap.add_argument("--cprofile-phases", default="",
+                    help="comma-separated phases (disk, restart, ...) whose requests at the "
+                         "longest length run under cProfile in the engine core's step thread: "
+                         "where a slow hit's steps go (a diagnostic run: those TTFTs include "
+                         "the profiler's cost, and their rows say profiled); the stats and a "
+                         "summary go into --out as phases_TAG_CONFIG_PHASE_LENGTH_R.profile.txt")
     add_sweep_args(ap)
     a = ap.parse_args()
     a.configs = [c for c in a.configs.split(",") if c]
     a.phases = [p for p in a.phases.split(",") if p]
+    a.cprofile_phases = [p for p in a.cprofile_phases.split(",") if p]
+    if set(a.cprofile_phases) - set(a.phases):
+        ap.error(f"--cprofile-phases: {sorted(set(a.cprofile_phases) - set(a.phases))} are "
+                 f"not among --phases {a.phases}")
     a.lengths = _numbers(ap, "--lengths", a.lengths, int)
     if a.repeats < 1:
         ap.error(f"--repeats: expected at least 1, got {a.repeats}")
@@ -438,7 +449,14 @@ def phase_prompts(lengths: list[int], repeats: int, vocab: int) -> list[tuple[in
 
 
 def record(rows, a, engine, config, length, phase, prompts, skip_cache=False, extra=None):
-    wall, src, res = engine.generate(prompts, a.max_tokens, skip_cache)
+    if phase in a.cprofile_phases and length == max(a.lengths):
+        stem = Path(a.out).resolve() / (f"phases_{a.tag}_{config}_{phase}_{length}_"
+                              f"{(extra or {}).get('repeat', 0)}")
+        with engine_profile(engine, stem) as files:
+            wall, src, res = engine.generate(prompts, a.max_tokens, skip_cache)
+        extra = {**(extra or {}), "profiled": files}
+    else:
+        wall, src, res = engine.generate(prompts, a.max_tokens, skip_cache)
     r = res[0]
     row = {"config": config, "length": length, "phase": phase, "wall_s": wall,
            "ttft_s": r["ttft_s"] if r["ttft_s"] is not None else wall,
@@ -450,6 +468,36 @@ def record(rows, a, engine, config, length, phase, prompts, skip_cache=False, ex
           f"cached {row['cached_tokens']:>6} (gpu {src['device']:.0f} cpu {src['host']:.0f} "
           f"disk {src['disk']:.0f})", flush=True)
     return row
+
+
+@contextlib.contextmanager
+def engine_profile(engine, stem: Path):
+    """cProfile in the engine core's step thread (through ``collective_rpc``, as the sweep's
+    profiled batch) while the block runs; yields a dict that then names the stats and summary
+    files (or the error). Never raises for the profiler's sake."""
+    from tiering import profiling
+
+    files: dict = {}
+    pstats_path = stem.with_suffix(".pstats")
+    try:
+        started = all(engine.llm.collective_rpc(profiling.start_profile,
+                                                args=(str(pstats_path),)))
+    except Exception as e:  # noqa: BLE001
+        started, files["error"] = False, f"start: {type(e).__name__}: {e}"
+    try:
+        yield files
+    finally:
+        if started:
+            try:
+                ok = engine.llm.collective_rpc(profiling.stop_profile, args=(str(pstats_path),))
+                if all(ok) and pstats_path.exists():
+                    summary = stem.with_suffix(".profile.txt")
+                    summary.write_text(profiling.summarize(str(pstats_path)) + "\n")
+                    files.update(stats=pstats_path.name, summary=summary.name)
+                else:
+                    files["error"] = "the engine core wrote no stats"
+            except Exception as e:  # noqa: BLE001
+                files["error"] = f"stop: {type(e).__name__}: {e}"
 
 
 def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, gpu_blocks,
@@ -628,6 +676,7 @@ def cell(rs: list[dict], length: int) -> str:
     mark = "" if all(r.get("same_tokens") in (True, None) for r in rs) else " *"
     exact = [r.get("exact_vs_gpu_hit") for r in rs if r.get("exact_vs_gpu_hit") is not None]
     mark += "" if not exact else (" =" if all(exact) else " !")
+    mark += " p" if any(r.get("profiled") is not None for r in rs) else ""
     text = f"{median_ttft_ms(rs):.0f} ({'/'.join(srcs)}){mark}"
     if len(rs) > 1:
         ms = [r["ttft_s"] * 1000 for r in rs]
@@ -643,7 +692,8 @@ def table(rows: list[dict], tp_rows: list[dict], configs: list[str]) -> str:
         lines.append(f"\nTTFT ms, {length} prompt tokens (source of the prefix: g=GPU c=CPU "
                      f"d=disk r=recompute; * = greedy tokens differ from no offloading's cold "
                      f"run; = : tokens and logprobs bitwise equal to this engine's GPU hit; "
-                     f"! : they are not; of several prompts: the median, [min-max, count])")
+                     f"! : they are not; p : run under cProfile (--cprofile-phases); of several "
+                     f"prompts: the median, [min-max, count])")
         lines.append("| phase | " + " | ".join(configs) + " |")
         lines.append("|---|" + "---|" * len(configs))
         for ph in phases:

@@ -572,3 +572,23 @@ def test_a_cell_of_several_repeats_gives_the_median_and_range_and_each_repeat_is
     one = [r for r in rows if r["repeat"] == 0]
     gpu_bench.compare(one, [])
     assert "| disk |  | 73 (r) = |" in gpu_bench.table(one, [], ["none", "ours"])
+
+
+def test_cprofile_phases_must_be_run_and_mark_their_cells(monkeypatch, capsys):
+    """``--cprofile-phases``: only phases that run may be profiled (a typo is refused, not a
+    run without the profile it was for), and a profiled request's cell says so, since its
+    TTFT includes the profiler's cost."""
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "cold,disk,restart",
+                                      "--cprofile-phases", "disk,restart"])
+    assert gpu_bench.parse().cprofile_phases == ["disk", "restart"]
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "cold,disk",
+                                      "--cprofile-phases", "disk,restrat"])
+    with pytest.raises(SystemExit):
+        gpu_bench.parse()
+    assert "restrat" in capsys.readouterr().err
+    rows = [_phase_row("ours", "gpu", 0, 60, [1, 2], "g"),
+            {**_phase_row("ours", "disk", 0, 900, [1, 2], "d"), "profiled": {"stats": "x"}},
+            _phase_row("ours", "restart", 0, 800, [1, 2], "d")]
+    gpu_bench.compare(rows, [])
+    text = gpu_bench.table(rows, [], ["ours"])
+    assert "| disk | 900 (d) = p |" in text and "| restart | 800 (d) = |" in text
