@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from tiering.backends.block_copy import CopyFailed
+from tiering.thread_names import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class CopyFeeder:
         self._cond = threading.Condition()
         self._stop = False
         self.waits = 0  # times the feeder waited for room (a measure of the limit binding)
-        self._thread = threading.Thread(target=self._run, name=f"tiering-{name}-feeder",
+        self._thread = threading.Thread(target=self._run, name=f"tier-feed-{name}",
                                         daemon=True)
         self._thread.start()
 
@@ -109,6 +110,7 @@ class CopyFeeder:
 
     # -- the feeder thread -------------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread(threading.current_thread().name)
         torch = self.torch
         try:
             torch.cuda.set_device(self.device)

@@ -51,6 +51,7 @@ from tiering.settings import (
     MIN_WRITE_RUN_BYTES,
     OVERLAP_BATCHES,
 )
+from tiering.thread_names import name_os_thread
 
 log = logging.getLogger(__name__)
 REQUEST_NAME = re.compile(r"^[0-9a-f]{12}\.json$")  # what admin.submit_request writes
@@ -201,6 +202,7 @@ class Committer(threading.Thread):
         self._overlap_rows = io.threads * -(-MIN_RUN_BYTES // slabs.slot_bytes)
 
     def run(self) -> None:
+        name_os_thread(self.name)
         # Two batches overlap when enough work is queued: once a batch's rows are written, the
         # next batch (the jobs queued meanwhile) is reserved and its writes started before the
         # first one is synced and published, so the device is not idle during fdatasync and

@@ -40,6 +40,7 @@ import numpy as np
 from tiering.backends.mooncake_config import MooncakeTierConfig
 from tiering.backends.mooncake_value import HEADER_BYTES, META_NAME, ValueCodec, namespace_prefix
 from tiering.settings import MOONCAKE_TRANSFER_AGAIN_WITHIN
+from tiering.thread_names import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +230,7 @@ class MooncakeClient:
 
     # -- connector thread ----------------------------------------------------------------------
     def _connect(self) -> None:
+        name_os_thread("mooncake-connect")
         cfg, last_error = self.cfg, None
         while not self._stop.is_set():
             try:
@@ -260,6 +262,7 @@ class MooncakeClient:
 
     # -- I/O threads ------------------------------------------------------------------------------
     def _exists_loop(self) -> None:
+        name_os_thread("mooncake-exists")
         while True:
             batch = self._exists.get()
             if batch is None:
@@ -288,6 +291,7 @@ class MooncakeClient:
                 at += n
 
     def _data_loop(self, i: int) -> None:
+        name_os_thread(f"mooncake-io-{i}")
         n = self.cfg.batch_rows * HEADER_BYTES
         headers = self._headers[i * n:(i + 1) * n]
         while True:

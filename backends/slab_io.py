@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tiering.settings import SLAB_IO_URGENT_BURST
+from tiering.thread_names import name_os_thread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,6 +110,7 @@ class SlabIo(ABC):
             t.start()
 
     def _work(self) -> None:
+        name_os_thread(threading.current_thread().name)
         get, urgent, plain = self._tokens.get, self._urgent, self._plain
         streak = 0  # urgent tasks this worker ran in a row while plain ones waited
         while True:

@@ -145,14 +145,22 @@ def parse() -> argparse.Namespace:
                          "where a slow hit's steps go (a diagnostic run: those TTFTs include "
                          "the profiler's cost, and their rows say profiled); the stats and a "
                          "summary go into --out as phases_TAG_CONFIG_PHASE_LENGTH_R.profile.txt")
+    ap.add_argument("--thread-cpu-phases", default="",
+                    help="comma-separated phases whose requests record the CPU seconds of "
+                         "every thread on the machine while they ran (benchmarks/thread_cpu.py; "
+                         "read before and after the request): the busiest threads go into the "
+                         "row (cpu_threads) and the log")
     add_sweep_args(ap)
     a = ap.parse_args()
     a.configs = [c for c in a.configs.split(",") if c]
     a.phases = [p for p in a.phases.split(",") if p]
     a.cprofile_phases = [p for p in a.cprofile_phases.split(",") if p]
-    if set(a.cprofile_phases) - set(a.phases):
-        ap.error(f"--cprofile-phases: {sorted(set(a.cprofile_phases) - set(a.phases))} are "
-                 f"not among --phases {a.phases}")
+    a.thread_cpu_phases = [p for p in a.thread_cpu_phases.split(",") if p]
+    for opt, asked in (("--cprofile-phases", a.cprofile_phases),
+                       ("--thread-cpu-phases", a.thread_cpu_phases)):
+        if set(asked) - set(a.phases):
+            ap.error(f"{opt}: {sorted(set(asked) - set(a.phases))} are not among --phases "
+                     f"{a.phases}")
     a.lengths = _numbers(ap, "--lengths", a.lengths, int)
     if a.repeats < 1:
         ap.error(f"--repeats: expected at least 1, got {a.repeats}")
@@ -449,6 +457,20 @@ def phase_prompts(lengths: list[int], repeats: int, vocab: int) -> list[tuple[in
 
 
 def record(rows, a, engine, config, length, phase, prompts, skip_cache=False, extra=None):
+    if phase in a.thread_cpu_phases:
+        from benchmarks import thread_cpu
+
+        before = thread_cpu.snapshot()
+        row = _record(rows, a, engine, config, length, phase, prompts, skip_cache, extra)
+        row["cpu_threads"] = thread_cpu.busiest(before, thread_cpu.snapshot(), top=12)
+        print(f"[bench] {config} {length} {phase}: busiest threads " + ", ".join(
+            f"{t['process']}/{t['thread']} {t['cpu_s']:.2f}s" for t in row["cpu_threads"]),
+            flush=True)
+        return row
+    return _record(rows, a, engine, config, length, phase, prompts, skip_cache, extra)
+
+
+def _record(rows, a, engine, config, length, phase, prompts, skip_cache, extra):
     if phase in a.cprofile_phases and length == max(a.lengths):
         stem = Path(a.out).resolve() / (f"phases_{a.tag}_{config}_{phase}_{length}_"
                               f"{(extra or {}).get('repeat', 0)}")

@@ -581,11 +581,13 @@ def test_cprofile_phases_must_be_run_and_mark_their_cells(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "cold,disk,restart",
                                       "--cprofile-phases", "disk,restart"])
     assert gpu_bench.parse().cprofile_phases == ["disk", "restart"]
-    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "cold,disk",
-                                      "--cprofile-phases", "disk,restrat"])
-    with pytest.raises(SystemExit):
-        gpu_bench.parse()
-    assert "restrat" in capsys.readouterr().err
+    for opt in ("--cprofile-phases", "--thread-cpu-phases"):
+        monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "cold,disk", opt,
+                                          "disk,restrat"])
+        with pytest.raises(SystemExit):
+            gpu_bench.parse()
+        err = capsys.readouterr().err
+        assert "restrat" in err and opt in err
     rows = [_phase_row("ours", "gpu", 0, 60, [1, 2], "g"),
             {**_phase_row("ours", "disk", 0, 900, [1, 2], "d"), "profiled": {"stats": "x"}},
             _phase_row("ours", "restart", 0, 800, [1, 2], "d")]

@@ -37,6 +37,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from tiering.thread_names import name_os_thread
+
 ENV = "TIERING_STEP_TRACE"
 FLUSH_S = 0.5
 
@@ -75,6 +77,7 @@ class StepTrace:
         self._writer.start()
 
     def _write_loop(self) -> None:
+        name_os_thread("tiering-trace")
         while True:
             time.sleep(FLUSH_S)
             self.flush()
