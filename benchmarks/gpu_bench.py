@@ -813,32 +813,56 @@ def render(path: Path) -> None:
 class StepBudget:
     """Which steps (a config's phases, one throughput run) still fit in ``--budget-s``.
 
-    A step is expected to take as long as the longest step of its kind so far: its kind is what
-    it runs and whether the config has a disk (a disk config's phases add the disk phase and an
-    engine restart). With no step of its kind yet, a disk config's phases are expected to take
-    twice the longest phases of a config without disk (8B on the H200: 95-100 s against 57 s),
-    any other step as long as the longest of the same kind, or no time at all."""
+    A step is expected to take its work plus its engine starts. Its work is the longest work
+    of a step of its kind so far: its kind is what it runs and whether the config has a disk
+    (a disk config's phases add the disk phase and an engine restart). With no step of its kind
+    yet, a disk config's phases are expected to do twice the work of the longest phases of a
+    config without disk (8B on the H200: 95-100 s against 57 s), any other step as much as the
+    longest of the same kind, or none at all. An engine start is taken to cost the quickest
+    start seen after the run's first: the first engine of a fresh machine compiles kernels and
+    warms caches (53 s on an H100, where every later start took 9-10 s), and counting that
+    twice for a disk config skipped both disk configs of a run that had time for them; until
+    a later start is seen a start is guessed at ``START_GUESS_S``."""
+
+    START_GUESS_S = 15.0
 
     def __init__(self, budget_s: float, start: float, clock=time.perf_counter) -> None:
         self.budget_s, self.start, self.clock = budget_s, start, clock
-        self.longest: dict[tuple[str, bool], float] = {}
+        self.longest: dict[tuple[str, bool], float] = {}  # work, without engine starts
+        self.starts_seen = 0
+        self.quickest_start: float | None = None  # of the starts after the first
 
     def spent(self) -> float:
         return self.clock() - self.start
 
+    def start_s(self) -> float:
+        return self.START_GUESS_S if self.quickest_start is None else self.quickest_start
+
     def estimate(self, what: str, config: str) -> float:
         disk = config in HAS_DISK
+        starts = 2 if disk and what == "phases" else 1
         if (what, disk) in self.longest:
-            return self.longest[(what, disk)]
-        other = self.longest.get((what, not disk), 0.0)
-        return 2 * other if disk and what == "phases" else other
+            return self.longest[(what, disk)] + starts * self.start_s()
+        other = self.longest.get((what, not disk))
+        if other is None:
+            return 0.0  # nothing to go by: it starts
+        return (2 * other if disk and what == "phases" else other) + starts * self.start_s()
 
     def fits(self, what: str, config: str) -> bool:
         return not self.budget_s or self.spent() + self.estimate(what, config) <= self.budget_s
 
-    def took(self, what: str, config: str, seconds: float) -> None:
+    def took(self, what: str, config: str, seconds: float,
+             engine_starts_s: tuple[float, ...] = ()) -> None:
+        """A step ended after ``seconds``, of which ``engine_starts_s`` were its engines'
+        starts (in order; none given: all of it counts as work)."""
+        for s in engine_starts_s:
+            if self.starts_seen:
+                self.quickest_start = s if self.quickest_start is None else min(
+                    self.quickest_start, s)
+            self.starts_seen += 1
         key = (what, config in HAS_DISK)
-        self.longest[key] = max(self.longest.get(key, 0.0), seconds)
+        work = max(0.0, seconds - sum(engine_starts_s))
+        self.longest[key] = max(self.longest.get(key, 0.0), work)
 
 
 # -- the prefill sweep (issue 15: the source article's throughput experiment) ---------------------
@@ -1683,7 +1707,13 @@ def main() -> None:
             timings.setdefault(key, {})[f"{what}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
         took = time.perf_counter() - t
         timings.setdefault(key, {})[f"{what}_wall_s"] = took
-        budget.took(what, config, took)
+        # the step's engine starts: the phases' engine and its restart, a throughput run's one
+        ran = (timings.get(key, {}) if what == "phases"
+               else tp_rows[-1] if tp_rows and (tp_rows[-1].get("config"),
+                                                tp_rows[-1].get("cpu_fraction")) == (config, fraction)
+               else {})
+        starts = (ran.get("init_s"), ran.get("restart_init_s"))
+        budget.took(what, config, took, tuple(x for x in starts if isinstance(x, float)))
         for d in (scratch / config, scratch / "tp" / config):
             shutil.rmtree(d, ignore_errors=True)
         print(f"[bench] {key} {what} done in {took:.0f}s", flush=True)
