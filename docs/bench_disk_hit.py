@@ -18,8 +18,9 @@ secondary tier). Both read with ``io_threads`` = ``--threads``. Needs vLLM 0.33 
     python docs/bench_disk_hit.py DIR [--chunks 512] [--row-mib 2] [--threads 8] [--rounds 3]
            [--systems ours,vtier-ours] [--json OUT.json]
 
-Prints one line per measurement: milliseconds to all-HIT, GB/s, scheduler steps and the longest
-step (the scan that reserved the promotions). Then fio
+Prints one line per measurement: milliseconds to all-HIT, GB/s, scheduler steps, the longest
+step (the scan that reserved the promotions) and what a re-ask costs the scheduler thread per
+chunk (the median over the scans after the first that found reads still pending). Then fio
 (``$TIERING_FIO``, ``fio`` on PATH or ``.device/fio/fio``) reads the same bytes of the same slab
 file that the last round's ``ours`` promoted from (O_DIRECT, psync, ``--threads`` jobs, one row
 per block) and the promotion rates are given as a share of fio's.
@@ -140,6 +141,7 @@ def disk_hit(mgr: Any, req_id: str, keys: list[bytes]) -> dict[str, Any]:
     ctx = _context(req_id, keys)
     mgr.on_new_request(ctx)
     t0, steps, hits, longest = time.perf_counter(), 0, 0, 0.0
+    rescans: list[float] = []  # per chunk, the scans after the first that found reads pending
     while True:
         steps += 1
         t_step = time.perf_counter()
@@ -150,6 +152,8 @@ def disk_hit(mgr: Any, req_id: str, keys: list[bytes]) -> dict[str, Any]:
                 break
             hits += 1
             pending |= r is not LookupResult.HIT
+        if steps > 1 and pending and hits:
+            rescans.append((time.perf_counter() - t_step) / hits)
         mgr.on_schedule_end(_schedule_end())
         longest = max(longest, time.perf_counter() - t_step)
         if not pending or steps > 100000:
@@ -160,7 +164,10 @@ def disk_hit(mgr: Any, req_id: str, keys: list[bytes]) -> dict[str, Any]:
         mgr.complete_load(keys[:hits], ctx)
     mgr.on_request_finished(ctx)
     # the longest step is the one whose scan reserved the promotions (and issued the reads)
-    return {"ms": 1000 * seconds, "steps": steps, "hits": hits, "longest_step_ms": 1000 * longest}
+    # what vLLM's every re-ask of a waiting request costs the scheduler thread, per chunk
+    rescan_us = 1e6 * statistics.median(rescans) if rescans else None
+    return {"ms": 1000 * seconds, "steps": steps, "hits": hits, "longest_step_ms": 1000 * longest,
+            "rescan_us_per_chunk": rescan_us}
 
 
 def slot_reads_max() -> int:
@@ -243,7 +250,8 @@ def run_system(system: str, root: Path, a: argparse.Namespace, row: int,
         r["GBps"] = r["hits"] * row / (r["ms"] / 1000) / 1e9
         print(f"{r['system']:<11} {r['phase']:<8} round {rnd}: {r['ms']:7.1f} ms  "
               f"{r['GBps']:5.2f} GB/s  {r['steps']:4d} steps (longest {r['longest_step_ms']:.0f} ms)  "
-              f"{r['hits']}/{n} hits", flush=True)
+              f"{r['hits']}/{n} hits, a re-ask {r['rescan_us_per_chunk'] or 0:.2f} us a chunk",
+              flush=True)
     return out
 
 
@@ -260,6 +268,9 @@ def main() -> int:
     ap.add_argument("--read-run-mib", type=float, default=None,
                     help="the largest vectored read of adjacent slots (tiering.settings."
                          "MAX_READ_RUN_BYTES; default: the setting's value), for A/B runs")
+    ap.add_argument("--lookup-poll-s", type=float, default=None,
+                    help="ours: how often a lookup applies finished reads (tiering.settings."
+                         "LOOKUP_POLL_INTERVAL_S; 0: at every lookup, as before it was set)")
     ap.add_argument("--switch-ms", type=float, default=None,
                     help="the interpreter's switch interval (sys.setswitchinterval) in ms "
                          "for every system, ours' spec told to leave it (default: ours' spec "
@@ -271,6 +282,10 @@ def main() -> int:
         from tiering.backends import slot_reads
 
         slot_reads.MAX_READ_RUN_BYTES = int(a.read_run_mib * 2**20)
+    if a.lookup_poll_s is not None:
+        from tiering import chain
+
+        chain.LOOKUP_POLL_INTERVAL_S = a.lookup_poll_s
     row = int(a.row_mib * 2**20) // 4096 * 4096
     root = Path(a.dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -315,8 +330,14 @@ def main() -> int:
                     share = gbps / summary["fio"]["GBps"]
                     summary[f"{system}_{phase}_of_fio"] = share
                     of_fio = f", {100 * share:.0f}% of fio"
+                us = [r["rescan_us_per_chunk"] for r in results if r["system"] == system
+                      and r["phase"] == phase and r.get("rescan_us_per_chunk") is not None]
+                rescan = ""
+                if us:
+                    summary[f"{system}_{phase}_rescan_us_per_chunk"] = statistics.median(us)
+                    rescan = f"; a re-ask {statistics.median(us):.2f} us a chunk"
                 print(f"median {system:<11} {phase:<8} {med:7.1f} ms = {gbps:5.2f} GB/s{of_fio} "
-                      f"({', '.join(f'{x:.0f}' for x in ms)})")
+                      f"({', '.join(f'{x:.0f}' for x in ms)}){rescan}")
     if a.json:
         Path(a.json).write_text(json.dumps({"argv": sys.argv[1:], "results": results,
                                             "summary": summary}, indent=1))

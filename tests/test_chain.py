@@ -353,3 +353,41 @@ def test_the_reserve_doubles_while_promotions_still_find_no_row(tmp_path):
     c.check()
     c.complete_store(pending)
     c.close()
+
+
+def _read_finished(chain: TierChain, timeout: float = 10.0) -> None:
+    """Wait until the file tier's read has finished on its I/O thread, without applying it (the
+    tier's completion queue holds it; only a poll applies it)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while chain.file_tiers[0]._results.empty():  # noqa: SLF001 - the test must not poll
+        assert time.monotonic() < deadline, "the read never finished"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("interval,hit_before_step_end", [(0.0, True), (3600.0, False)])
+def test_lookups_apply_finished_reads_at_most_every_interval_and_the_step_end_always(
+        tmp_path, monkeypatch, interval, hit_before_step_end):
+    """While promotions are read, vLLM re-asks every chunk each step; a lookup applies finished
+    reads at most every LOOKUP_POLL_INTERVAL_S (a re-ask 1.56 -> 1.2 us a chunk), so a read
+    that finished just after one is a hit a little later, and at the latest after the step's
+    end, which always applies what finished."""
+    import tiering.chain as chain_module
+
+    monkeypatch.setattr(chain_module, "LOOKUP_POLL_INTERVAL_S", interval)
+    c = make_chain(tmp_path, rows=2)
+    a = [key("a0"), key("a1")]
+    data = fill(c, a)
+    settle(c)
+    fill(c, [key("b0"), key("b1")], seed=1)
+    settle(c)
+    assert c.lookup(a[0]) == Lookup.PENDING
+    c.on_schedule_end()  # the read is issued (and this step's end polled before it finished)
+    _read_finished(c)
+    assert c.lookup(a[0]) == (Lookup.HIT if hit_before_step_end else Lookup.PENDING)
+    c.on_schedule_end()
+    assert c.lookup(a[0]) == Lookup.HIT
+    (row,) = c.prepare_load([a[0]])
+    assert c.region.rows[row].tobytes() == data[a[0]]
+    c.close()

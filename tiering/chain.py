@@ -55,6 +55,7 @@ from tiering.settings import (
     ADVISOR_CALIBRATION_MAX_ROWS,
     DEMOTION_PIN_FRACTION,
     DEMOTION_PIN_MIN,
+    LOOKUP_POLL_INTERVAL_S,
     PROMOTION_RESERVE_DEFAULT,
     WRITEBACK_RESERVE_FRACTION,
     WRITEBACK_RESERVE_MIN,
@@ -121,6 +122,7 @@ class TierChain:
         self._write_through_set = frozenset(self._write_through)
         self._owed = OwedRows()
         self.steps = 0  # scheduler steps seen (on_schedule_end calls)
+        self._polled_at = 0.0  # when finished I/O was last applied (poll)
         # the most rows pinned by writes down (_writes_queued summed: a row written to two
         # tiers counts twice)
         self._demote_budget = max(DEMOTION_PIN_MIN, int(self.num_rows * DEMOTION_PIN_FRACTION))
@@ -174,7 +176,9 @@ class TierChain:
         """Apply finished I/O, then ask the CPU tier (HIT, PENDING while a promotion of the key
         is in flight, or MISS)."""
         if self._batches:  # reads in flight: a finished one may turn this lookup into a hit
-            self.poll()  # (otherwise the step's end polls: admin requests, store completions)
+            # at most every LOOKUP_POLL_INTERVAL_S after the last poll (settings)
+            if time.perf_counter() - self._polled_at >= LOOKUP_POLL_INTERVAL_S:
+                self.poll()  # (otherwise the step's end polls: admin requests, store completions)
         return self.cpu.lookup(key, count, per_request=per_request)
 
     def find_file(self, key: bytes, count: bool = True, counted_above: int = 0
@@ -448,6 +452,7 @@ class TierChain:
 
     def poll(self, wait: float = 0.0) -> None:
         """Apply finished file-tier I/O (``wait`` > 0 blocks up to that long per busy tier)."""
+        self._polled_at = time.perf_counter()
         for i, tier in enumerate(self.file_tiers, start=1):
             # always drained (cheap when empty): admin requests of tools arrive here too
             for done in tier.poll(wait=wait if tier.has_pending_work() else 0.0):

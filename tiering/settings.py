@@ -24,6 +24,16 @@ WRITEBACK_RESERVE_MIN = 2
 DEMOTION_PIN_FRACTION = 1 / 4
 DEMOTION_PIN_MIN = 2
 
+# -- tier chain: lookups while promotions are read ---------------------------------------------
+# vLLM re-asks every chunk of a waiting request each step (512 for a 32k prompt of 64-token
+# chunks) while its promotions are read; a lookup then first applies the reads that finished, so
+# that one done in the middle of the scan is a hit in that scan. Applying them at most this often
+# within a step (each step's end applies them too) costs a finished read at most this long and
+# took a re-ask from 1.56 to 1.25 us a chunk on the build machine (docs/bench_disk_hit.py,
+# --lookup-poll-s 0 against the default; docs/benchmarks.md): scheduler-thread time, and GIL
+# time the read threads wait for.
+LOOKUP_POLL_INTERVAL_S = 0.0002
+
 # -- tier chain: rows kept for promotions ---------------------------------------------------------
 # Once a promotion finds every CPU row pinned, stores leave this fraction of the rows (at least
 # one) unpinned for promotions, twice as many after each further step whose promotions found
