@@ -90,8 +90,14 @@ def filled(tmp_path: Path, n: int) -> Iterator[tuple[TierChain, list[bytes]]]:
         c.close()
 
 
+def settle_books(c: TierChain) -> None:
+    """Wait until the chain is idle; then nothing of a calibration is left."""
+    c.wait_idle()
+    idle_books(c)
+
+
 def idle_books(c: TierChain) -> None:
-    """Nothing of a calibration is left once the chain is idle."""
+    """Nothing of a calibration is left (the chain is idle: waited for, or closed)."""
     c.check()
     assert c._reads_queued == [0] * len(c.file_tiers), c._reads_queued
     assert c._calibrating == {}, c._calibrating
@@ -151,11 +157,9 @@ def test_duplicate_keys_in_one_calibration_are_read_once(tmp_path):
     with filled(tmp_path, 20) as (c, ks):
         pick = [ks[0], ks[0], *ks[1:16]]
         assert c.calibrate(1, pick)
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         assert c.calibrate(1, ks[:16])  # and the next calibration runs
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
 
 
 def test_a_key_written_twice_does_not_break_the_step_end_calibration(tmp_path):
@@ -175,8 +179,7 @@ def test_a_key_written_twice_does_not_break_the_step_end_calibration(tmp_path):
         assert list(c._written[0]).count(first[0]) == 2
         assert c.advisor is not None and c.advisor.needs_measuring(1)
         c.on_schedule_end()  # calibrates tier 1 from the rows last written
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         assert c.advisor.read_rate(1)
     finally:
         c.close()
@@ -189,14 +192,12 @@ def test_calibration_reads_that_all_fail_leave_nothing_behind(tmp_path, monkeypa
         faults.watch(c._scratch(1))
         faults.fail = lambda a: True
         assert c.calibrate(1, ks[:16])
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         assert c.advisor is not None and c.advisor.read_rate(1) is None  # no rate from errors
         assert c.file_tiers[0].stats.snapshot().get("io_errors", 0) >= 16
         faults.fail = lambda a: False
         assert c.calibrate(1, ks[16:32])  # not stuck: the next one runs and measures
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         assert c.advisor.read_rate(1) and not c.advisor.rate_is_provisional(1)
 
 
@@ -208,14 +209,12 @@ def test_a_partly_failed_calibration_gives_only_a_provisional_rate(tmp_path, mon
         base = addr(scratch)
         faults.short = lambda a: (a - base) // ROW % 2 == 1  # every other row short
         assert c.calibrate(1, ks[:16])
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         adv = c.advisor
         assert adv is not None and adv.read_rate(1) and adv.rate_is_provisional(1)
         faults.short = lambda a: False
         assert c.calibrate(1, ks[16:32])
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         assert not adv.rate_is_provisional(1)
 
 
@@ -232,8 +231,7 @@ def test_corrupt_slots_fail_the_calibration_cleanly(tmp_path):
         for p in slabs:
             p.write_bytes(rng.integers(0, 256, p.stat().st_size, dtype=np.uint8).tobytes())
         assert c.calibrate(1, ks)
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         assert d.stats.snapshot().get("checksum_failures", 0) == 16
         assert not any(d.contains(k) for k in ks)
         assert c.advisor is not None and c.advisor.read_rate(1) is None
@@ -242,8 +240,7 @@ def test_corrupt_slots_fail_the_calibration_cleanly(tmp_path):
         fill(c, more)
         c.wait_idle()
         assert c.calibrate(1, more)
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         assert c.advisor.read_rate(1)
     finally:
         c.close()
@@ -270,11 +267,9 @@ def test_one_calibration_per_tier_in_flight_then_the_same_rows_again(tmp_path, m
         assert d.drop(ks[:16]) == 0
         c.check()
         faults.release.set()
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         assert c.calibrate(1, ks[16:32])
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         lo, hi = addr(scratch), addr(scratch) + len(scratch)
         assert [a for _, a in gets[0]] == [a for _, a in gets[-1]]
         assert all(lo <= a and a + ROW <= hi for batch in gets for _, a in batch)
@@ -305,8 +300,7 @@ def test_two_file_tiers_have_their_own_scratch_and_calibrate_at_once(tmp_path, m
         assert set(c._calibrating) == {1, 2}
         assert c._reads_queued == [16, 16]
         faults.release.set()
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         assert all(addr(s1) <= a < addr(s1) + len(s1) for _, a in g1[0])
         assert all(addr(s2) <= a < addr(s2) + len(s2) for _, a in g2[0])
         adv = c.advisor
@@ -326,13 +320,11 @@ def test_without_an_advisor_the_scratch_comes_with_the_first_calibration(tmp_pat
         c.wait_idle()
         gets = spy_gets(d)
         assert c.calibrate(1, ks[:3])  # too few: the 20 rows last written instead
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         s = c._scratch_rows[1]
         assert resident_fraction(addr(s), len(s)) == 1.0
         assert c.calibrate(1, ks[3:19])
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         assert [len(g) for g in gets] == [20, 16]
         assert [a for _, a in gets[1]] == [a for _, a in gets[0]][:16]
         assert c._scratch_rows[1] is s
@@ -348,8 +340,7 @@ def test_a_tiny_tier_is_measured_with_what_it_holds(tmp_path):
         fill(c, ks)
         c.wait_idle()
         assert c.calibrate(1, ks)
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         assert c.advisor is not None and c.advisor.read_rate(1)
         assert not c.advisor.rate_is_provisional(1)  # all a 4-row tier can read
     finally:
@@ -381,8 +372,7 @@ def test_large_rows_are_calibrated_in_their_own_slices(tmp_path):
         c.wait_idle()
         gets = spy_gets(d)
         assert c.calibrate(1, ks)
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         starts = sorted(a for _, a in gets[0])
         assert starts == [addr(s) + n * big for n in range(16)]
         assert c.advisor is not None and not c.advisor.rate_is_provisional(1)
@@ -452,8 +442,7 @@ def test_a_calibration_never_writes_into_cpu_rows_or_a_promotion(tmp_path, monke
             assert c.lookup(k) is Lookup.PENDING
         c.on_schedule_end()  # promotions issued while the calibration is held
         faults.release.set()
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         for k in ks:
             assert c.cpu.contains(k)
             assert bytes(c.cpu.view(k)) == bytes(row_for(k)), k.hex()
@@ -553,8 +542,7 @@ def test_random_interleavings_keep_books_and_bytes(tmp_path, monkeypatch, seed, 
                     assert bytes(c.region.row(row.index)) == bytes(row_for(k)), k.hex()
         for job in loading:
             c.complete_load(job)
-        c.wait_idle()
-        idle_books(c)
+        settle_books(c)
         if faulty:
             monkeypatch.undo()
         for i, t in enumerate(tiers, start=1):

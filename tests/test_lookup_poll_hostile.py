@@ -80,6 +80,16 @@ def push_out(chain: TierChain, keys: list[bytes], seed: int = 99) -> None:
     assert not any(chain.cpu.contains(k) for k in keys)
 
 
+def on_disk_only(tmp_path, rows: int, ks: list[bytes]
+                 ) -> tuple[TierChain, list[bytes], dict[bytes, bytes]]:
+    """A chain of ``rows`` CPU rows whose ``ks`` are stored and then pushed out to the disk:
+    the chain, the keys and their bytes."""
+    c = make_chain(tmp_path, rows=rows)
+    data = store_all(c, ks)
+    push_out(c, ks)
+    return c, ks, data
+
+
 def damage(chain: TierChain, k: bytes) -> None:
     """Flip bytes in the middle of ``k``'s slot in the slab file (its checksum then fails)."""
     disk = chain.file_tiers[0]
@@ -169,10 +179,7 @@ def test_a_request_as_large_as_the_cpu_tier_is_never_stalled_by_throttled_lookup
     without a pause: its own promoted rows are never evicted for its tail, and once the step
     ends apply the reads (lookups apply none with a huge interval) it is all-HIT."""
     monkeypatch.setattr(chain_module, "LOOKUP_POLL_INTERVAL_S", interval)
-    c = make_chain(tmp_path, rows=6)
-    ks = [key(f"big-{i}") for i in range(6)]
-    data = store_all(c, ks)
-    push_out(c, ks)
+    c, ks, data = on_disk_only(tmp_path, 6, [key(f"big-{i}") for i in range(6)])
     try:
         assert drive(c, {"big": ks}, data, reasks=2) == {"big": ks}
     finally:
@@ -209,10 +216,7 @@ def test_a_promotion_gone_from_the_tier_before_its_batch_is_a_miss_at_once(tmp_p
     with lookups that never poll, the step's end still turns it into a miss, and the others of
     the batch become hits."""
     monkeypatch.setattr(chain_module, "LOOKUP_POLL_INTERVAL_S", 3600.0)
-    c = make_chain(tmp_path, rows=8)
-    ks = [key(f"g-{i}") for i in range(4)]
-    data = store_all(c, ks)
-    push_out(c, ks)
+    c, ks, data = on_disk_only(tmp_path, 8, [key(f"g-{i}") for i in range(4)])
     try:
         assert [c.lookup(k) for k in ks] == [Lookup.PENDING] * 4
         assert c.file_tiers[0].drop([ks[1]]) == 1
@@ -238,10 +242,7 @@ def test_a_reset_while_reads_are_in_flight_serves_only_the_new_reads(tmp_path, m
     first reads' completions (applied late: lookups never poll) never make a chunk a hit in a
     row that is not its own, and the second reads' bytes are exact."""
     monkeypatch.setattr(chain_module, "LOOKUP_POLL_INTERVAL_S", 3600.0)
-    c = make_chain(tmp_path, rows=8)
-    ks = [key(f"z-{i}") for i in range(4)]
-    data = store_all(c, ks)
-    push_out(c, ks)
+    c, ks, data = on_disk_only(tmp_path, 8, [key(f"z-{i}") for i in range(4)])
     try:
         assert [c.lookup(k) for k in ks] == [Lookup.PENDING] * 4
         c.on_schedule_end()  # the first reads are issued
@@ -284,10 +285,7 @@ def test_on_a_fake_clock_a_finished_read_is_a_hit_exactly_once_the_interval_pass
     monkeypatch.setattr(chain_module, "time", types.SimpleNamespace(
         perf_counter=clock.perf_counter, sleep=time.sleep, monotonic=time.monotonic))
     step = chain_module.LOOKUP_POLL_INTERVAL_S
-    c = make_chain(tmp_path, rows=4)
-    ks = [key(f"f-{i}") for i in range(2)]
-    data = store_all(c, ks)
-    push_out(c, ks)
+    c, ks, data = on_disk_only(tmp_path, 4, [key(f"f-{i}") for i in range(2)])
     try:
         assert c.lookup(ks[0]) == Lookup.PENDING
         c.on_schedule_end()  # issued at 1000.0, and polled then
@@ -379,10 +377,7 @@ def test_lookups_from_a_tight_loop_see_a_finished_read_without_a_step_end(tmp_pa
     every lookup."""
     monkeypatch.setattr(chain_module, "LOOKUP_POLL_INTERVAL_S",
                         chain_module.LOOKUP_POLL_INTERVAL_S)
-    c = make_chain(tmp_path, rows=4)
-    ks = [key("t-0")]
-    data = store_all(c, ks)
-    push_out(c, ks)
+    c, ks, data = on_disk_only(tmp_path, 4, [key("t-0")])
     try:
         assert c.lookup(ks[0]) == Lookup.PENDING
         c.on_schedule_end()

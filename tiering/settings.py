@@ -29,9 +29,9 @@ DEMOTION_PIN_MIN = 2
 # chunks) while its promotions are read; a lookup then first applies the reads that finished, so
 # that one done in the middle of the scan is a hit in that scan. Applying them at most this often
 # within a step (each step's end applies them too) costs a finished read at most this long and
-# took a re-ask from 1.56 to 1.25 us a chunk on the build machine (docs/bench_disk_hit.py,
-# --lookup-poll-s 0 against the default; docs/benchmarks.md): scheduler-thread time, and GIL
-# time the read threads wait for.
+# took a re-ask from 1.56 to 1.2 us a chunk on the build machine, 2.4-4.8 to 1.7-2.3 us on an
+# H100 (docs/bench_disk_hit.py, --lookup-poll-s 0 against the default; docs/benchmarks.md):
+# scheduler-thread time, and GIL time the read threads wait for.
 LOOKUP_POLL_INTERVAL_S = 0.0002
 
 # -- tier chain: rows kept for promotions ---------------------------------------------------------
