@@ -58,6 +58,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 CONFIGS = ("none", "cpu", "vtier-fs", "vtier-ours", "ours", "ours-wb")
 PHASES = ("cold", "gpu", "cpu", "recompute", "disk", "restart", "throughput")
+# the warm-up prompts' lowest token (Engine.warm_up): the first engine's, and a restarted
+# engine's under --restart-warmup fresh; both below the measured prompts' tokens (``prompt``)
+WARM_BASE = 50
+RESTART_WARM_BASE = 5
+
 SHAPES = {  # Llama-style shapes: layers, hidden, heads, kv heads, intermediate, vocab
     "1b": (16, 2048, 32, 8, 8192, 128256),     # Llama-3.2-1B: 0.5 MiB of KV per 16 tokens
     "8b": (32, 4096, 32, 8, 14336, 128256),    # Llama-3.1-8B
@@ -150,6 +155,12 @@ def parse() -> argparse.Namespace:
                          "every thread on the machine while they ran (benchmarks/thread_cpu.py; "
                          "read before and after the request): the busiest threads go into the "
                          "row (cpu_threads) and the log")
+    ap.add_argument("--restart-warmup", choices=("fresh", "same"), default="fresh",
+                    help="the restarted engine's warm-up prompts: fresh (tokens the first "
+                         "engine never saw, so the warm-up computes in both engines) or same "
+                         "(the first engine's, so the restarted engine's warm-up loads them "
+                         "from the disk tier just before the measured requests: 4.5 GiB at "
+                         "32k, 8B)")
     add_sweep_args(ap)
     a = ap.parse_args()
     a.configs = [c for c in a.configs.split(",") if c]
@@ -316,7 +327,8 @@ class Engine:
 
     def __init__(self, a, model: Path, config: str, kvt: dict | None, gpu_blocks: int | None,
                  max_len: int, warm_tokens: int | list[int] = 64, max_num_seqs: int | None = 64,
-                 prefix_caching: bool = True, engine_kw: dict | None = None) -> None:
+                 prefix_caching: bool = True, engine_kw: dict | None = None,
+                 warm_base: int = WARM_BASE) -> None:
         from vllm import LLM
 
         self.settle_max_s = getattr(a, "settle_max_s", 120.0)
@@ -342,11 +354,12 @@ class Engine:
         t = time.perf_counter()
         self.llm.apply_model(by_reference)
         self.weights_s = time.perf_counter() - t
-        self.warm_up(warm_tokens)
+        self.warm_up(warm_tokens, warm_base)
 
-    def warm_up(self, n_tokens: int | list[int]) -> None:
+    def warm_up(self, n_tokens: int | list[int], base: int = WARM_BASE) -> None:
         """Build the kernels before anything is timed: a short prompt and one of each measured
-        length (tokens no measured prompt uses)."""
+        length (tokens ``base`` .. ``base`` + 44, which no measured prompt uses: those draw from
+        100 up)."""
         from vllm import SamplingParams
 
         # the same sampling settings as the measured requests (logprobs: its first use is slow)
@@ -354,7 +367,7 @@ class Engine:
                             logprobs=1)
         lengths = n_tokens if isinstance(n_tokens, list) else [n_tokens]
         for n in sorted({64, *(max(64, x) for x in lengths)}):
-            self.llm.generate([{"prompt_token_ids": [50 + (i + n) % 45 for i in range(n)]}], sp,
+            self.llm.generate([{"prompt_token_ids": [base + (i + n) % 45 for i in range(n)]}], sp,
                               use_tqdm=False)
         self.settle()
 
@@ -569,7 +582,11 @@ def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, g
     finally:
         eng.close()
     if "restart" in a.phases and config in HAS_DISK:
-        eng = Engine(a, model, config, kvt, gpu_blocks, max_len, warm)
+        # a fresh warm-up computes, as the first engine's did; the first engine's own prompts
+        # would be disk hits here, loaded seconds before the measured requests
+        base = RESTART_WARM_BASE if a.restart_warmup == "fresh" else WARM_BASE
+        eng = Engine(a, model, config, kvt, gpu_blocks, max_len, warm, warm_base=base)
+        timings["restart_warmup"] = a.restart_warmup
         timings["restart_init_s"] = eng.init_s
         try:
             for length, p, rep in lengths_prompts:

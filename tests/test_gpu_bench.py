@@ -612,3 +612,58 @@ def test_a_fresh_machines_first_engine_start_is_not_taken_for_every_start():
     b.took("phases", "ours", 107.7, (35.2, 8.4))
     assert b.start_s() == 8.4  # the quickest start after the first
     assert b.estimate("phases", "vtier-fs") == (107.7 - 35.2 - 8.4) + 2 * 8.4
+
+
+class _WarmRecorder:
+    """Stands in for ``Engine`` in ``phases_for``: runs the real ``Engine.warm_up`` against an
+    LLM that only records the prompts, and does nothing else."""
+
+    started: list[list[list[int]]] = []
+    warm_up = gpu_bench.Engine.warm_up  # the real one (the test replaces gpu_bench.Engine)
+
+    def __init__(self, a, model, config, kvt, gpu_blocks, max_len, warm_tokens=64,
+                 max_num_seqs=64, prefix_caching=True, engine_kw=None,
+                 warm_base=gpu_bench.WARM_BASE) -> None:
+        prompts: list[list[int]] = []
+        self.llm = type("LLM", (), {"generate": lambda _s, ps, *_a, **_k: prompts.extend(
+            p["prompt_token_ids"] for p in ps)})()
+        self.init_s = self.weights_s = 0.0
+        self.settle = lambda *_a, **_k: {}
+        self.warm_up(warm_tokens, warm_base)
+        _WarmRecorder.started.append(prompts)
+
+    def generate(self, *_a, **_k):
+        return 0.0, {}, [{}]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode", ["fresh", "same"])
+def test_a_restarted_engines_warm_up_loads_nothing_from_the_disk_unless_asked(
+        monkeypatch, tmp_path, mode):
+    """2026-12-06d, H100 virtual disk: the restarted engine's warm-up prompts were the first
+    engine's, so it loaded them (4.5 GiB at 32k) from the disk tier seconds before the measured
+    restart hit, while the first engine's warm-up computed. Under ``fresh`` (the default) no
+    warm-up prompt of the restarted engine shares even its first token with one the first engine
+    stored; ``same`` keeps the old behaviour for an A/B."""
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "cold,disk,restart",
+                                      "--lengths", "256,1024", "--configs", "ours",
+                                      *(["--restart-warmup", mode] if mode == "same" else [])])
+    a = gpu_bench.parse()
+    assert a.restart_warmup == mode
+    monkeypatch.setattr(gpu_bench, "Engine", _WarmRecorder)
+    monkeypatch.setattr(gpu_bench, "record", lambda *_a, **_k: None)
+    _WarmRecorder.started = []
+    kvb = 1 << 10
+    timings = gpu_bench.phases_for(a, tmp_path / "m", "ours", tmp_path, [], [], kvb, 2048, 0,
+                                   4 << 20)
+    first, restarted = _WarmRecorder.started
+    assert timings["restart_warmup"] == mode
+    assert sorted(map(len, first)) == sorted(map(len, restarted)) == [64, 256, 1024]
+    # nothing a measured prompt uses (they draw from 100 up)
+    assert max(max(p) for p in first + restarted) < 100
+    if mode == "fresh":
+        assert not {p[0] for p in first} & {p[0] for p in restarted}
+    else:
+        assert first == restarted
