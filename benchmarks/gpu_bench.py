@@ -155,6 +155,9 @@ def parse() -> argparse.Namespace:
                          "every thread on the machine while they ran (benchmarks/thread_cpu.py; "
                          "read before and after the request): the busiest threads go into the "
                          "row (cpu_threads) and the log")
+    ap.add_argument("--step-timing", choices=("schedule_ends", "outputs"), default=None,
+                    help="ours: the CPU tier's step_timing, how the promotion advisor times "
+                         "the engine's steps (default: the spec's)")
     ap.add_argument("--restart-warmup", choices=("fresh", "same"), default="fresh",
                     help="the restarted engine's warm-up prompts: fresh (tokens the first "
                          "engine never saw, so the warm-up computes in both engines) or same "
@@ -305,6 +308,17 @@ def transfer_config(name: str, scratch: Path, cpu_bytes: int, disk_gib: float,
         return {**CONNECTOR_FIELDS, "kv_connector_extra_config": extra}
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": extra}
+
+
+def with_step_timing(kvt: dict | None, timing: str | None) -> dict | None:
+    """``kvt`` with our CPU tier's ``step_timing`` set (None: the spec's default); configs
+    without our spec are left as they are."""
+    if kvt is None or timing is None:
+        return kvt
+    extra = kvt["kv_connector_extra_config"]
+    if extra.get("spec_module_path") == "tiering.vllm":
+        extra["tiers"][0]["step_timing"] = timing
+    return kvt
 
 
 def with_switch_interval(kvt: dict | None, ms: float | None) -> dict | None:
@@ -545,7 +559,7 @@ def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, g
     stored = (a.repeats * sum(a.lengths) + n_fill * max(a.lengths)) * kvb
     kvt = transfer_config(config, scratch, cpu_bytes, a.disk_gib or max(1.0, 1.5 * stored / 2**30),
                           a.gpu_copy, a.promote)
-    kvt = with_switch_interval(kvt, a.switch_ms)
+    kvt = with_step_timing(with_switch_interval(kvt, a.switch_ms), a.step_timing)
     timings: dict = {}
     warm = list(a.lengths)
     eng = Engine(a, model, config, kvt, gpu_blocks, max_len, warm)

@@ -131,10 +131,11 @@ class Decision:
 
 class PromotionAdvisor:
     def __init__(self, n_file_tiers: int, row_bytes: int, chunk_tokens: int,
-                 prefill_tokens_per_s: float | None = None, step_lag: int = 0) -> None:
+                 prefill_tokens_per_s: float | None = None, step_lag: int = 0,
+                 step_outputs: bool = False) -> None:
         self.row_bytes, self.chunk_tokens = row_bytes, max(1, chunk_tokens)
         self.prefill = PrefillModel(prefill_tokens_per_s)
-        self.clock = StepClock(self.prefill, step_lag)
+        self.clock = StepClock(self.prefill, step_lag, step_outputs)
         # per file tier, by the chain's tier id (1 = the first file tier; 0 is the CPU tier)
         self._read = {t: _Ewma() for t in range(1, n_file_tiers + 1)}  # bytes/s
         # a tier's rate is provisional while it comes from a batch of too few rows only
@@ -262,6 +263,11 @@ class PromotionAdvisor:
     def step_end(self, now: float) -> None:
         self.clock.step_end(now)
         self._queued_s = 0.0
+
+    def step_output(self, now: float) -> None:
+        """The engine took back the oldest scheduled step's output at ``now``
+        (``StepClock.output``)."""
+        self.clock.output(now)
 
     # -- the decision --------------------------------------------------------------------------
     def read_rate(self, tier: int) -> float | None:

@@ -405,6 +405,12 @@ class TierChain:
                 self._writes_queued[i - 1] += 1
         return later
 
+    def on_step_output(self) -> None:
+        """The engine took back a step's output (vLLM's ``update_from_output``, once a step, in
+        the order they were scheduled): the advisor's step clock times steps by it."""
+        if self.advisor is not None:
+            self.advisor.step_output(time.perf_counter())
+
     # -- background completions: the one place they are applied ------------------------------
     def on_schedule_end(self) -> None:
         """The end of a scheduler step: issue the step's promotions (one batch per tier), apply

@@ -35,7 +35,11 @@ OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests", "sw
             "hits_first", "max_load_starts_per_step", "load_queue_bytes"}
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
-                 "prefill_tokens_per_s", "promotion_reserve"}
+                 "prefill_tokens_per_s", "promotion_reserve", "step_timing"}
+# How the promotion advisor times the engine's steps (tiering.prefill_model.StepClock):
+# "schedule_ends": by the scheduler's step ends alone; "outputs": from a step's schedule end (or
+# the output before it) to its own output, where vLLM reports outputs.
+STEP_TIMINGS = ("schedule_ends", "outputs")
 # "auto": load a disk hit only when reading it is faster than recomputing it (measured rates);
 # "always": load every disk hit.
 PROMOTE_MODES = ("auto", "always")
@@ -52,6 +56,7 @@ class CpuTierConfig:
     # (tiering.settings.PROMOTION_RESERVE_FRACTION says why; off by default:
     # PROMOTION_RESERVE_DEFAULT)
     promotion_reserve: float = PROMOTION_RESERVE_DEFAULT
+    step_timing: str = "schedule_ends"
 
 
 @dataclass
@@ -149,10 +154,14 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
                     or not 0 <= reserve < 0.5):
                 raise ValueError(f"{where}.promotion_reserve: expected a share of the CPU rows "
                                  f">= 0 and < 0.5 (0: no reserve), got {reserve!r}")
+            timing = tier.get("step_timing", "schedule_ends")
+            if timing not in STEP_TIMINGS:
+                raise ValueError(f"{where}.step_timing: expected one of "
+                                 f"{', '.join(STEP_TIMINGS)}, got {timing!r}")
             cfg.cpu = CpuTierConfig(
                 policy, _int(tier.get("store_threshold", 0), f"{where}.store_threshold", 0),
                 _int(tier.get("tracker_size", 64_000), f"{where}.tracker_size", 1),
-                promote, rate, float(reserve))
+                promote, rate, float(reserve), timing)
             continue
         if medium == "mooncake":
             if cfg.mooncake:

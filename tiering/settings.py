@@ -77,6 +77,10 @@ ADVISOR_OUTLIER_MIN_S = 0.05
 # Rounds of that judgement, the worst stall left out in each: a big stall pulls the others'
 # fit up enough to hide a smaller one until it is out.
 ADVISOR_OUTLIER_ROUNDS = 3
+# Steps scheduled whose output the engine has not taken back yet, at most (the step clock's
+# queue when steps are timed by their outputs): vLLM keeps one or two in flight (more with
+# pipeline parallelism); beyond this, outputs stopped coming and the oldest go untimed.
+ADVISOR_OUTPUT_QUEUE_LIMIT = 16
 # Weight of a finished request in the moving average of what a request computes (its prompt
 # tokens and their attention term), which prices the requests waiting to be scheduled (the
 # engine's backlog, ``PromotionAdvisor.engine_backlog_s``): about the last twenty requests.

@@ -232,6 +232,9 @@ class TieredManager(OffloadingManager):
         self.load_gate.reset()  # vLLM drops its in-flight jobs: their completions never come
 
     def get_stats(self) -> OffloadingConnectorStats | None:
+        # vLLM asks once per update_from_output, after the step's output came back: the one
+        # hook the manager has that says a step is done (the step clock times steps by it)
+        self.chain.on_step_output()
         return self.metrics.collect(self.chain) if self.metrics is not None else None
 
     def shutdown(self) -> None:

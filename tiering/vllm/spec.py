@@ -151,9 +151,11 @@ class TieredOffloadingSpec(OffloadingSpec):
             asynchronous = async_scheduling()
             lag = int(asynchronous) - int(schedule_end_before_stores())
             advisor = PromotionAdvisor(len(tiers), self.row_bytes, facts.chunk_tokens,
-                                       self.cfg.cpu.prefill_tokens_per_s, step_lag=lag)
-            log.info("vllm-tiering: promotion advisor on (%s scheduling, step lag %d)",
-                     "asynchronous" if asynchronous else "synchronous", lag)
+                                       self.cfg.cpu.prefill_tokens_per_s, step_lag=lag,
+                                       step_outputs=self.cfg.cpu.step_timing == "outputs")
+            log.info("vllm-tiering: promotion advisor on (%s scheduling, step lag %d, steps "
+                     "timed by %s)", "asynchronous" if asynchronous else "synchronous", lag,
+                     self.cfg.cpu.step_timing)
         chain = TierChain(cpu, tiers, events=self.kv_events_config.enable_kv_cache_events,
                           advisor=advisor, promotion_reserve=self.cfg.cpu.promotion_reserve)
         self._manager = TieredManager(chain, TierMetrics(),
