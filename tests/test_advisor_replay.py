@@ -553,3 +553,60 @@ def test_h100d_a_load_is_priced_near_what_it_took(disk, n):
     assert 0 <= decision.load_s - priced["load_s"] <= ADVISOR_LOAD_STEPS * STEP_S + 1e-3
     took = H100D["shapes"]["8b"]["ttft_s"][disk][str(n)]["ours.disk"]
     assert abs(decision.load_s - took) <= 0.25 * took
+
+
+# -- the 32B shape on an H100's RAM disk (2026-12-06e): a launch that holds the scheduler ------
+H100_32B = json.loads((Path(__file__).parent / "data" / "h100_2026-12-06e_32b.json").read_text())
+
+
+def test_32b_on_the_h100_ram_disk_timed_by_step_ends_recomputed_the_8k_hit_vllm_loaded():
+    """What the H100 did: the step ends saw an 8k prefill as 0.74-0.76 s (its recompute TTFT:
+    1.49 s), the fit priced recomputing it at 0.62 s against a 0.82 s load, and the 8k disk
+    hit was recomputed (1,493 ms) where vLLM's fs tier loaded it in 662 ms."""
+    d = H100_32B
+    adv = PromotionAdvisor(1, d["chunk_tokens"] * d["kv_bytes_per_token"], d["chunk_tokens"])
+    for tokens, attention, seconds in d["step_end_samples"]:
+        adv.prefill.add_step(tokens, attention, seconds)
+    adv.observe_read_batch(1, ADVISOR_CALIBRATION_BYTES,
+                           ADVISOR_CALIBRATION_BYTES / d["read_bytes_per_s"])
+    for n, logged in d["decisions"].items():
+        got = adv.decide([1] * (int(n) // d["chunk_tokens"]), 0, int(n))
+        assert got.load is logged["load"]
+        assert got.recompute_s == pytest.approx(logged["recompute_s"], rel=0.15), n
+    assert d["ttft_s"]["8192"]["vtier-fs.disk"] < 0.5 * d["ttft_s"]["8192"]["ours.disk"]
+
+
+def test_32b_timed_by_outputs_loads_the_8k_hit_and_recomputes_the_2k_one():
+    """The engine rebuilt so that its step ends give what the H100 logged (a step costs 0.12 s,
+    a launch holds the thread 0.12 s or until half the step is left), then timed by outputs
+    (the step cost still from the step ends): the 8k hit (2 GiB, 0.57 s of reads and two steps
+    against ~1.25 s of compute) loads; the 2k one (0.14 s of reads and two steps of 0.12 s
+    against ~0.14 s) is recomputed. Without the step ends' step cost, outputs alone fit none:
+    an idle engine's short step is timed with the next step's launch in it."""
+    from async_engine import run_async_engine
+
+    d = H100_32B
+    c, a, b = 0.12, 4e-5, 2.74e-8  # 2k: 0.26 s, 8k: 1.37 s on the GPU (TTFTs 0.28, 1.49)
+
+    def gpu_s(stretches):
+        return c + sum(a * (n - k) + b * (n * n - k * k) / 2 for k, n in stretches)
+
+    row = d["chunk_tokens"] * d["kv_bytes_per_token"]
+    got = {}
+    for outputs in (False, True):
+        adv = PromotionAdvisor(1, row, d["chunk_tokens"], step_lag=1, step_outputs=outputs)
+        t = 0.0
+        for tokens, _, _ in d["step_end_samples"]:
+            t = run_async_engine(adv, [[(0, tokens)]] + [[]] * 7, gpu_s, 0.12, 0.5,
+                                 outputs=outputs, start=t + 1.0)
+        if not outputs:  # the rebuilt engine is the one measured: its step ends say the same
+            logged = {tokens: s for tokens, _, s in d["step_end_samples"]}
+            kept = {int(x1): s for x1, _, s in adv.prefill._steps}  # noqa: SLF001
+            for tokens in (2048, 8192):
+                assert kept[tokens] == pytest.approx(logged[tokens], rel=0.2)
+        adv.observe_read_batch(1, ADVISOR_CALIBRATION_BYTES,
+                               ADVISOR_CALIBRATION_BYTES / d["read_bytes_per_s"])
+        got[outputs] = [adv.decide([1] * (n // d["chunk_tokens"]), 0, n).load
+                        for n in (2048, 8192)]
+    assert got[False] == [False, False]  # the H100 run's decisions
+    assert got[True] == [False, True]

@@ -85,6 +85,9 @@ class PrefillModel:
         self.samples = 0  # steps added since the model began (restores included)
         self.outliers = 0  # kept steps the last fit left out
         self.c, self.a, self.b = 0.0, (1.0 / tokens_per_s if tokens_per_s else 0.0), 0.0
+        # where set, ``c`` is this (at most the fastest kept step) and only ``a`` and ``b`` are
+        # fitted: the step cost as another clock measured it (``StepClock``, timed by outputs)
+        self.step_cost: float | None = None
 
     def add(self, k: int, n: int, seconds: float) -> None:
         """A step computed tokens ``[k, n)`` of one request in ``seconds``."""
@@ -111,7 +114,7 @@ class PrefillModel:
         x = np.column_stack([np.ones(len(steps)), steps[:, 0], steps[:, 1]])
         t = steps[:, 2]
         w = (1.0 - ADVISOR_MODEL_WEIGHT) ** np.arange(len(steps) - 1, -1, -1.0)
-        coef = self._fit(x, t, w)
+        coef = self._fit(x, t, w, step_cost=self.step_cost)
         if coef is None:
             return  # nothing fits: keep the last model
         # Each step is judged against what the others predict for it (its leave-one-out
@@ -134,7 +137,7 @@ class PrefillModel:
                 break
             worst = int(np.argmax(np.where(stalled, t - others, -np.inf)))
             out[worst] = True
-            refit = self._fit(x[~out], t[~out], w[~out])
+            refit = self._fit(x[~out], t[~out], w[~out], step_cost=self.step_cost)
             if refit is None:
                 out[worst] = False
                 break
@@ -142,12 +145,14 @@ class PrefillModel:
         self.c, self.a, self.b = (float(v) for v in coef)
 
     @classmethod
-    def _fit(cls, x: np.ndarray, t: np.ndarray, w: np.ndarray,
-             with_step: bool = True) -> np.ndarray | None:
+    def _fit(cls, x: np.ndarray, t: np.ndarray, w: np.ndarray, with_step: bool = True,
+             step_cost: float | None = None) -> np.ndarray | None:
         """The best non-negative fit of ``t ~ x @ (c, a, b)`` with weights ``w`` and ``c`` at
-        most ``min(t)`` (``c`` = 0 unless ``with_step``), over the term subsets; None if no
-        subset fits."""
+        most ``min(t)`` (``c`` = 0 unless ``with_step``; ``c`` = ``step_cost`` where given,
+        capped the same way), over the term subsets; None if no subset fits."""
         cap = float(t.min())
+        if step_cost is not None:
+            cap = min(cap, max(0.0, step_cost))
         # scale the columns to comparable sizes so the small systems stay well conditioned
         scale = np.sqrt(np.maximum(w @ (x * x), 1e-300))
         xs = x / scale
@@ -156,15 +161,17 @@ class PrefillModel:
         norm = float(w @ (t * t)) or 1.0
         best, best_err = None, math.inf
         for flags in cls._SUBSETS:
-            if flags[0] and not with_step:
+            if (flags[0] and not with_step) or (not flags[0] and step_cost is not None):
                 continue
             idx = [i for i in range(3) if flags[i]]
-            sub = s[np.ix_(idx, idx)]
-            if np.linalg.cond(sub) > 1e8:  # these terms cannot be told apart by the samples
-                continue
             coef = np.zeros(3)
-            coef[idx] = np.linalg.solve(sub, r[idx])
-            if flags[0] and coef[0] / scale[0] > cap:
+            given = bool(flags[0]) and step_cost is not None
+            if not given:
+                sub = s[np.ix_(idx, idx)]
+                if np.linalg.cond(sub) > 1e8:  # these terms cannot be told apart by the samples
+                    continue
+                coef[idx] = np.linalg.solve(sub, r[idx])
+            if flags[0] and (given or coef[0] / scale[0] > cap):
                 # no step is faster than c: fix it at the fastest step, fit the rest to what
                 # is left of each step
                 coef[:] = 0.0
@@ -279,6 +286,11 @@ class StepClock:
         assert lag in (-1, 0, 1), lag
         self.model, self.lag = model, lag
         self.outputs = outputs  # time steps by their outputs once the engine reports one
+        # then the step ends still time the steps, into this model, for its step cost only:
+        # a short step's end-to-end interval is its launch, which the output of a step that
+        # an idle engine ran overstates by the next step's launch (vLLM launches step s+1
+        # before it waits for step s)
+        self.by_ends = PrefillModel()
         self._tokens = 0.0
         self._attention = 0.0
         # (tokens, attention) of the last steps, newest last, and the last step end's time
@@ -305,17 +317,20 @@ class StepClock:
         """The scheduler finished scheduling a step at ``now``."""
         if self.by_output:
             self._schedule_record(now)
-        elif self.lag < 0:  # the tokens reported since the last step end ran until now
+        target = self.by_ends if self.by_output else self.model
+        if self.lag < 0:  # the tokens reported since the last step end ran until now
             if self._last_end is not None and self._tokens > 0:
-                self.busy_until = now
+                if not self.by_output:
+                    self.busy_until = now
                 if self._tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
-                    self.model.add_step(self._tokens, self._attention, now - self._last_end)
+                    target.add_step(self._tokens, self._attention, now - self._last_end)
         elif self._last_end is not None and len(self._recent) == self._recent.maxlen:
             tokens, attention = self._recent[0]  # the step that ran in this interval
             if tokens > 0:
-                self.busy_until = now
+                if not self.by_output:
+                    self.busy_until = now
                 if tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
-                    self.model.add_step(tokens, attention, now - self._last_end)
+                    target.add_step(tokens, attention, now - self._last_end)
         self._recent.append((self._tokens, self._attention))
         self._tokens = self._attention = 0.0
         self._last_end = now
@@ -354,6 +369,7 @@ class StepClock:
         if tokens > 0:
             self.busy_until = now
             if tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
+                self.model.step_cost = self.by_ends.c if self.by_ends.samples else None
                 self.model.add_step(tokens, attention, now - start)
 
     def last_step(self) -> tuple[float, float]:
