@@ -78,8 +78,9 @@ class PrefillModel:
     # term subsets, preferred first on equal error: (c, a, b) flags
     _SUBSETS = ((1, 1, 1), (0, 1, 1), (1, 1, 0), (0, 1, 0), (1, 0, 1), (0, 0, 1), (1, 0, 0))
 
-    def __init__(self, tokens_per_s: float | None = None) -> None:
+    def __init__(self, tokens_per_s: float | None = None, label: str = "prefill") -> None:
         self.fixed = tokens_per_s
+        self.label = label  # in its DEBUG lines
         # the kept steps, oldest first: (tokens, attention, seconds)
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=ADVISOR_MODEL_WINDOW)
         self.samples = 0  # steps added since the model began (restores included)
@@ -105,9 +106,9 @@ class PrefillModel:
         self.samples += 1
         self._solve()
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("prefill sample: %d tokens, attention %.4g, %.4f s; fit c %.4g a %.4g b %.4g"
-                      " (%d of %d steps left out)", tokens, attention, seconds, self.c, self.a,
-                      self.b, self.outliers, len(self._steps))
+            log.debug("%s sample: %d tokens, attention %.4g, %.4f s; fit c %.4g a %.4g b %.4g"
+                      " (%d of %d steps left out)", self.label, tokens, attention, seconds,
+                      self.c, self.a, self.b, self.outliers, len(self._steps))
 
     def _solve(self) -> None:
         steps = np.array(self._steps)
@@ -290,7 +291,7 @@ class StepClock:
         # a short step's end-to-end interval is its launch, which the output of a step that
         # an idle engine ran overstates by the next step's launch (vLLM launches step s+1
         # before it waits for step s)
-        self.by_ends = PrefillModel()
+        self.by_ends = PrefillModel(label="step-end timed")
         self._tokens = 0.0
         self._attention = 0.0
         # (tokens, attention) of the last steps, newest last, and the last step end's time
