@@ -18,11 +18,16 @@ Stretch = tuple[int, int]  # prompt tokens [k, n) of one request
 
 def run_async_engine(adv, steps: Sequence[Sequence[Stretch]], gpu_s: Callable[[Sequence[Stretch]],
                      float], launch_s: float, queued_share: float, outputs: bool = True,
-                     start: float = 0.0, schedule_s: float = 0.001) -> float:
+                     start: float = 0.0, schedule_s: float = 0.001,
+                     linger: bool = False) -> float:
     """Run ``steps`` (each: the stretches it computes; empty for a decode step) back to back
     from an idle engine at ``start``; ``gpu_s`` prices a step on the GPU. With ``outputs``
     the advisor is told of each output (``step_output``), else only of the step ends. Returns
-    when the last output was applied."""
+    when the last output was applied. ``linger``: an empty step is still queued when the first
+    step is scheduled (the previous request's last step, scheduled before its end was known);
+    its output is taken after the first step's launch."""
+    if linger:
+        steps = [[], *steps]
     now = gpu_free = start
     queue: list[float] = []  # GPU end of each step in flight, oldest first
     i = 0
@@ -32,7 +37,7 @@ def run_async_engine(adv, steps: Sequence[Sequence[Stretch]], gpu_s: Callable[[S
                 adv.computes(k, n)
             now += schedule_s
             adv.step_end(now)
-            g = gpu_s(steps[i])
+            g = 0.0 if linger and i == 0 else gpu_s(steps[i])
             gpu_end = max(now, gpu_free) + g
             gpu_free = gpu_end
             now = max(now + launch_s, gpu_end - queued_share * g)  # the launch returns

@@ -1447,10 +1447,10 @@ def test_vllm_032s_order_timed_by_outputs():
         pytest.approx(c0, rel=0.15), pytest.approx(a, rel=0.02), pytest.approx(b, rel=0.02))
 
 
-def test_outputs_are_ignored_unless_asked_and_a_silent_engine_leaves_no_growing_queue():
+def test_outputs_are_ignored_under_step_end_timing_and_a_silent_engine_leaves_no_growing_queue():
     from tiering.settings import ADVISOR_OUTPUT_QUEUE_LIMIT
 
-    adv = PromotionAdvisor(1, ROW, chunk_tokens=64, step_lag=1)
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=64, step_lag=1, step_outputs=False)
     adv.step_output(1.0)
     assert not adv.clock.by_output
     adv = PromotionAdvisor(1, ROW, chunk_tokens=64, step_lag=1, step_outputs=True)
@@ -1492,3 +1492,23 @@ def test_a_given_step_cost_is_the_fits_c_capped_by_the_fastest_step():
     for n in (2048, 8192):
         m.add(0, n, 0.3 + a * n)
     assert m.c <= 0.3 + a * 2048 + 1e-12 and m.a >= 0 and m.b >= 0
+
+
+@pytest.mark.parametrize("linger", [False, True])
+def test_a_step_after_a_lingering_empty_step_is_timed_whole(linger):
+    """H100, 32B (2026-12-06e, outputs clock): half of the 8k prefills were timed 0.75 s of
+    1.5 s. The engine still had the previous request's last (empty) step queued when it
+    scheduled the prefill, and took that step's output only after launching the prefill, which
+    held the thread half the step; timed from that output, the prefill lost that half. A step
+    that computed no prompt tokens bounds nothing: the prefill starts at its schedule end."""
+    gpu_s = _engine_costs(0.12, 4e-5, 2.74e-8)
+    from async_engine import run_async_engine
+
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=64, step_lag=1, step_outputs=True)
+    adv.step_output(0.0)
+    t = 0.0
+    for n in (2048, 8192, 2048, 8192):
+        t = run_async_engine(adv, [[(0, n)]] + [[]] * 3, gpu_s, 0.12, 0.5, start=t + 1.0,
+                             linger=linger)
+    for tokens, _, seconds in adv.prefill._steps:  # noqa: SLF001
+        assert seconds >= gpu_s([(0, int(tokens))]) - 0.002, (tokens, seconds)

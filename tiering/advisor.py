@@ -132,7 +132,7 @@ class Decision:
 class PromotionAdvisor:
     def __init__(self, n_file_tiers: int, row_bytes: int, chunk_tokens: int,
                  prefill_tokens_per_s: float | None = None, step_lag: int = 0,
-                 step_outputs: bool = False) -> None:
+                 step_outputs: bool = True) -> None:
         self.row_bytes, self.chunk_tokens = row_bytes, max(1, chunk_tokens)
         self.prefill = PrefillModel(prefill_tokens_per_s)
         self.clock = StepClock(self.prefill, step_lag, step_outputs)

@@ -283,7 +283,7 @@ class StepClock:
     starts at its schedule end, a busy engine's when the step before it was done; both are
     what ``output`` sees."""
 
-    def __init__(self, model: PrefillModel, lag: int = 0, outputs: bool = False) -> None:
+    def __init__(self, model: PrefillModel, lag: int = 0, outputs: bool = True) -> None:
         assert lag in (-1, 0, 1), lag
         self.model, self.lag = model, lag
         self.outputs = outputs  # time steps by their outputs once the engine reports one
@@ -306,6 +306,7 @@ class StepClock:
         self.by_output = False
         self._scheduled: deque[list[float]] = deque()
         self._last_output: float | None = None
+        self._last_output_prompt = False  # whether that step computed prompt tokens
 
     def computes(self, k: int, n: int) -> None:
         """The step being scheduled computes prompt tokens ``[k, n)`` of one request."""
@@ -316,7 +317,7 @@ class StepClock:
 
     def step_end(self, now: float) -> None:
         """The scheduler finished scheduling a step at ``now``."""
-        if self.by_output:
+        if self.outputs:  # kept from the first step: the first output times it
             self._schedule_record(now)
         target = self.by_ends if self.by_output else self.model
         if self.lag < 0:  # the tokens reported since the last step end ran until now
@@ -355,18 +356,23 @@ class StepClock:
         timed by their outputs (unless this clock times by step ends alone)."""
         if not self.outputs:
             return
-        if not self.by_output:
-            self.by_output = True
-            self._last_output = now
-            return  # its step was scheduled before outputs were counted: not timed
+        self.by_output = True
         if not self._scheduled:
             self._last_output = now
             return
         tokens, attention, scheduled_at = self._scheduled.popleft()
         if self.lag < 0 and not self._scheduled:  # its tokens came after its end: still here
             tokens, attention = tokens + self._tokens, attention + self._attention
-        start = max(scheduled_at, self._last_output if self._last_output is not None else -math.inf)
+        # A step starts at its schedule end, or when the step before it was done if that one
+        # computed prompt tokens (its output is the best bound of its end). The output of a
+        # step without prompt tokens (a decode step, an empty one still queued when the next
+        # request came) is no such bound: vLLM takes it only after launching this step, which
+        # holds the thread for half an 8k prefill at 32B (H100: those prefills timed 0.75 s of
+        # 1.5 s), while that step's own GPU work was done in a few ms.
+        before = self._last_output if self._last_output_prompt else None
+        start = max(scheduled_at, before if before is not None else -math.inf)
         self._last_output = now
+        self._last_output_prompt = tokens > 0
         if tokens > 0:
             self.busy_until = now
             if tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
