@@ -4,6 +4,7 @@ the prompt (attention), measured from the requests vLLM computes."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -1512,3 +1513,32 @@ def test_a_step_after_a_lingering_empty_step_is_timed_whole(linger):
                              linger=linger)
     for tokens, _, seconds in adv.prefill._steps:  # noqa: SLF001
         assert seconds >= gpu_s([(0, int(tokens))]) - 0.002, (tokens, seconds)
+
+
+def test_a_restarted_engine_keeps_the_step_cost_until_its_step_ends_give_one():
+    """The step cost the step ends measured travels with the fit in the tier's advisor.json:
+    without it a restarted engine's first decisions would refit ``c`` from output-timed steps
+    alone (at 32B: 0 instead of 0.12 s a step, every load priced two steps too cheap)."""
+    from tiering.prefill_model import PrefillModel
+
+    m = PrefillModel()
+    m.step_cost = 0.12
+    for n in (2048, 8192, 2048, 8192):
+        m.add(0, n, 0.12 + 4e-5 * n + 2.7e-8 * n * n / 2)
+    state = json.loads(json.dumps(m.state()))
+    fresh = PrefillModel()
+    fresh.restore(state)
+    assert fresh.step_cost == 0.12 and fresh.c == pytest.approx(0.12)
+    clock_adv = PromotionAdvisor(1, ROW, chunk_tokens=64, step_lag=1)
+    clock_adv.prefill.restore(state)
+    clock_adv.step_output(0.0)
+    clock_adv.computes(0, 4096)
+    clock_adv.step_end(1.0)
+    clock_adv.step_output(1.5)  # an output-timed sample before any step-end one
+    assert clock_adv.prefill.step_cost == 0.12 and clock_adv.prefill.c == pytest.approx(0.12)
+    old = dict(state)
+    del old["step_cost"]  # saved before 2026-12-06e
+    PrefillModel().restore(old)
+    for bad in (-1.0, float("nan"), float("inf"), True, "0.1", [0.1]):
+        with pytest.raises(ValueError, match="step cost"):
+            PrefillModel().restore({**state, "step_cost": bad})

@@ -200,7 +200,7 @@ class PrefillModel:
     def state(self) -> dict[str, object]:
         """The kept steps and the fit, as JSON values (``restore`` takes them)."""
         return {"steps": [list(step) for step in self._steps], "samples": self.samples,
-                "coef": [self.c, self.a, self.b]}
+                "coef": [self.c, self.a, self.b], "step_cost": self.step_cost}
 
     def restore(self, state: dict[str, object]) -> None:
         """Continue the fit from ``state`` (a ``state()`` of an earlier engine); ValueError,
@@ -213,17 +213,24 @@ class PrefillModel:
                 steps = steps.reshape(0, 3)
             samples = state["samples"]
             coef = np.array(state["coef"], dtype=float)
+            step_cost = state.get("step_cost")  # absent in states saved before 2026-12-06e
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"prefill model: expected steps, samples, coef ({exc})") from None
         if (steps.ndim != 2 or steps.shape[1] != 3 or len(steps) > ADVISOR_MODEL_WINDOW
                 or coef.shape != (3,)
                 or not isinstance(samples, int) or isinstance(samples, bool)
                 or samples < len(steps) or not np.isfinite(coef).all() or (coef < 0).any()
-                or not ((steps > 0) & (steps < math.inf)).all()):
+                or not ((steps > 0) & (steps < math.inf)).all()
+                or not (step_cost is None or (isinstance(step_cost, int | float)
+                                              and not isinstance(step_cost, bool)
+                                              and 0 <= step_cost < math.inf))):
             raise ValueError(f"prefill model: expected at most {ADVISOR_MODEL_WINDOW} steps of "
-                             "3 numbers > 0, 3 coefficients >= 0 and a sample count >= the steps")
+                             "3 numbers > 0, 3 coefficients >= 0, a sample count >= the steps "
+                             "and a step cost >= 0 or null")
         if self.fixed:
             return
+        if self.step_cost is None and step_cost is not None:
+            self.step_cost = float(step_cost)  # until this engine's step ends give their own
         self._steps = deque((tuple(float(v) for v in step) for step in steps),  # type: ignore[misc]
                             maxlen=ADVISOR_MODEL_WINDOW)
         self.samples = samples
@@ -382,7 +389,8 @@ class StepClock:
         if tokens > 0:
             self.busy_until = now
             if tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
-                self.model.step_cost = self.by_ends.c if self.by_ends.samples else None
+                if self.by_ends.samples:  # else the step cost restored, if any
+                    self.model.step_cost = self.by_ends.c
                 self.model.add_step(tokens, attention, now - start)
 
     def last_step(self) -> tuple[float, float]:
