@@ -1449,7 +1449,7 @@ def test_vllm_032s_order_timed_by_outputs():
 
 
 def test_outputs_are_ignored_under_step_end_timing_and_a_silent_engine_leaves_no_growing_queue():
-    from tiering.settings import ADVISOR_OUTPUT_QUEUE_LIMIT
+    from tiering.settings import ADVISOR_OUTPUT_QUEUE_LIMIT, ADVISOR_RUN_STEPS
 
     adv = PromotionAdvisor(1, ROW, chunk_tokens=64, step_lag=1, step_outputs=False)
     adv.step_output(1.0)
@@ -1462,8 +1462,8 @@ def test_outputs_are_ignored_under_step_end_timing_and_a_silent_engine_leaves_no
     assert len(adv.clock._scheduled) == ADVISOR_OUTPUT_QUEUE_LIMIT  # noqa: SLF001
     samples = adv.prefill.samples
     for j in range(3 * ADVISOR_OUTPUT_QUEUE_LIMIT):  # more outputs than steps kept: the kept
-        adv.step_output(1e4 + j)                    # are timed, the rest time nothing
-    assert adv.prefill.samples == samples + ADVISOR_OUTPUT_QUEUE_LIMIT
+        adv.step_output(1e4 + j)                    # are timed (in runs), the rest time nothing
+    assert adv.prefill.samples == samples + -(-ADVISOR_OUTPUT_QUEUE_LIMIT // ADVISOR_RUN_STEPS)
 
 
 def test_the_manager_tells_the_clock_of_each_output(tmp_path):
@@ -1511,7 +1511,7 @@ def test_a_step_after_a_lingering_empty_step_is_timed_whole(linger):
     for n in (2048, 8192, 2048, 8192):
         t = run_async_engine(adv, [[(0, n)]] + [[]] * 3, gpu_s, 0.12, 0.5, start=t + 1.0,
                              linger=linger)
-    for tokens, _, seconds in adv.prefill._steps:  # noqa: SLF001
+    for tokens, _, seconds, _n in adv.prefill._steps:  # noqa: SLF001
         assert seconds >= gpu_s([(0, int(tokens))]) - 0.002, (tokens, seconds)
 
 

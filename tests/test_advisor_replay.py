@@ -601,7 +601,7 @@ def test_32b_timed_by_outputs_loads_the_8k_hit_and_recomputes_the_2k_one():
                                  outputs=outputs, start=t + 1.0)
         if not outputs:  # the rebuilt engine is the one measured: its step ends say the same
             logged = {tokens: s for tokens, _, s in d["step_end_samples"]}
-            kept = {int(x1): s for x1, _, s in adv.prefill._steps}  # noqa: SLF001
+            kept = {int(x1): s for x1, _, s, _n in adv.prefill._steps}  # noqa: SLF001
             for tokens in (2048, 8192):
                 assert kept[tokens] == pytest.approx(logged[tokens], rel=0.2)
         adv.observe_read_batch(1, ADVISOR_CALIBRATION_BYTES,

@@ -132,10 +132,10 @@ class Decision:
 class PromotionAdvisor:
     def __init__(self, n_file_tiers: int, row_bytes: int, chunk_tokens: int,
                  prefill_tokens_per_s: float | None = None, step_lag: int = 0,
-                 step_outputs: bool = True) -> None:
+                 step_outputs: bool = True, tokens_after_end: bool | None = None) -> None:
         self.row_bytes, self.chunk_tokens = row_bytes, max(1, chunk_tokens)
         self.prefill = PrefillModel(prefill_tokens_per_s)
-        self.clock = StepClock(self.prefill, step_lag, step_outputs)
+        self.clock = StepClock(self.prefill, step_lag, step_outputs, tokens_after_end)
         # per file tier, by the chain's tier id (1 = the first file tier; 0 is the CPU tier)
         self._read = {t: _Ewma() for t in range(1, n_file_tiers + 1)}  # bytes/s
         # a tier's rate is provisional while it comes from a batch of too few rows only

@@ -39,6 +39,7 @@ from tiering.settings import (
     ADVISOR_OUTLIER_RATIO,
     ADVISOR_OUTLIER_ROUNDS,
     ADVISOR_OUTPUT_QUEUE_LIMIT,
+    ADVISOR_RUN_STEPS,
 )
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,9 @@ class PrefillModel:
     def __init__(self, tokens_per_s: float | None = None, label: str = "prefill") -> None:
         self.fixed = tokens_per_s
         self.label = label  # in its DEBUG lines
-        # the kept steps, oldest first: (tokens, attention, seconds)
-        self._steps: deque[tuple[float, float, float]] = deque(maxlen=ADVISOR_MODEL_WINDOW)
+        # the kept samples, oldest first: (tokens, attention, seconds, steps); a sample is one
+        # step or a run of consecutive steps (StepClock)
+        self._steps: deque[tuple[float, float, float, float]] = deque(maxlen=ADVISOR_MODEL_WINDOW)
         self.samples = 0  # steps added since the model began (restores included)
         self.outliers = 0  # kept steps the last fit left out
         self.c, self.a, self.b = 0.0, (1.0 / tokens_per_s if tokens_per_s else 0.0), 0.0
@@ -98,23 +100,23 @@ class PrefillModel:
             return  # no usable sample (a negative k could zero the attention term: x2 = 0)
         self.add_step(*stretch_features(k, n), seconds)
 
-    def add_step(self, tokens: float, attention: float, seconds: float) -> None:
-        """A step computed ``tokens`` prompt tokens with attention term ``attention`` (sums
-        over its requests) in ``seconds``."""
+    def add_step(self, tokens: float, attention: float, seconds: float, steps: int = 1) -> None:
+        """``steps`` consecutive steps computed ``tokens`` prompt tokens with attention term
+        ``attention`` (sums over their requests) in ``seconds``."""
         if (self.fixed or not 0 < tokens < math.inf or not 0 < attention < math.inf
-                or not 0 < seconds < math.inf):
+                or not 0 < seconds < math.inf or not 1 <= steps <= ADVISOR_MODEL_WINDOW):
             return
-        self._steps.append((float(tokens), float(attention), float(seconds)))
+        self._steps.append((float(tokens), float(attention), float(seconds), float(steps)))
         self.samples += 1
         self._solve()
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s sample: %d tokens, attention %.4g, %.4f s; fit c %.4g a %.4g b %.4g"
-                      " (%d of %d steps left out)", self.label, tokens, attention, seconds,
-                      self.c, self.a, self.b, self.outliers, len(self._steps))
+            log.debug("%s sample: %d tokens, attention %.4g, %.4f s, %d steps; fit c %.4g a %.4g"
+                      " b %.4g (%d of %d samples left out)", self.label, tokens, attention,
+                      seconds, steps, self.c, self.a, self.b, self.outliers, len(self._steps))
 
     def _solve(self) -> None:
         steps = np.array(self._steps)
-        x = np.column_stack([np.ones(len(steps)), steps[:, 0], steps[:, 1]])
+        x = np.column_stack([steps[:, 3], steps[:, 0], steps[:, 1]])
         t = steps[:, 2]
         w = (1.0 - ADVISOR_MODEL_WEIGHT) ** np.arange(len(steps) - 1, -1, -1.0)
         coef = self._fit(x, t, w, step_cost=self.step_cost)
@@ -151,9 +153,10 @@ class PrefillModel:
     def _fit(cls, x: np.ndarray, t: np.ndarray, w: np.ndarray, with_step: bool = True,
              step_cost: float | None = None) -> np.ndarray | None:
         """The best non-negative fit of ``t ~ x @ (c, a, b)`` with weights ``w`` and ``c`` at
-        most ``min(t)`` (``c`` = 0 unless ``with_step``; ``c`` = ``step_cost`` where given,
-        capped the same way), over the term subsets; None if no subset fits."""
-        cap = float(t.min())
+        most ``min(t / x[:, 0])`` (a sample's time a step: ``x[:, 0]`` counts its steps; ``c``
+        = 0 unless ``with_step``; ``c`` = ``step_cost`` where given, capped the same way), over
+        the term subsets; None if no subset fits."""
+        cap = float((t / x[:, 0]).min())
         if step_cost is not None:
             cap = min(cap, max(0.0, step_cost))
         # scale the columns to comparable sizes so the small systems stay well conditioned
@@ -181,7 +184,7 @@ class PrefillModel:
                 coef[0] = cap * scale[0]
                 rest = idx[1:]
                 if rest:
-                    left = t - cap
+                    left = t - cap * x[:, 0]
                     sub_rest = s[np.ix_(rest, rest)]
                     if np.linalg.cond(sub_rest) > 1e8:
                         continue
@@ -198,7 +201,7 @@ class PrefillModel:
         return bool(self.fixed) or self.samples > 0
 
     def state(self) -> dict[str, object]:
-        """The kept steps and the fit, as JSON values (``restore`` takes them)."""
+        """The kept samples and the fit, as JSON values (``restore`` takes them)."""
         return {"steps": [list(step) for step in self._steps], "samples": self.samples,
                 "coef": [self.c, self.a, self.b], "step_cost": self.step_cost}
 
@@ -210,23 +213,28 @@ class PrefillModel:
         try:
             steps = np.array(state["steps"], dtype=float)
             if not steps.size:
-                steps = steps.reshape(0, 3)
+                steps = steps.reshape(0, 4)
+            if steps.ndim == 2 and steps.shape[1] == 3:  # saved before runs of steps: one each
+                steps = np.column_stack([steps, np.ones(len(steps))])
             samples = state["samples"]
             coef = np.array(state["coef"], dtype=float)
             step_cost = state.get("step_cost")  # absent in states saved before 2026-12-06e
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"prefill model: expected steps, samples, coef ({exc})") from None
-        if (steps.ndim != 2 or steps.shape[1] != 3 or len(steps) > ADVISOR_MODEL_WINDOW
+        if (steps.ndim != 2 or steps.shape[1] != 4 or len(steps) > ADVISOR_MODEL_WINDOW
                 or coef.shape != (3,)
                 or not isinstance(samples, int) or isinstance(samples, bool)
                 or samples < len(steps) or not np.isfinite(coef).all() or (coef < 0).any()
                 or not ((steps > 0) & (steps < math.inf)).all()
+                or not ((steps[:, 3] >= 1) & (steps[:, 3] <= ADVISOR_MODEL_WINDOW)
+                        & (steps[:, 3] == np.floor(steps[:, 3]))).all()
                 or not (step_cost is None or (isinstance(step_cost, int | float)
                                               and not isinstance(step_cost, bool)
                                               and 0 <= step_cost < math.inf))):
-            raise ValueError(f"prefill model: expected at most {ADVISOR_MODEL_WINDOW} steps of "
-                             "3 numbers > 0, 3 coefficients >= 0, a sample count >= the steps "
-                             "and a step cost >= 0 or null")
+            raise ValueError(f"prefill model: expected at most {ADVISOR_MODEL_WINDOW} samples of "
+                             "3 numbers > 0 (and a whole count of steps from 1 to "
+                             f"{ADVISOR_MODEL_WINDOW}), 3 coefficients >= 0, a sample count >= "
+                             "the samples and a step cost >= 0 or null")
         if self.fixed:
             return
         if self.step_cost is None and step_cost is not None:
@@ -296,10 +304,14 @@ class StepClock:
     its own launch. Why a step without prompt tokens is no start: vLLM may take the output of
     an empty step still queued only after launching the next prefill (half of it, at 32B)."""
 
-    def __init__(self, model: PrefillModel, lag: int = 0, outputs: bool = True) -> None:
+    def __init__(self, model: PrefillModel, lag: int = 0, outputs: bool = True,
+                 tokens_after_end: bool | None = None) -> None:
         assert lag in (-1, 0, 1), lag
         self.model, self.lag = model, lag
         self.outputs = outputs  # time steps by their outputs once the engine reports one
+        # vLLM 0.32's order (the step's chunks offered after its step end), whatever the
+        # scheduling: the lag folds it in with asynchronous scheduling (0.32 on a GPU: lag 0)
+        self.tokens_after_end = lag < 0 if tokens_after_end is None else tokens_after_end
         # then the step ends still time the steps, into this model, for its step cost only:
         # a short step's end-to-end interval is its launch, which the output of a step that
         # an idle engine ran overstates by the next step's launch (vLLM launches step s+1
@@ -320,6 +332,8 @@ class StepClock:
         self._scheduled: deque[list[float]] = deque()
         self._last_output: float | None = None
         self._last_output_prompt = False  # whether that step computed prompt tokens
+        # the run of consecutive prompt steps being timed: [steps, tokens, attention, start]
+        self._run: list[float] | None = None
 
     def computes(self, k: int, n: int) -> None:
         """The step being scheduled computes prompt tokens ``[k, n)`` of one request."""
@@ -351,7 +365,7 @@ class StepClock:
         self._last_end = now
 
     def _schedule_record(self, now: float) -> None:
-        if self.lag < 0:
+        if self.tokens_after_end:
             # 0.32's order: the tokens reported since the last end are the step ended then
             # (unless its output took them already), and this step's come after ``now``
             if self._scheduled:
@@ -366,32 +380,60 @@ class StepClock:
     def output(self, now: float) -> None:
         """The engine took the output of the oldest step it scheduled and had not yet taken
         back, at ``now`` (vLLM's ``update_from_output``). From the first call on, steps are
-        timed by their outputs (unless this clock times by step ends alone)."""
+        timed by their outputs (unless this clock times by step ends alone).
+
+        A run of consecutive steps that compute prompt tokens is one sample, from the first
+        one's start to the last one's output (at most ``ADVISOR_RUN_STEPS`` steps): vLLM takes
+        a step's output only after launching the next step, and where that launch holds the
+        thread (32B: half of a 16k chunk) the output is late by it and the next step's start
+        early by the same, so step by step a chunked 32k prompt's two steps were timed 10.4 and
+        6.0 s for 4.5 and 11.8 s of GPU time; their sum is right. A run starts at its first
+        step's schedule end, or at the previous step's output if that step computed prompt
+        tokens (a run cut at its length). The output of a step without prompt tokens (a decode
+        step, an empty one still queued when the next request came) bounds nothing: vLLM may
+        take it only after launching the next prefill (H100, 32B: 8k prefills timed 0.75 s of
+        1.5 s from it), while its own GPU work was done long before."""
         if not self.outputs:
             return
         self.by_output = True
         if not self._scheduled:
-            self._last_output = now
+            self._last_output, self._last_output_prompt, self._run = now, False, None
             return
         tokens, attention, scheduled_at = self._scheduled.popleft()
-        if self.lag < 0 and not self._scheduled:  # its tokens came after its end: still here
+        if self.tokens_after_end and not self._scheduled:  # its tokens came after its end
             tokens, attention = tokens + self._tokens, attention + self._attention
-        # A step starts at its schedule end, or when the step before it was done if that one
-        # computed prompt tokens (its output is the best bound of its end). The output of a
-        # step without prompt tokens (a decode step, an empty one still queued when the next
-        # request came) is no such bound: vLLM takes it only after launching this step, which
-        # holds the thread for half an 8k prefill at 32B (H100: those prefills timed 0.75 s of
-        # 1.5 s), while that step's own GPU work was done in a few ms.
-        before = self._last_output if self._last_output_prompt else None
-        start = max(scheduled_at, before if before is not None else -math.inf)
-        self._last_output = now
-        self._last_output_prompt = tokens > 0
-        if tokens > 0:
-            self.busy_until = now
-            if tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
-                if self.by_ends.samples:  # else the step cost restored, if any
-                    self.model.step_cost = self.by_ends.c
-                self.model.add_step(tokens, attention, now - start)
+        prompt_before, output_before = self._last_output_prompt, self._last_output
+        self._last_output, self._last_output_prompt = now, tokens > 0
+        if tokens <= 0:
+            self._run = None
+            return
+        self.busy_until = now
+        if self._run is None:
+            start = scheduled_at
+            if prompt_before and output_before is not None:
+                start = max(start, output_before)
+            self._run = [0.0, 0.0, 0.0, start]
+        run = self._run
+        run[0] += 1
+        run[1] += tokens
+        run[2] += attention
+        if run[0] < ADVISOR_RUN_STEPS and self._next_computes():
+            return  # launched before this output was taken: the run goes on
+        self._run = None
+        if run[1] >= ADVISOR_MIN_SAMPLE_TOKENS:
+            if self.by_ends.samples:  # else the step cost restored, if any
+                self.model.step_cost = self.by_ends.c
+            self.model.add_step(run[1], run[2], now - run[3], int(run[0]))
+
+    def _next_computes(self) -> bool:
+        """Whether the step scheduled after the one whose output was just taken (if any was)
+        computes prompt tokens."""
+        if not self._scheduled:
+            return False
+        tokens = self._scheduled[0][0]
+        if self.tokens_after_end and len(self._scheduled) == 1:
+            tokens += self._tokens
+        return tokens > 0
 
     def last_step(self) -> tuple[float, float]:
         """(tokens, attention) of the step the engine runs now (with lag -1, the step ended

@@ -81,6 +81,11 @@ ADVISOR_OUTLIER_ROUNDS = 3
 # queue when steps are timed by their outputs): vLLM keeps one or two in flight (more with
 # pipeline parallelism); beyond this, outputs stopped coming and the oldest go untimed.
 ADVISOR_OUTPUT_QUEUE_LIMIT = 16
+# The most consecutive prompt-computing steps the step clock times as one sample (a run: from
+# its first step's start to its last step's output). Within a run a late output and the next
+# step's early start cancel; a run cut at this length errs by at most half a step over its
+# steps (StepClock.output says why).
+ADVISOR_RUN_STEPS = 8
 # Weight of a finished request in the moving average of what a request computes (its prompt
 # tokens and their attention term), which prices the requests waiting to be scheduled (the
 # engine's backlog, ``PromotionAdvisor.engine_backlog_s``): about the last twenty requests.

@@ -149,10 +149,12 @@ class TieredOffloadingSpec(OffloadingSpec):
             # asynchronous scheduling: a step's time is the interval one step end later; a
             # connector that ends the step before offering its chunks: one step end earlier
             asynchronous = async_scheduling()
-            lag = int(asynchronous) - int(schedule_end_before_stores())
+            after_end = schedule_end_before_stores()
+            lag = int(asynchronous) - int(after_end)
             advisor = PromotionAdvisor(len(tiers), self.row_bytes, facts.chunk_tokens,
                                        self.cfg.cpu.prefill_tokens_per_s, step_lag=lag,
-                                       step_outputs=self.cfg.cpu.step_timing == "outputs")
+                                       step_outputs=self.cfg.cpu.step_timing == "outputs",
+                                       tokens_after_end=after_end)
             log.info("vllm-tiering: promotion advisor on (%s scheduling, step lag %d, steps "
                      "timed by %s)", "asynchronous" if asynchronous else "synchronous", lag,
                      self.cfg.cpu.step_timing)
