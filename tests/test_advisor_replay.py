@@ -5,7 +5,8 @@ The engine is rebuilt from those TTFTs: vLLM's offline engine computes a prompt 
 most 16384 tokens, a step costs ``c`` (assumed: 10 ms, a decode step of these shapes; the
 asserts hold for 5-20 ms) plus ``a`` per token and ``b`` per token and earlier token, fitted to
 the measured recompute times. The advisor is then fed what vLLM 0.33 shows the scheduler — the
-chunks each step offers for storing and the step ends under asynchronous scheduling — for the
+chunks each step offers for storing, the step ends and the outputs under asynchronous scheduling
+(``tests/async_engine.py``; the throughput replay gives step ends only) — for the
 phases gpu-bench ran (warm-up, cold and recompute prompts, 32k-token fillers), plus a
 calibration read at the disk's rate, and asked about each disk phase.
 
@@ -81,28 +82,30 @@ def phases(lengths: list[int]) -> list[int]:
     return [*lengths, *[n for n in lengths for _ in range(2)], max(lengths), max(lengths)]
 
 
-def replay_steps(adv: PromotionAdvisor, eng: Engine, prompts: list[int], decode_steps: int = 7,
-                 asynchronous: bool = True) -> None:
-    """Drive the advisor's step clock as vLLM 0.33 does: each prefill step offers the chunks it
-    computes; under asynchronous scheduling step s+1 is scheduled while step s runs, step s+2
-    when it is done; each prompt then decodes ``decode_steps`` tokens (no chunk offered)."""
-    work: list[tuple[int, int] | None] = []
+def replay_steps(adv: PromotionAdvisor, eng: Engine, prompts: list[int],
+                 decode_steps: int = 7) -> None:
+    """Drive the advisor's step clock as vLLM 0.33 does (``tests/async_engine.py``: step s+1
+    scheduled while step s runs, each output taken after the next step's launch, launches that
+    return at once), one prompt at a time as gpu-bench sends them: each prefill step offers the
+    chunks it computes, then the prompt decodes ``decode_steps`` tokens (no chunk offered)."""
+    from async_engine import run_async_engine
+
+    def gpu_s(stretches) -> float:
+        return eng.c + sum(eng.step(k, e) - eng.c for k, e in stretches)
+
+    t = 0.0
     for n in prompts:
-        work += steps_of(n) + [None] * decode_steps
-    took = [eng.step(*w) if w else eng.c for w in work] + [eng.c, eng.c]
-    ends = [0.0, 0.001] if asynchronous else [0.0]
-    for t in took:
-        ends.append(ends[-1] + t)
-    for i, w in enumerate(work + [None, None]):
-        if w is not None:
-            adv.computes(*w)
-        adv.step_end(ends[i])
+        steps = [[w] for w in steps_of(n)] + [[]] * decode_steps
+        t = run_async_engine(adv, steps, gpu_s, 0.0005, 1.0, start=t + 0.5, schedule_s=0.0001)
 
 
 def advisor_for(shape: str, rate: float, c: float = STEP_S, data: dict = DATA,
-                ttft: dict | None = None) -> tuple[PromotionAdvisor, Engine]:
+                ttft: dict | None = None, outputs: bool = True) -> tuple[PromotionAdvisor, Engine]:
+    """The advisor after the phases' prompts, its clock timing steps by their outputs (the
+    default) or, with ``outputs`` False, by step ends alone (for tests that go on driving it
+    by step ends only)."""
     eng = Engine(shape, c, data, ttft)
-    adv = PromotionAdvisor(1, eng.row_bytes, eng.chunk, step_lag=1)
+    adv = PromotionAdvisor(1, eng.row_bytes, eng.chunk, step_lag=1, step_outputs=outputs)
     replay_steps(adv, eng, phases(sorted(eng.measured)))
     adv.observe_read_batch(1, ADVISOR_CALIBRATION_BYTES, ADVISOR_CALIBRATION_BYTES / rate)
     return adv, eng
@@ -116,9 +119,10 @@ def disk_phase(adv: PromotionAdvisor, n: int) -> bool:
 @pytest.mark.parametrize("rate", VIRTUAL_DISK)
 def test_8b_on_the_virtual_disk_recomputes_2k_and_8k_and_loads_32k(rate):
     adv, eng = advisor_for("8b", rate)
-    # the fit is the engine: c per step, a per token, b per token and earlier token
+    # the fit is the engine: c per step, a per token, b per token and earlier token (c from the
+    # step ends, within the launch and scheduling times the engine model adds: 0.4 ms of 10)
     assert (adv.prefill.c, adv.prefill.a, adv.prefill.b) == (
-        pytest.approx(eng.c, rel=0.02), pytest.approx(eng.a, rel=0.02),
+        pytest.approx(eng.c, rel=0.05), pytest.approx(eng.a, rel=0.02),
         pytest.approx(eng.b, rel=0.02))
     for n in (2048, 8192, 32768):
         assert adv.prefill.seconds(0, n) == pytest.approx(
@@ -229,7 +233,7 @@ def serve(policy: str, hit_rate: float, n: int = 400, tokens: int = 512, rate: f
     steps (the advisor learns it from each load, as ``RequestScan.load_completed`` tells it).
     ``keep``: the advisor is appended to it."""
     eng = Engine("8b", c)
-    adv, _ = advisor_for("8b", rate, c)
+    adv, _ = advisor_for("8b", rate, c, outputs=False)  # the loop below gives step ends only
     if keep is not None:
         keep.append(adv)
     row_bytes, run = eng.row_bytes, tokens // CHUNK
@@ -327,7 +331,7 @@ def test_a_load_that_waited_behind_busy_steps_is_not_priced_as_overhead(waited_o
     the virtual disk and on the RAM disk alike. The steps it waited for computed other prompts,
     which a recomputed run waits for too: the overhead is only what is left beyond them."""
     rate = 2.72e9
-    adv, eng = advisor_for("8b", rate)
+    adv, eng = advisor_for("8b", rate, outputs=False)  # driven by step ends below
     for _ in range(32):
         adv.request_finished(*stretch_features(0, 512))
     t = 100.0
