@@ -104,7 +104,8 @@ class PrefillModel:
         """``steps`` consecutive steps computed ``tokens`` prompt tokens with attention term
         ``attention`` (sums over their requests) in ``seconds``."""
         if (self.fixed or not 0 < tokens < math.inf or not 0 < attention < math.inf
-                or not 0 < seconds < math.inf or not 1 <= steps <= ADVISOR_MODEL_WINDOW):
+                or not 0 < seconds < math.inf or not 1 <= steps <= ADVISOR_MODEL_WINDOW
+                or steps != math.floor(steps)):  # what restore refuses, never kept
             return
         self._steps.append((float(tokens), float(attention), float(seconds), float(steps)))
         self.samples += 1
@@ -319,9 +320,15 @@ class StepClock:
         self.by_ends = PrefillModel(label="step-end timed")
         self._tokens = 0.0
         self._attention = 0.0
-        # (tokens, attention) of the last steps, newest last, and the last step end's time
-        self._recent: deque[tuple[float, float]] = deque(maxlen=max(1, lag + 1))
+        # (tokens, attention, index) of the last steps, newest last, and the last step end's
+        # time; steps are numbered by their step ends
+        self._recent: deque[tuple[float, float, int]] = deque(maxlen=max(1, lag + 1))
         self._last_end: float | None = None
+        self._ends = 0
+        # when each recent step's output was taken, by its index (timed by outputs): a step-end
+        # interval ends there at the latest, so that an idle gap after a busy period (the
+        # next period's first step end) is not taken for a step
+        self._output_at: dict[int, float] = {}
         # the end of the last interval between step ends in which a step computing prompt
         # tokens ran (None before one did)
         self.busy_until: float | None = None
@@ -351,18 +358,33 @@ class StepClock:
             if self._last_end is not None and self._tokens > 0:
                 if not self.by_output:
                     self.busy_until = now
-                if self._tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
-                    target.add_step(self._tokens, self._attention, now - self._last_end)
+                end = self._interval_end(self._ends - 1, now)
+                if self._tokens >= ADVISOR_MIN_SAMPLE_TOKENS and end is not None:
+                    target.add_step(self._tokens, self._attention, end - self._last_end)
         elif self._last_end is not None and len(self._recent) == self._recent.maxlen:
-            tokens, attention = self._recent[0]  # the step that ran in this interval
+            tokens, attention, index = self._recent[0]  # the step that ran in this interval
             if tokens > 0:
                 if not self.by_output:
                     self.busy_until = now
-                if tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
-                    target.add_step(tokens, attention, now - self._last_end)
-        self._recent.append((self._tokens, self._attention))
+                end = self._interval_end(index, now)
+                if tokens >= ADVISOR_MIN_SAMPLE_TOKENS and end is not None:
+                    target.add_step(tokens, attention, end - self._last_end)
+        # the tokens reported since the last end are this step's, or (0.32's order) the one
+        # ended last
+        owner = self._ends - 1 if self.tokens_after_end else self._ends
+        self._recent.append((self._tokens, self._attention, owner))
+        self._ends += 1
         self._tokens = self._attention = 0.0
         self._last_end = now
+
+    def _interval_end(self, index: int, now: float) -> float | None:
+        """Where the step-end interval ending ``now`` of step ``index`` ends: ``now``, or that
+        step's output if it was taken earlier; None if it was taken before the interval began
+        (the interval then holds none of the step)."""
+        out = self._output_at.get(index)
+        if out is None or out >= now:
+            return now
+        return out if self._last_end is not None and out > self._last_end else None
 
     def _schedule_record(self, now: float) -> None:
         if self.tokens_after_end:
@@ -371,9 +393,9 @@ class StepClock:
             if self._scheduled:
                 self._scheduled[-1][0] += self._tokens
                 self._scheduled[-1][1] += self._attention
-            self._scheduled.append([0.0, 0.0, now])
+            self._scheduled.append([0.0, 0.0, now, self._ends])
         else:
-            self._scheduled.append([self._tokens, self._attention, now])
+            self._scheduled.append([self._tokens, self._attention, now, self._ends])
         if len(self._scheduled) > ADVISOR_OUTPUT_QUEUE_LIMIT:  # outputs stopped coming: untimed
             self._scheduled.popleft()
 
@@ -399,7 +421,10 @@ class StepClock:
         if not self._scheduled:
             self._last_output, self._last_output_prompt, self._run = now, False, None
             return
-        tokens, attention, scheduled_at = self._scheduled.popleft()
+        tokens, attention, scheduled_at, index = self._scheduled.popleft()
+        self._output_at[int(index)] = now
+        for old in [i for i in self._output_at if i < index - 8]:
+            del self._output_at[old]
         if self.tokens_after_end and not self._scheduled:  # its tokens came after its end
             tokens, attention = tokens + self._tokens, attention + self._attention
         prompt_before, output_before = self._last_output_prompt, self._last_output
@@ -440,4 +465,4 @@ class StepClock:
         last, whose tokens came after its end: those reported since)."""
         if self.lag < 0:
             return self._tokens, self._attention
-        return self._recent[-1] if self._recent else (0.0, 0.0)
+        return self._recent[-1][:2] if self._recent else (0.0, 0.0)
