@@ -4,7 +4,7 @@ engines that never report an output or report more than they ran, the synchronou
 where both clocks must agree, the asynchronous engine of ``tests/async_engine.py`` with random
 costs, ``PrefillModel.step_cost`` given garbage, the config key, and the manager's hook.
 
-Three bugs this file found are fixed; their tests say so ("Found by this file")."""
+Two bugs this file found are fixed; their tests say so ("Found by this file")."""
 
 from __future__ import annotations
 
