@@ -330,14 +330,21 @@ def test_chunked_prompts_under_blocking_launches_keep_the_step_cost():
     prompts chunked at 16384 tokens): the fit's step cost and a load's extra steps are the
     engine's (0.12 s a step) within 25%."""
     c = E32[0]
+    adv = _serve_chunked_prompts(BLOCKING)
+    assert adv.prefill.step_cost == pytest.approx(c, rel=0.25)
+    assert adv.prefill.c == pytest.approx(c, rel=0.25)
+    assert adv.load_overhead() == pytest.approx(ADVISOR_LOAD_STEPS * c, rel=0.25)
+
+
+def _serve_chunked_prompts(launch: tuple) -> PromotionAdvisor:
+    """The H100 32B engine serving the phases' prompts chunked at 16384 tokens, each then
+    decoding seven steps, with ``launch`` (``BLOCKING`` or ``FREE``)."""
     gpu_s = gpu_costs(*E32)
     adv = advisor()
     t = 0.0
     for n in (64, 2048, 8192, 32768, 2048, 8192, 32768, 8192):
-        _, t = _serve(adv, chunks(n) + [[]] * 7, gpu_s, *BLOCKING, start=t + 1.0)
-    assert adv.prefill.step_cost == pytest.approx(c, rel=0.25)
-    assert adv.prefill.c == pytest.approx(c, rel=0.25)
-    assert adv.load_overhead() == pytest.approx(ADVISOR_LOAD_STEPS * c, rel=0.25)
+        _, t = _serve(adv, chunks(n) + [[]] * 7, gpu_s, *launch, start=t + 1.0)
+    return adv
 
 
 def _prefill_only(order: str, tail: int) -> tuple[PromotionAdvisor, tuple]:
@@ -372,20 +379,17 @@ def test_prefill_only_requests_keep_the_step_cost(order):
 
 @pytest.mark.parametrize("order", ["async", "async-0.32"])
 def test_prefill_only_requests_with_two_empty_steps_keep_the_step_cost(order):
-    """Control for the xfail above: two empty steps after each prefill."""
+    """Control for the test above: two empty steps after each prefill."""
     adv, (c, _, _) = _prefill_only(order, tail=2)
     assert adv.prefill.c == pytest.approx(c, rel=0.25)
     assert adv.load_overhead() == pytest.approx(ADVISOR_LOAD_STEPS * c, rel=0.25)
 
 
 def test_chunked_prompts_with_free_launches_keep_the_step_cost():
-    """Control for the xfail above: the same prompts with launches that return at once."""
+    """Control for the xfail ``test_chunked_prompts_under_blocking_launches_keep_the_step_cost``:
+    the same prompts with launches that return at once."""
     c = E32[0]
-    gpu_s = gpu_costs(*E32)
-    adv = advisor()
-    t = 0.0
-    for n in (64, 2048, 8192, 32768, 2048, 8192, 32768, 8192):
-        _, t = _serve(adv, chunks(n) + [[]] * 7, gpu_s, *FREE, start=t + 1.0)
+    adv = _serve_chunked_prompts(FREE)
     assert adv.prefill.c == pytest.approx(c, rel=0.25)
     assert adv.load_overhead() == pytest.approx(ADVISOR_LOAD_STEPS * c, rel=0.25)
 
