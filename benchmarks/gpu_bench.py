@@ -155,7 +155,7 @@ def parse() -> argparse.Namespace:
                          "every thread on the machine while they ran (benchmarks/thread_cpu.py; "
                          "read before and after the request): the busiest threads go into the "
                          "row (cpu_threads) and the log")
-    ap.add_argument("--step-timing", choices=("outputs", "schedule_ends"), default=None,
+    ap.add_argument("--step-timing", choices=("forward", "outputs", "schedule_ends"), default=None,
                     help="ours: the CPU tier's step_timing, how the promotion advisor times "
                          "the engine's steps (default: the spec's)")
     ap.add_argument("--restart-warmup", choices=("fresh", "same"), default="fresh",

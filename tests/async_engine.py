@@ -1,5 +1,7 @@
 """A model of vLLM's engine core under asynchronous scheduling, for driving the advisor's step
-clock as the GPU machine does (``tests/test_advisor.py``, ``tests/test_advisor_replay.py``).
+clock as the GPU machine does (``tests/test_advisor.py``, ``tests/test_advisor_replay.py``);
+``serve_recorded`` records each step and may have the worker time the forward passes
+(``tests/test_step_runs_hostile.py``, ``tests/test_forward_timing.py``).
 
 vLLM's ``step_with_batch_queue`` (batch queue of two): schedule step s (the connector's
 ``on_schedule_end``), launch its kernels on the scheduler thread itself, and — while the queue
@@ -11,7 +13,12 @@ only ``queued_share`` of the step's GPU time is left to run. The GPU runs the st
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tiering.prefill_model import stretch_features
 
 Stretch = tuple[int, int]  # prompt tokens [k, n) of one request
 
@@ -49,3 +56,85 @@ def run_async_engine(adv, steps: Sequence[Sequence[Stretch]], gpu_s: Callable[[S
         if outputs:
             adv.step_output(now)
     return now
+
+
+@dataclass
+class Rec:
+    """One step as the engine ran it."""
+    stretches: list
+    tokens: float = 0.0
+    attention: float = 0.0
+    sched: float = math.nan  # its schedule end (the clock's step_end)
+    gstart: float = math.nan
+    gend: float = math.nan
+    g: float = 0.0
+    out: float = math.nan  # when its output was taken (the clock's output)
+    ahead: bool = False  # the next step was scheduled before this one's output was taken
+    number: int | None = None  # the advisor's number for it (forward timing), if any
+    # the forward-pass seconds, by number, the worker reported in this step's output
+    report: dict = field(default_factory=dict)
+
+
+def serve_recorded(adv, steps, gpu_s, launch_s: float, queued_share: float, *, depth: int = 2,
+                   after_end: bool = False, start: float = 0.0, schedule_s: float = 0.001,
+                   hold: float = 0.0, rng: random.Random | None = None,
+                   worker: list[Rec] | None = None) -> tuple[list[Rec], float]:
+    """``run_async_engine`` generalised and recorded: a batch queue of ``depth`` steps (1:
+    synchronous scheduling), the step's chunks offered before its step end or after it
+    (``after_end``: vLLM 0.32), and with probability ``hold`` the scheduler has nothing to
+    schedule ahead yet (it takes the oldest output first). Given a ``worker`` (the steps it has
+    timed and not yet reported; the same list from call to call, as the worker keeps its
+    timer), the worker times the forward passes as ``TieredOffloadingConnector`` does: each
+    step numbered once scheduled (``forward_step``), its GPU span reported in the output of the
+    first step launched after it ended on the GPU (the worker's metadata is built once the
+    step's launch returned), the times handed to the advisor before that output is taken.
+    Returns the steps' records and when the last output was taken."""
+    recs = []
+    for st in steps:
+        r = Rec(list(st))
+        for k, n in st:
+            if 0 <= k < n:
+                x1, x2 = stretch_features(k, n)
+                r.tokens += x1
+                r.attention += x2
+        recs.append(r)
+    now = gpu_free = start
+    queue: list[int] = []
+    i = 0
+    while i < len(recs) or queue:
+        if i < len(recs):
+            r = recs[i]
+            if not after_end:
+                for k, n in r.stretches:
+                    adv.computes(k, n)
+            now += schedule_s
+            adv.step_end(now)
+            r.sched = now
+            if after_end:
+                for k, n in r.stretches:
+                    adv.computes(k, n)
+            if worker is not None:
+                r.number = adv.forward_step()
+            if queue and queue[-1] == i - 1:
+                recs[i - 1].ahead = True
+            r.g = gpu_s(r.stretches)
+            r.gstart = max(now, gpu_free)
+            r.gend = gpu_free = r.gstart + r.g
+            now = max(now + launch_s, r.gend - queued_share * r.g)  # the launch returns
+            if worker is not None and r.number is not None:
+                worker.append(r)
+                while worker and worker[0].gend <= now:  # done by now, in step order
+                    done = worker.pop(0)
+                    r.report[done.number] = done.g
+            queue.append(i)
+            i += 1
+            if (len(queue) < depth and i < len(recs)
+                    and not (rng is not None and rng.random() < hold)):
+                continue
+        j = queue.pop(0)
+        now = max(now, recs[j].gend) + schedule_s
+        recs[j].out = now
+        if recs[j].report:
+            adv.forward_times(recs[j].report)
+        adv.step_output(now)
+    return recs, now

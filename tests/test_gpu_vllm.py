@@ -158,3 +158,34 @@ def test_tier_hits_are_bitwise_equal_to_gpu_hits_with_transfers_next_to_compute(
     finally:
         eng.close()
     assert os.path.isdir(tmp_path / "ours")
+
+
+def test_the_promotion_advisor_times_the_steps_by_the_workers_cuda_events(model, tmp_path,
+                                                                           monkeypatch, capfd):
+    """``step_timing`` "forward" (the default, tiering/vllm/forward_timer.py) on CUDA: our
+    connector carries the worker's event-timed forward passes back, and every prompt step of
+    the prompts run one at a time becomes a sample of its own, of a plausible length (more
+    than zero, less than the whole request took)."""
+    import re
+    import time
+
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # the samples' lines (engine core)
+    kvt = transfer_config("ours", tmp_path, 1 << 30, 2.0)
+    capfd.readouterr()
+    eng = Engine(OPTS, model, "ours", kvt, GPU_BLOCKS, MAX_LEN)
+    try:
+        slowest = 0.0
+        for p in PROMPTS[3:]:  # three prompts that share no prefix: each computes in full
+            t = time.perf_counter()
+            eng.generate([p], MAX_TOKENS)
+            slowest = max(slowest, time.perf_counter() - t)
+    finally:
+        eng.close()
+    out = "".join(capfd.readouterr())
+    assert "timed by the worker's forward passes from now on" in out, out[-3000:]
+    found = re.findall(r"forward-timed sample: (\d+) tokens, attention \S+, ([0-9.]+) s", out)
+    by_tokens = {int(n): float(s) for n, s in found}
+    for p in PROMPTS[3:]:  # their prompt steps, whole (vLLM's step budget is the model length)
+        computed = max(n for n in by_tokens if n <= len(p)) if by_tokens else 0
+        assert computed >= len(p) - 16, (len(p), found)
+    assert all(0.0 < s < slowest for s in by_tokens.values()), (found, slowest)

@@ -563,9 +563,9 @@ def test_a_bad_step_timing_is_one_clear_error(value):
 
 def test_step_timing_values_and_default():
     base = {"cpu_bytes_to_use": 1 << 20}
-    assert parse(dict(base)).cpu.step_timing == "outputs"
-    assert parse(dict(base, tiers=[{"medium": "cpu"}])).cpu.step_timing == "outputs"
-    for v in ("outputs", "schedule_ends"):
+    assert parse(dict(base)).cpu.step_timing == "forward"
+    assert parse(dict(base, tiers=[{"medium": "cpu"}])).cpu.step_timing == "forward"
+    for v in ("forward", "outputs", "schedule_ends"):
         assert parse(dict(base, tiers=[{"medium": "cpu", "step_timing": v}])).cpu.step_timing == v
     with pytest.raises(ValueError, match=r"tiers\[1\]: unknown key.*'step_timing'"):
         parse(dict(base, tiers=[{"medium": "cpu"}, {"medium": "file", "path": "/nonexistent/kv",

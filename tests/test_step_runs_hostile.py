@@ -14,11 +14,11 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from async_engine import run_async_engine
+from async_engine import Rec, run_async_engine
+from async_engine import serve_recorded as _serve
 
 import tiering.backends.staging as staging
 from tiering.advisor import PromotionAdvisor
@@ -68,70 +68,6 @@ def advisor(order: str = "async", **kw) -> PromotionAdvisor:
 def chunks(n: int, k: int = 0, budget: int = BUDGET) -> list[list[tuple[int, int]]]:
     """A prompt's tokens ``[k, n)`` as chunked prefill steps."""
     return [[(s, min(n, s + budget))] for s in range(k, n, budget)]
-
-
-@dataclass
-class Rec:
-    """One step as the engine ran it."""
-    stretches: list
-    tokens: float = 0.0
-    attention: float = 0.0
-    sched: float = math.nan  # its schedule end (the clock's step_end)
-    gstart: float = math.nan
-    gend: float = math.nan
-    g: float = 0.0
-    out: float = math.nan  # when its output was taken (the clock's output)
-    ahead: bool = False  # the next step was scheduled before this one's output was taken
-
-
-def _serve(adv, steps, gpu_s, launch_s: float, queued_share: float, *, depth: int = 2,
-           after_end: bool = False, start: float = 0.0, schedule_s: float = 0.001,
-           hold: float = 0.0, rng: random.Random | None = None) -> tuple[list[Rec], float]:
-    """``run_async_engine`` generalised and recorded: a batch queue of ``depth`` steps (1:
-    synchronous scheduling), the step's chunks offered before its step end or after it
-    (``after_end``: vLLM 0.32), and with probability ``hold`` the scheduler has nothing to
-    schedule ahead yet (it takes the oldest output first). Returns the steps' records and when
-    the last output was taken."""
-    recs = []
-    for st in steps:
-        r = Rec(list(st))
-        for k, n in st:
-            if 0 <= k < n:
-                x1, x2 = stretch_features(k, n)
-                r.tokens += x1
-                r.attention += x2
-        recs.append(r)
-    now = gpu_free = start
-    queue: list[int] = []
-    i = 0
-    while i < len(recs) or queue:
-        if i < len(recs):
-            r = recs[i]
-            if not after_end:
-                for k, n in r.stretches:
-                    adv.computes(k, n)
-            now += schedule_s
-            adv.step_end(now)
-            r.sched = now
-            if after_end:
-                for k, n in r.stretches:
-                    adv.computes(k, n)
-            if queue and queue[-1] == i - 1:
-                recs[i - 1].ahead = True
-            r.g = gpu_s(r.stretches)
-            r.gstart = max(now, gpu_free)
-            r.gend = gpu_free = r.gstart + r.g
-            now = max(now + launch_s, r.gend - queued_share * r.g)  # the launch returns
-            queue.append(i)
-            i += 1
-            if (len(queue) < depth and i < len(recs)
-                    and not (rng is not None and rng.random() < hold)):
-                continue
-        j = queue.pop(0)
-        now = max(now, recs[j].gend) + schedule_s
-        recs[j].out = now
-        adv.step_output(now)
-    return recs, now
 
 
 def expected_samples(recs: list[Rec]) -> list[tuple[float, float, float, float]]:

@@ -109,6 +109,14 @@ def test_the_restarted_server_ran_under_our_scheduler(scenario):
     assert "Scheduler: in-flight reservations remembered per request" in log
 
 
+def test_the_servers_steps_were_timed_by_the_workers_forward_passes(scenario):
+    """Our connector carried the worker's forward-pass times back to the promotion advisor
+    (tiering/vllm/forward_timer.py) in both servers: through vLLM's scheduler and ours."""
+    for name in ("tiered-1", "tiered-2"):
+        log = (scenario["work"] / f"{name}.log").read_text()
+        assert "timed by the worker's forward passes from now on" in log, name
+
+
 def test_restart_keeps_disk_hits(scenario):
     p = scenario["restart"]
     assert cached(p["before"], p["after"], "disk") == TOKENS

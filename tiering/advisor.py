@@ -132,10 +132,12 @@ class Decision:
 class PromotionAdvisor:
     def __init__(self, n_file_tiers: int, row_bytes: int, chunk_tokens: int,
                  prefill_tokens_per_s: float | None = None, step_lag: int = 0,
-                 step_outputs: bool = True, tokens_after_end: bool | None = None) -> None:
+                 step_outputs: bool = True, tokens_after_end: bool | None = None,
+                 step_forward: bool = False) -> None:
         self.row_bytes, self.chunk_tokens = row_bytes, max(1, chunk_tokens)
         self.prefill = PrefillModel(prefill_tokens_per_s)
-        self.clock = StepClock(self.prefill, step_lag, step_outputs, tokens_after_end)
+        self.clock = StepClock(self.prefill, step_lag, step_outputs, tokens_after_end,
+                               step_forward)
         # per file tier, by the chain's tier id (1 = the first file tier; 0 is the CPU tier)
         self._read = {t: _Ewma() for t in range(1, n_file_tiers + 1)}  # bytes/s
         # a tier's rate is provisional while it comes from a batch of too few rows only
@@ -268,6 +270,15 @@ class PromotionAdvisor:
         """The engine took back the oldest scheduled step's output at ``now``
         (``StepClock.output``)."""
         self.clock.output(now)
+
+    def forward_step(self) -> int | None:
+        """A number for the step whose scheduling just ended, for the worker to time its
+        forward pass under (``StepClock.forward_step``); None when not timed so."""
+        return self.clock.forward_step()
+
+    def forward_times(self, times: dict[int, float]) -> None:
+        """The worker's forward-pass seconds by step number (``StepClock.forward_times``)."""
+        self.clock.forward_times(times)
 
     # -- the decision --------------------------------------------------------------------------
     def read_rate(self, tier: int) -> float | None:

@@ -37,10 +37,13 @@ GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py CO
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
                  "prefill_tokens_per_s", "promotion_reserve", "step_timing"}
 # How the promotion advisor times the engine's steps (tiering.prefill_model.StepClock):
-# "outputs" (default): from a step's schedule end (or the output of a prefill step before it) to
-# its own output, the step cost still from the step ends; "schedule_ends": by the scheduler's
-# step ends alone (before 2026-12-06e; at 32B on an H100 they saw half of an 8k prefill).
-STEP_TIMINGS = ("outputs", "schedule_ends")
+# "forward" (default): each step's forward pass, timed on the worker (CUDA events) and carried
+# back by our connector TieredOffloadingConnector; under vLLM's own connector, or until the
+# worker's first report, as "outputs": from a step's schedule end (or the output of a prefill
+# step before it) to its own output; in both the step cost from the step ends;
+# "schedule_ends": by the scheduler's step ends alone (before 2026-12-06e; at 32B on an H100
+# they saw half of an 8k prefill).
+STEP_TIMINGS = ("forward", "outputs", "schedule_ends")
 # "auto": load a disk hit only when reading it is faster than recomputing it (measured rates);
 # "always": load every disk hit.
 PROMOTE_MODES = ("auto", "always")
@@ -57,7 +60,7 @@ class CpuTierConfig:
     # (tiering.settings.PROMOTION_RESERVE_FRACTION says why; off by default:
     # PROMOTION_RESERVE_DEFAULT)
     promotion_reserve: float = PROMOTION_RESERVE_DEFAULT
-    step_timing: str = "outputs"
+    step_timing: str = "forward"
 
 
 @dataclass
@@ -155,7 +158,7 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
                     or not 0 <= reserve < 0.5):
                 raise ValueError(f"{where}.promotion_reserve: expected a share of the CPU rows "
                                  f">= 0 and < 0.5 (0: no reserve), got {reserve!r}")
-            timing = tier.get("step_timing", "outputs")
+            timing = tier.get("step_timing", "forward")
             if timing not in STEP_TIMINGS:
                 raise ValueError(f"{where}.step_timing: expected one of "
                                  f"{', '.join(STEP_TIMINGS)}, got {timing!r}")

@@ -32,6 +32,7 @@ from collections import deque
 import numpy as np
 
 from tiering.settings import (
+    ADVISOR_FORWARD_PENDING_LIMIT,
     ADVISOR_MIN_SAMPLE_TOKENS,
     ADVISOR_MODEL_WEIGHT,
     ADVISOR_MODEL_WINDOW,
@@ -303,13 +304,33 @@ class StepClock:
     ``c``: a short step on an idle engine is timed by its output together with the next step's
     launch (vLLM launches step s+1 before it waits for step s), while its step-end interval is
     its own launch. Why a step without prompt tokens is no start: vLLM may take the output of
-    an empty step still queued only after launching the next prefill (half of it, at 32B)."""
+    an empty step still queued only after launching the next prefill (half of it, at 32B).
+
+    With ``forward`` (``step_timing`` "forward", the default, under our connector
+    ``TieredOffloadingConnector``) the worker times each step's forward pass itself and the
+    connector carries the time back (``forward_step`` numbers a step for it, ``forward_times``
+    takes the times): from the first time reported on, a prompt step is one sample of its own
+    forward pass, and the outputs time nothing for the model. The two errors the outputs leave
+    (a prefill scheduled behind an in-flight decode step is timed with that step in it; a
+    chunked prompt's step-end intervals under blocking launches set the step cost to 0,
+    ``tests/test_step_runs_hostile.py``) are then gone. The step ends give the per-step
+    cost no more: their fit's own ``c`` is the step's cost on the GPU, launches held up included
+    (the GPU waits for them inside the span), and no other step's launch is in it. Under vLLM's
+    own ``OffloadingConnector`` nobody times the forward passes and the clock stays on the
+    outputs."""
 
     def __init__(self, model: PrefillModel, lag: int = 0, outputs: bool = True,
-                 tokens_after_end: bool | None = None) -> None:
+                 tokens_after_end: bool | None = None, forward: bool = False) -> None:
         assert lag in (-1, 0, 1), lag
         self.model, self.lag = model, lag
         self.outputs = outputs  # time steps by their outputs once the engine reports one
+        # time prompt steps by their forward passes on the worker once it reports one
+        # (``forward_step``/``forward_times``), the outputs then timing nothing for the model
+        self.forward = forward
+        self.by_forward = False
+        # the steps numbered for the worker and not yet timed: number -> (tokens, attention)
+        self._forward_steps: dict[int, tuple[float, float]] = {}
+        self._forward_next = 0
         # vLLM 0.32's order (the step's chunks offered after its step end), whatever the
         # scheduling: the lag folds it in with asynchronous scheduling (0.32 on a GPU: lag 0)
         self.tokens_after_end = lag < 0 if tokens_after_end is None else tokens_after_end
@@ -445,10 +466,59 @@ class StepClock:
         if run[0] < ADVISOR_RUN_STEPS and self._next_computes():
             return  # launched before this output was taken: the run goes on
         self._run = None
-        if run[1] >= ADVISOR_MIN_SAMPLE_TOKENS:
-            if self.by_ends.samples:  # else the step cost restored, if any
-                self.model.step_cost = self.by_ends.c
+        if run[1] >= ADVISOR_MIN_SAMPLE_TOKENS and not self.by_forward:
+            self._take_step_cost()
             self.model.add_step(run[1], run[2], now - run[3], int(run[0]))
+
+    def _take_step_cost(self) -> None:
+        if self.by_ends.samples:  # else the step cost restored, if any
+            self.model.step_cost = self.by_ends.c
+
+    def forward_step(self) -> int | None:
+        """Number the step whose scheduling just ended, for the worker to time its forward pass
+        (``forward_times``); None unless this clock times by forward passes. Called once per
+        step after the step's chunks were offered and its step end came (vLLM's
+        ``build_connector_meta`` does both, in either order)."""
+        if not self.forward:
+            return None
+        if self.tokens_after_end:  # 0.32's order: reported since the step end, this step's
+            step = (self._tokens, self._attention)
+        else:
+            step = self._recent[-1][:2] if self._recent else (0.0, 0.0)
+        number = self._forward_next
+        self._forward_next += 1
+        self._forward_steps[number] = step
+        # a worker that stopped reporting (or a step never run) leaves its number here
+        while len(self._forward_steps) > ADVISOR_FORWARD_PENDING_LIMIT:
+            del self._forward_steps[next(iter(self._forward_steps))]
+        return number
+
+    def forward_times(self, times: dict[int, float]) -> None:
+        """The worker's forward-pass seconds of the steps numbered by ``forward_step``. From the
+        first one on, each prompt step is one sample of its own time: the GPU's span from the
+        step's first kernel (the previous step done) to its last, neither the launches held on
+        the scheduler thread nor the steps around it in it (the outputs' runs' two known
+        errors: a prefill behind an in-flight decode step, and the step-end clock's step cost
+        under blocking launches). A number reported twice (another rank's late report) or not
+        numbered here is ignored, and so is a time that is not a finite non-negative number."""
+        for number in sorted(times):
+            step = self._forward_steps.pop(number, None)
+            seconds = times[number]
+            if (step is None or isinstance(seconds, bool) or not isinstance(seconds, int | float)
+                    or not 0.0 <= seconds < math.inf):
+                continue
+            if not self.by_forward:
+                log.info("vllm-tiering: the engine's steps are timed by the worker's forward "
+                         "passes from now on")
+                self.by_forward = True
+                self.model.label = "forward-timed"
+                # their own fit's per-step cost from now on: none of the steps' times holds
+                # another step's launch, the reason the step ends gave it (a restored or
+                # step-end cost would go on pricing an extra step at what the outputs saw)
+                self.model.step_cost = None
+            tokens, attention = step
+            if tokens >= ADVISOR_MIN_SAMPLE_TOKENS:
+                self.model.add_step(tokens, attention, seconds)
 
     def _next_computes(self) -> bool:
         """Whether the step scheduled after the one whose output was just taken (if any was)

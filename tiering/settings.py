@@ -81,6 +81,11 @@ ADVISOR_OUTLIER_ROUNDS = 3
 # queue when steps are timed by their outputs): vLLM keeps one or two in flight (more with
 # pipeline parallelism); beyond this, outputs stopped coming and the oldest go untimed.
 ADVISOR_OUTPUT_QUEUE_LIMIT = 16
+# Steps numbered for the worker to time their forward passes (CPU tier ``step_timing``
+# "forward") and not yet reported: vLLM keeps one or two in flight and the worker reports a
+# step once its last kernel ran, a step or two later; beyond this the worker stopped reporting
+# and the oldest go untimed.
+ADVISOR_FORWARD_PENDING_LIMIT = 64
 # The most consecutive prompt-computing steps the step clock times as one sample (a run: from
 # its first step's start to its last step's output). Within a run a late output and the next
 # step's early start cancel; a run cut at this length errs by at most half a step over its

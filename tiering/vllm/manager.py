@@ -231,6 +231,19 @@ class TieredManager(OffloadingManager):
         self.chain.reset()
         self.load_gate.reset()  # vLLM drops its in-flight jobs: their completions never come
 
+    def forward_step(self) -> int | None:
+        """Our connector (``TieredOffloadingConnector``), after vLLM built a step's metadata: a
+        number under which the worker times the step's forward pass, or None when the advisor
+        does not time steps so (``tiering/vllm/forward_timer.py``)."""
+        advisor = self.chain.advisor
+        return advisor.forward_step() if advisor is not None else None
+
+    def forward_times(self, times: dict[int, float]) -> None:
+        """Our connector, as a step's output comes back: the worker's forward-pass seconds of
+        the steps numbered by ``forward_step``."""
+        if self.chain.advisor is not None:
+            self.chain.advisor.forward_times(times)
+
     def get_stats(self) -> OffloadingConnectorStats | None:
         # vLLM asks once per update_from_output, after the step's output came back: the one
         # hook the manager has that says a step is done (the step clock times steps by it)

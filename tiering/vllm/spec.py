@@ -153,8 +153,9 @@ class TieredOffloadingSpec(OffloadingSpec):
             lag = int(asynchronous) - int(after_end)
             advisor = PromotionAdvisor(len(tiers), self.row_bytes, facts.chunk_tokens,
                                        self.cfg.cpu.prefill_tokens_per_s, step_lag=lag,
-                                       step_outputs=self.cfg.cpu.step_timing == "outputs",
-                                       tokens_after_end=after_end)
+                                       step_outputs=self.cfg.cpu.step_timing != "schedule_ends",
+                                       tokens_after_end=after_end,
+                                       step_forward=self.cfg.cpu.step_timing == "forward")
             log.info("vllm-tiering: promotion advisor on (%s scheduling, step lag %d, steps "
                      "timed by %s)", "asynchronous" if asynchronous else "synchronous", lag,
                      self.cfg.cpu.step_timing)
