@@ -10,8 +10,12 @@ case costs only the compression attempt.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import zstandard
+
+if TYPE_CHECKING:
+    import zstandard
 
 CODECS = {"none": 0, "zstd": 1}
 
@@ -58,6 +62,10 @@ class ZstdCodec:
     def _c(self) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
         pair = getattr(self._local, "pair", None)
         if pair is None:
+            # imported here, not with the module: only a tier that compresses (or reads a row
+            # stored compressed) needs zstandard, so a machine without it serves the rest
+            import zstandard
+
             pair = (zstandard.ZstdCompressor(level=self.level), zstandard.ZstdDecompressor())
             self._local.pair = pair
         return pair
