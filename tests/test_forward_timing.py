@@ -350,7 +350,8 @@ def test_a_hung_stream_keeps_a_bounded_record(monkeypatch):
 
     gpu = [0.0]
     t = forward_timer.ForwardTimer(cuda=True)
-    monkeypatch.setattr(t, "_mark", lambda: _Event(1.0, gpu))
+    marks = iter(1.0 + 0.001 * i for i in range(10 ** 6))  # each a millisecond after the last
+    monkeypatch.setattr(t, "_mark", lambda: _Event(next(marks), gpu))
     for number in range(3 * forward_timer.PENDING_LIMIT):
         t.begin(number)
         t.end()

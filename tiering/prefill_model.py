@@ -33,6 +33,7 @@ import numpy as np
 
 from tiering.settings import (
     ADVISOR_FORWARD_PENDING_LIMIT,
+    ADVISOR_FORWARD_STALE_STEPS,
     ADVISOR_MIN_SAMPLE_TOKENS,
     ADVISOR_MODEL_WEIGHT,
     ADVISOR_MODEL_WINDOW,
@@ -374,7 +375,8 @@ class StepClock:
         """The scheduler finished scheduling a step at ``now``."""
         if self.outputs:  # kept from the first step: the first output times it
             self._schedule_record(now)
-        target = self.by_ends if self.by_output else self.model
+        # timed otherwise (outputs, forward passes), the step ends give the step cost alone
+        target = self.by_ends if self.by_output or self.by_forward else self.model
         if self.lag < 0:  # the tokens reported since the last step end ran until now
             if self._last_end is not None and self._tokens > 0:
                 if not self.by_output:
@@ -491,7 +493,25 @@ class StepClock:
         # a worker that stopped reporting (or a step never run) leaves its number here
         while len(self._forward_steps) > ADVISOR_FORWARD_PENDING_LIMIT:
             del self._forward_steps[next(iter(self._forward_steps))]
+        if self.by_forward:
+            self._check_reports_come(number)
         return number
+
+    def _check_reports_come(self, newest: int) -> None:
+        """Back to the outputs' clock if a prompt step numbered ``ADVISOR_FORWARD_STALE_STEPS``
+        steps ago is still unreported: the worker's timer failed (it logs why), a rank stopped
+        reporting, or its stream hangs. A step without prompt tokens proves nothing (a step
+        that ran no forward pass may never be reported). A later report switches back."""
+        for number, (tokens, _) in self._forward_steps.items():
+            if tokens < ADVISOR_MIN_SAMPLE_TOKENS:
+                continue
+            if newest - number >= ADVISOR_FORWARD_STALE_STEPS:
+                log.warning("vllm-tiering: the worker has not reported the forward pass of a "
+                            "prompt step %d steps ago; the steps are timed by their outputs "
+                            "until it reports again", newest - number)
+                self.by_forward = False
+                self.model.label = "prefill"
+            return  # the oldest prompt step decides
 
     def forward_times(self, times: dict[int, float]) -> None:
         """The worker's forward-pass seconds of the steps numbered by ``forward_step``. From the
@@ -500,12 +520,19 @@ class StepClock:
         the scheduler thread nor the steps around it in it (the outputs' runs' two known
         errors: a prefill behind an in-flight decode step, and the step-end clock's step cost
         under blocking launches). A number reported twice (another rank's late report) or not
-        numbered here is ignored, and so is a time that is not a finite non-negative number."""
-        for number in sorted(times):
+        numbered here is ignored, and so is a time that is not a finite positive number of
+        seconds; nothing raises."""
+        numbers = sorted(n for n in times if isinstance(n, int) and not isinstance(n, bool))
+        for number in numbers:
             step = self._forward_steps.pop(number, None)
             seconds = times[number]
-            if (step is None or isinstance(seconds, bool) or not isinstance(seconds, int | float)
-                    or not 0.0 <= seconds < math.inf):
+            if step is None or isinstance(seconds, bool) or not isinstance(seconds, int | float):
+                continue
+            try:
+                seconds = float(seconds)
+            except OverflowError:  # an int beyond a float
+                continue
+            if not 0.0 < seconds < math.inf:
                 continue
             if not self.by_forward:
                 log.info("vllm-tiering: the engine's steps are timed by the worker's forward "

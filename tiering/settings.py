@@ -86,6 +86,10 @@ ADVISOR_OUTPUT_QUEUE_LIMIT = 16
 # step once its last kernel ran, a step or two later; beyond this the worker stopped reporting
 # and the oldest go untimed.
 ADVISOR_FORWARD_PENDING_LIMIT = 64
+# A prompt step numbered this many steps ago and still not reported: the worker's timing
+# stopped (a failed timer, a hung stream), and the step clock goes back to timing the steps by
+# their outputs until a report comes again. A report comes a step or two after its step.
+ADVISOR_FORWARD_STALE_STEPS = 16
 # The most consecutive prompt-computing steps the step clock times as one sample (a run: from
 # its first step's start to its last step's output). Within a run a late output and the next
 # step's early start cancel; a run cut at this length errs by at most half a step over its

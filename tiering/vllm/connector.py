@@ -74,10 +74,13 @@ class TieredOffloadingConnector(OffloadingConnector):
         meta = super().build_connector_meta(scheduler_output)
         manager = self._our_manager()
         if manager is not None:
-            with _held(manager):
-                number = manager.forward_step()
-            if number is not None:
-                setattr(meta, STEP_NUMBER_FIELD, number)
+            try:
+                with _held(manager):
+                    number = manager.forward_step()
+                if number is not None:
+                    setattr(meta, STEP_NUMBER_FIELD, number)
+            except Exception:  # never into vLLM's scheduler: the step goes untimed
+                _log_once("numbering a step for the worker")
         return meta
 
     def _our_manager(self) -> Any:
@@ -90,16 +93,18 @@ class TieredOffloadingConnector(OffloadingConnector):
         """Worker side, before the step's forward pass."""
         super().bind_connector_metadata(connector_metadata)
         number = getattr(connector_metadata, STEP_NUMBER_FIELD, None)
-        if isinstance(number, int):
+        if isinstance(number, int) and not isinstance(number, bool) and number >= 0:
             self._forward_timer.begin(number)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """Worker side, after the step's forward pass: vLLM's metadata, with the forward-pass
-        times of the steps done since the last step."""
+        times of the steps done since the last step. Once steps are timed, vLLM's metadata
+        always goes as ours (with or without times): vLLM aggregates the ranks' metadata into
+        the first rank's, and a plain one there would drop the others' times."""
         self._forward_timer.end()
         meta = super().build_connector_worker_meta()
         done = self._forward_timer.finished()
-        if not done:
+        if not done and (meta is None or not self._forward_timer.timing):
             return meta
         return StepTimedWorkerMetadata.wrap(meta, done)
 
@@ -109,8 +114,11 @@ class TieredOffloadingConnector(OffloadingConnector):
         if isinstance(meta, StepTimedWorkerMetadata) and meta.step_seconds:
             manager = self._our_manager()
             if manager is not None:
-                with _held(manager):
-                    manager.forward_times(meta.step_seconds)
+                try:
+                    with _held(manager):
+                        manager.forward_times(meta.step_seconds)
+                except Exception:  # never into vLLM: its own handling below must run
+                    _log_once("taking the workers' forward-pass times")
         super().update_connector_output(connector_output)
 
     def _tell_spec_load_errors_are_reported(self) -> None:
@@ -141,3 +149,13 @@ def _held(manager: Any) -> AbstractContextManager[Any]:
     """vLLM 0.33's manager lock, which every caller of a manager method holds (0.32 has none)."""
     lock = getattr(manager, "lock", None)
     return lock if lock is not None else nullcontext()
+
+
+_logged: set[str] = set()
+
+
+def _log_once(what: str) -> None:
+    """A failure of our step timing, logged once per kind with its traceback."""
+    if what not in _logged:
+        _logged.add(what)
+        log.warning("vllm-tiering: %s failed; those steps go untimed", what, exc_info=True)

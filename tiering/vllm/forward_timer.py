@@ -32,6 +32,7 @@ thread after vLLM carried it across.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
@@ -87,9 +88,11 @@ class ForwardTimer:
         self._open: tuple[int, Any] | None = None  # (number, start mark) of the step begun
         self._pending: deque[tuple[int, Any, Any]] = deque()  # (number, start, end), oldest first
         self._failed = False
+        self.timing = False  # has a step been begun (the scheduler side numbers steps)?
 
     def begin(self, number: int) -> None:
         """The step numbered ``number`` is about to launch its forward pass."""
+        self.timing = True
         if self._failed:
             return
         try:
@@ -127,7 +130,9 @@ class ForwardTimer:
                 else:
                     seconds = end - start
                 self._pending.popleft()
-                done[number] = max(0.0, float(seconds))
+                seconds = float(seconds)
+                if 0.0 < seconds < math.inf:  # else no time: never a zero in its place
+                    done[number] = seconds
         except Exception:
             self._fail("finished")
         return done
