@@ -490,8 +490,9 @@ class StepClock:
         number = self._forward_next
         self._forward_next += 1
         self._forward_steps[number] = step
-        # a worker that stopped reporting (or a step never run) leaves its number here
-        while len(self._forward_steps) > ADVISOR_FORWARD_PENDING_LIMIT:
+        # a worker that stopped reporting (or a step never run, or a span lost) leaves its
+        # number here: kept for ADVISOR_FORWARD_PENDING_LIMIT numbers (oldest first in the dict)
+        while next(iter(self._forward_steps)) <= number - ADVISOR_FORWARD_PENDING_LIMIT:
             del self._forward_steps[next(iter(self._forward_steps))]
         if self.by_forward:
             self._check_reports_come(number)
@@ -501,7 +502,9 @@ class StepClock:
         """Back to the outputs' clock if a prompt step numbered ``ADVISOR_FORWARD_STALE_STEPS``
         steps ago is still unreported: the worker's timer failed (it logs why), a rank stopped
         reporting, or its stream hangs. A step without prompt tokens proves nothing (a step
-        that ran no forward pass may never be reported). A later report switches back."""
+        that ran no forward pass may never be reported). The numbers up to the stale one are
+        forgotten (one lost span switches the clock once, not at every step after it); a later
+        report switches back."""
         for number, (tokens, _) in self._forward_steps.items():
             if tokens < ADVISOR_MIN_SAMPLE_TOKENS:
                 continue
@@ -511,6 +514,8 @@ class StepClock:
                             "until it reports again", newest - number)
                 self.by_forward = False
                 self.model.label = "prefill"
+                for old in [n for n in self._forward_steps if n <= number]:
+                    del self._forward_steps[old]
             return  # the oldest prompt step decides
 
     def forward_times(self, times: dict[int, float]) -> None:
