@@ -22,6 +22,37 @@ from tiering.prefill_model import stretch_features
 
 Stretch = tuple[int, int]  # prompt tokens [k, n) of one request
 
+# What the engine models of the step-clock tests share: a step's token budget (vLLM's
+# max_num_batched_tokens), the H100's 32B costs (eager: c, a, b; tests/test_advisor.py), the
+# launches (launch_s, queued_share: the 32B launch holds the thread half a step, or returns at
+# once), and vLLM's orders ((tokens_after_end, asynchronous): 0.32's order or later,
+# synchronous or not; the spec's lag is int(asynchronous) - int(tokens_after_end))
+BUDGET = 16384
+E32 = (0.12, 4e-5, 2.74e-8)
+BLOCKING = (0.12, 0.5)
+FREE = (0.0005, 1.0)
+LAUNCHES = {"blocking": BLOCKING, "free": FREE}
+ORDERS = {"sync-0.32": (True, False), "async-0.32": (True, True),
+          "sync": (False, False), "async": (False, True)}
+
+
+def packed_step(rng: random.Random) -> list[Stretch]:
+    """One step of one to three whole short prompts (512 to 4096 tokens) within ``BUDGET``."""
+    packed, used = [], 0
+    for _ in range(rng.randint(1, 3)):
+        n = rng.choice((512, 2048, 4096))
+        if used + n <= BUDGET:
+            packed.append((0, n))
+            used += n
+    return packed
+
+
+def gpu_costs(c: float, a: float, b: float) -> Callable[[Sequence[Stretch]], float]:
+    """A step's GPU seconds: ``c`` plus ``a`` a prompt token plus ``b`` its attention term."""
+    def gpu_s(stretches: Sequence[Stretch]) -> float:
+        return c + sum(a * (n - k) + b * (n * n - k * k) / 2 for k, n in stretches if 0 <= k < n)
+    return gpu_s
+
 
 def run_async_engine(adv, steps: Sequence[Sequence[Stretch]], gpu_s: Callable[[Sequence[Stretch]],
                      float], launch_s: float, queued_share: float, outputs: bool = True,

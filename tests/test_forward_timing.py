@@ -22,7 +22,16 @@ import pickle
 import random
 
 import pytest
-from async_engine import serve_recorded
+from async_engine import (
+    BUDGET,
+    E32,
+    FREE,
+    LAUNCHES,
+    ORDERS,
+    gpu_costs,
+    packed_step,
+    serve_recorded,
+)
 
 import tiering.backends.staging as staging
 from tiering.advisor import PromotionAdvisor
@@ -35,26 +44,12 @@ from tiering.settings import (
 
 ROW = 8192
 CHUNK = 64
-BUDGET = 16384
-E32 = (0.12, 4e-5, 2.74e-8)  # H100, 32B shape, eager: c, a, b (tests/test_advisor.py)
 E8 = (0.01, 2e-5, 7e-9)  # the 8B shape's order of magnitude
-BLOCKING = (0.12, 0.5)  # the 32B launch holds the scheduler thread half a step
-FREE = (0.0005, 1.0)  # launches that return at once
-LAUNCHES = {"blocking": BLOCKING, "free": FREE}
-# (tokens_after_end, asynchronous): vLLM 0.32's order or later, synchronous or not
-ORDERS = {"sync-0.32": (True, False), "async-0.32": (True, True),
-          "sync": (False, False), "async": (False, True)}
 
 
 @pytest.fixture(autouse=True)
 def shm_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setattr(staging, "SHM_DIR", tmp_path / "shm")
-
-
-def gpu_costs(c: float, a: float, b: float):
-    def gpu_s(stretches) -> float:
-        return c + sum(a * (n - k) + b * (n * n - k * k) / 2 for k, n in stretches if 0 <= k < n)
-    return gpu_s
 
 
 def advisor(order: str = "async", forward: bool = True) -> PromotionAdvisor:
@@ -86,13 +81,7 @@ def random_period(rng: random.Random) -> list[list[tuple[int, int]]]:
         if kind < 0.45:
             steps += chunks(rng.choice((2048, 8192, 32768, 40000)), rng.choice((0, 0, 1024)))
         elif kind < 0.8:
-            packed, used = [], 0
-            for _ in range(rng.randint(1, 3)):
-                n = rng.choice((512, 2048, 4096))
-                if used + n <= BUDGET:
-                    packed.append((0, n))
-                    used += n
-            steps.append(packed)
+            steps.append(packed_step(rng))
         else:
             k = rng.choice((100, 3000))
             steps.append([(k, k + rng.choice((1, 3, 70)))])

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
-from async_engine import serve_recorded
+from async_engine import BLOCKING, BUDGET, E32, FREE, ORDERS, gpu_costs, serve_recorded
 
 import tiering.backends.staging as staging
 from tiering.advisor import PromotionAdvisor
@@ -57,13 +57,6 @@ from tiering.settings import (
 
 ROW = 8192
 CHUNK = 64
-BUDGET = 16384
-E32 = (0.12, 4e-5, 2.74e-8)  # H100, 32B shape, eager: c, a, b (tests/test_advisor.py)
-FREE = (0.0005, 1.0)  # launches that return at once
-BLOCKING = (0.12, 0.5)  # launches that hold the scheduler thread half a step
-# (tokens_after_end, asynchronous): vLLM 0.32's order or later, synchronous or not
-ORDERS = {"sync-0.32": (True, False), "async-0.32": (True, True),
-          "sync": (False, False), "async": (False, True)}
 LIMIT = ADVISOR_FORWARD_PENDING_LIMIT
 MIN = ADVISOR_MIN_SAMPLE_TOKENS
 STALE = ADVISOR_FORWARD_STALE_STEPS
@@ -84,10 +77,6 @@ def advisor(order: str = "async", forward: bool = True, outputs: bool = True) ->
                             step_outputs=outputs)
 
 
-def gpu_costs(c: float, a: float, b: float):
-    def gpu_s(stretches) -> float:
-        return c + sum(a * (n - k) + b * (n * n - k * k) / 2 for k, n in stretches if 0 <= k < n)
-    return gpu_s
 
 
 def chunks(n: int) -> list[list[tuple[int, int]]]:

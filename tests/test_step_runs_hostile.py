@@ -17,7 +17,18 @@ import time
 
 import numpy as np
 import pytest
-from async_engine import Rec, run_async_engine
+from async_engine import (
+    BLOCKING,
+    BUDGET,
+    E32,
+    FREE,
+    LAUNCHES,
+    ORDERS,
+    Rec,
+    gpu_costs,
+    packed_step,
+    run_async_engine,
+)
 from async_engine import serve_recorded as _serve
 
 import tiering.backends.staging as staging
@@ -33,25 +44,11 @@ from tiering.settings import (
 
 ROW = 8192
 CHUNK = 64
-BUDGET = 16384  # a step's token budget (vLLM's max_num_batched_tokens)
-E32 = (0.12, 4e-5, 2.74e-8)  # H100, 32B shape, eager: c, a, b (tests/test_advisor.py)
-BLOCKING = (0.12, 0.5)  # launch_s, queued_share: the 32B launch holds the thread half a step
-FREE = (0.0005, 1.0)  # launches that return at once
-LAUNCHES = {"blocking": BLOCKING, "free": FREE}
-# (tokens_after_end, asynchronous) -> the spec's lag: int(asynchronous) - int(tokens_after_end)
-ORDERS = {"sync-0.32": (True, False), "async-0.32": (True, True),
-          "sync": (False, False), "async": (False, True)}
 
 
 @pytest.fixture(autouse=True)
 def shm_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setattr(staging, "SHM_DIR", tmp_path / "shm")
-
-
-def gpu_costs(c: float, a: float, b: float):
-    def gpu_s(stretches) -> float:
-        return c + sum(a * (n - k) + b * (n * n - k * k) / 2 for k, n in stretches if 0 <= k < n)
-    return gpu_s
 
 
 def gpu_of(sample, c: float, a: float, b: float) -> float:
@@ -133,13 +130,7 @@ def _random_period(rng: random.Random, *, decode: bool = True) -> list[list[tupl
             k = rng.choice((0, 0, 0, 1024))
             steps += chunks(n, k)
         elif kind < 0.75:
-            packed, used = [], 0
-            for _ in range(rng.randint(1, 3)):
-                n = rng.choice((512, 2048, 4096))
-                if used + n <= BUDGET:
-                    packed.append((0, n))
-                    used += n
-            steps.append(packed)
+            steps.append(packed_step(rng))
         elif kind < 0.9:
             steps.append([(4096, 4096 + rng.choice((1, 16, 32)))])  # a decoding request's chunk
         else:
