@@ -47,20 +47,21 @@ from async_engine import BLOCKING, BUDGET, E32, FREE, ORDERS, gpu_costs, serve_r
 
 import tiering.backends.staging as staging
 from tiering.advisor import PromotionAdvisor
-from tiering.prefill_model import PrefillModel, StepClock, stretch_features
+from tiering.prefill_model import PrefillModel, stretch_features
 from tiering.settings import (
     ADVISOR_FORWARD_PENDING_LIMIT,
     ADVISOR_FORWARD_STALE_STEPS,
     ADVISOR_MIN_SAMPLE_TOKENS,
     ADVISOR_MODEL_WINDOW,
 )
+from tiering.step_clock import StepClock
 
 ROW = 8192
 CHUNK = 64
 LIMIT = ADVISOR_FORWARD_PENDING_LIMIT
 MIN = ADVISOR_MIN_SAMPLE_TOKENS
 STALE = ADVISOR_FORWARD_STALE_STEPS
-CLOCK_LOG = "tiering.prefill_model"
+CLOCK_LOG = "tiering.step_clock"
 ON = "timed by the worker's forward passes from now on"  # the INFO line of a switch to it
 OFF = re.compile(r"not reported the forward pass of a prompt step (\d+) steps ago")
 
@@ -438,9 +439,9 @@ def test_the_harness_catches_a_sample_given_another_steps_tokens(monkeypatch):
 def test_the_harness_catches_a_stale_threshold_off_by_one(monkeypatch, stale):
     """The oracle's own check of the fallback: a clock that gives up one number early or
     late is caught."""
-    import tiering.prefill_model as prefill_model
+    import tiering.step_clock as step_clock
 
-    monkeypatch.setattr(prefill_model, "ADVISOR_FORWARD_STALE_STEPS", stale)
+    monkeypatch.setattr(step_clock, "ADVISOR_FORWARD_STALE_STEPS", stale)
     with pytest.raises(AssertionError):
         drive_randomly("async", 0, steps=200)
 
@@ -464,9 +465,9 @@ def test_the_harness_catches_a_clock_that_remembers_the_stale_numbers(monkeypatc
 def test_the_harness_catches_a_pending_limit_on_the_count(monkeypatch):
     """... of the eviction: a clock that keeps the newest LIMIT numbers waited for, however
     old (the limit on their count before), is caught."""
-    import tiering.prefill_model as prefill_model
+    import tiering.step_clock as step_clock
 
-    monkeypatch.setattr(prefill_model, "ADVISOR_FORWARD_PENDING_LIMIT", 10 ** 9)
+    monkeypatch.setattr(step_clock, "ADVISOR_FORWARD_PENDING_LIMIT", 10 ** 9)
     real = StepClock.forward_step
 
     def by_count(self):

@@ -33,7 +33,7 @@ from async_engine import serve_recorded as _serve
 
 import tiering.backends.staging as staging
 from tiering.advisor import PromotionAdvisor
-from tiering.prefill_model import PrefillModel, StepClock, stretch_features
+from tiering.prefill_model import PrefillModel, stretch_features
 from tiering.settings import (
     ADVISOR_LOAD_STEPS,
     ADVISOR_MIN_SAMPLE_TOKENS,
@@ -41,6 +41,7 @@ from tiering.settings import (
     ADVISOR_OUTPUT_QUEUE_LIMIT,
     ADVISOR_RUN_STEPS,
 )
+from tiering.step_clock import StepClock
 
 ROW = 8192
 CHUNK = 64

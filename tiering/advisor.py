@@ -68,7 +68,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tiering.prefill_model import PrefillModel, StepClock
+from tiering.prefill_model import PrefillModel
 from tiering.settings import (
     ADVISOR_BACKLOG_HORIZON_S,
     ADVISOR_BACKLOG_WEIGHT,
@@ -82,6 +82,7 @@ from tiering.settings import (
     ADVISOR_REPROBE_AFTER,
 )
 from tiering.stats import LOAD_REASONS, RECOMPUTE_REASONS  # noqa: F401 (Decision.reason)
+from tiering.step_clock import StepClock
 
 
 def device_ahead(queued: int, own: int, writing: int) -> int:

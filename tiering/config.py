@@ -36,7 +36,7 @@ OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests", "sw
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
                  "prefill_tokens_per_s", "promotion_reserve", "step_timing"}
-# How the promotion advisor times the engine's steps (tiering.prefill_model.StepClock):
+# How the promotion advisor times the engine's steps (tiering.step_clock.StepClock):
 # "forward" (default): each step's forward pass, timed on the worker (CUDA events) and carried
 # back by our connector TieredOffloadingConnector; under vLLM's own connector, or until the
 # worker's first report, as "outputs": from a step's schedule end (or the output of a prefill

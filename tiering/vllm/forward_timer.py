@@ -2,7 +2,7 @@
 
 The scheduler side cannot see when the GPU runs a step: vLLM launches a step's kernels on the
 scheduler thread and takes its output a step later, so a step timed there holds launches held
-up by a full launch queue and the steps queued around it (``tiering.prefill_model.StepClock``).
+up by a full launch queue and the steps queued around it (``tiering.step_clock.StepClock``).
 The worker can: an event recorded on the compute stream before the step's kernels and one after
 them span exactly that step on the GPU, from the moment the step before it was done.
 
