@@ -38,11 +38,11 @@ CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote
                  "prefill_tokens_per_s", "promotion_reserve", "step_timing"}
 # How the promotion advisor times the engine's steps (tiering.step_clock.StepClock):
 # "forward" (default): each step's forward pass, timed on the worker (CUDA events) and carried
-# back by our connector TieredOffloadingConnector; under vLLM's own connector, or until the
-# worker's first report, as "outputs": from a step's schedule end (or the output of a prefill
-# step before it) to its own output; in both the step cost from the step ends;
-# "schedule_ends": by the scheduler's step ends alone (before 2026-12-06e; at 32B on an H100
-# they saw half of an 8k prefill).
+# back by our connector TieredOffloadingConnector, the step cost fitted from those spans; under
+# vLLM's own connector, until the worker's first report, or while its reports stop, as
+# "outputs": from a step's schedule end (or the output of a prefill step before it) to its own
+# output, the step cost from the step ends; "schedule_ends": by the scheduler's step ends alone
+# (before 2026-12-06e; at 32B on an H100 they saw half of an 8k prefill).
 STEP_TIMINGS = ("forward", "outputs", "schedule_ends")
 # "auto": load a disk hit only when reading it is faster than recomputing it (measured rates);
 # "always": load every disk hit.
