@@ -856,12 +856,16 @@ class StepBudget:
     start seen after the run's first: the first engine of a fresh machine compiles kernels and
     warms caches (53 s on an H100, where every later start took 9-10 s), and counting that
     twice for a disk config skipped both disk configs of a run that had time for them; until
-    a later start is seen a start is guessed at ``START_GUESS_S``."""
+    a later start is seen a start is guessed at ``START_GUESS_S``. Where the run's phases
+    have neither a disk phase nor a restart (``disk_phases`` False), a disk config's phases
+    are of the same kind as any other's."""
 
     START_GUESS_S = 15.0
 
-    def __init__(self, budget_s: float, start: float, clock=time.perf_counter) -> None:
+    def __init__(self, budget_s: float, start: float, clock=time.perf_counter,
+                 disk_phases: bool = True) -> None:
         self.budget_s, self.start, self.clock = budget_s, start, clock
+        self.disk_phases = disk_phases
         self.longest: dict[tuple[str, bool], float] = {}  # work, without engine starts
         self.starts_seen = 0
         self.quickest_start: float | None = None  # of the starts after the first
@@ -872,8 +876,13 @@ class StepBudget:
     def start_s(self) -> float:
         return self.START_GUESS_S if self.quickest_start is None else self.quickest_start
 
+    def _disk(self, what: str, config: str) -> bool:
+        """Whether the step is of a disk config's kind (its phases add a disk phase and a
+        restart)."""
+        return config in HAS_DISK and (what != "phases" or self.disk_phases)
+
     def estimate(self, what: str, config: str) -> float:
-        disk = config in HAS_DISK
+        disk = self._disk(what, config)
         starts = 2 if disk and what == "phases" else 1
         if (what, disk) in self.longest:
             return self.longest[(what, disk)] + starts * self.start_s()
@@ -894,7 +903,7 @@ class StepBudget:
                 self.quickest_start = s if self.quickest_start is None else min(
                     self.quickest_start, s)
             self.starts_seen += 1
-        key = (what, config in HAS_DISK)
+        key = (what, self._disk(what, config))
         work = max(0.0, seconds - sum(engine_starts_s))
         self.longest[key] = max(self.longest.get(key, 0.0), work)
 
@@ -1701,7 +1710,7 @@ def main() -> None:
             {"info": info, "timings": timings, "phases": rows, "throughput": tp_rows}, indent=1))
         (out / f"{stem}.md").write_text(table(rows, tp_rows, a.configs) + "\n")
 
-    budget = StepBudget(a.budget_s, t0)
+    budget = StepBudget(a.budget_s, t0, disk_phases=bool({"disk", "restart"} & set(a.phases)))
 
     def over_budget(what: str, config: str, key: str) -> bool:
         if budget.fits(what, config):

@@ -295,6 +295,22 @@ def test_budget_skips_a_step_that_would_end_past_it():
     assert gpu_bench.StepBudget(0, 0.0, clock=lambda: 1e9).fits("phases", "ours")  # no limit
 
 
+def test_a_disk_config_without_disk_phases_is_expected_to_take_what_the_others_take():
+    """Phases ``cold,cpu`` run no disk phase and no restart: a disk config's step then does
+    what a config without disk does. Expecting twice that skipped our spec's CPU hits in the
+    H100 run of 2026-12-06g (--budget-s 130: 59 s spent, 107 s expected for ~50)."""
+    now = [0.0]
+    b = gpu_bench.StepBudget(130, 0.0, clock=lambda: now[0], disk_phases=False)
+    b.took("phases", "cpu", 59.0, (8.0,))
+    now[0] = 59.0
+    guess = gpu_bench.StepBudget.START_GUESS_S
+    assert b.estimate("phases", "ours") == 51.0 + guess  # one engine, the same work
+    assert b.fits("phases", "ours")  # 59 + 66 <= 130
+    with_disk = gpu_bench.StepBudget(130, 0.0, clock=lambda: now[0])
+    with_disk.took("phases", "cpu", 59.0, (8.0,))
+    assert not with_disk.fits("phases", "ours")  # 59 + 102 + 2 * 15 > 130
+
+
 def test_counters_the_kernel_refuses_are_reported_not_taken_for_quiet(monkeypatch, tmp_path):
     """A process whose /proc/<pid>/io may not be read (another user's, a ptrace restriction)
     is named, and the wait says how many there were."""
