@@ -924,6 +924,48 @@ def test_a_loaded_run_teaches_the_advisor_what_a_load_costs_beyond_its_reads(tmp
     c.close()
 
 
+def test_a_loaded_disk_hit_logs_where_its_time_went(tmp_path, caplog):
+    """At DEBUG a disk hit's time is split in the log: its decision line says how long after
+    the request's arrival it was decided, each read batch its time on the device and rate, and
+    the load's arrival on the GPU its time since the decision, its reads as priced, the engine's
+    prompt steps meanwhile and the rest (an 8B 8k disk hit on an H100 took ~0.1 s more than
+    priced, and the logs could not say where)."""
+    import logging
+    import re
+
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1.0)  # slow engine
+    adv.observe_read_batch(1, 16 * ROW, 16 * ROW / 1e9)
+    c, ks = on_disk(tmp_path, adv, n_cpu=0, n_disk=6)
+    req = RequestScan(c, "r")
+    with caplog.at_level(logging.DEBUG, logger="tiering"):
+        req.arrived()
+        arrived = req.arrived_at
+        assert arrived is not None
+        assert scan(c, req, ks) is None and req.disk_run.state is RunState.LOAD
+        c.wait_idle()
+        assert scan(c, req, ks) == 6
+        c.prepare_load(ks)
+        c.complete_load(ks)
+        decided = req._loading[1]
+        req.load_completed(now=decided + 0.25)
+    text = caplog.text
+    waited = re.search(r"request r: load \d+ disk chunks.*\(faster, ([0-9.]+) s after its arrival\)",
+                       text)
+    assert waited and 0 <= float(waited.group(1)) <= decided - arrived + 1e-4
+    batch = re.search(r"tier disk: a read batch of (\d+) bytes took ([0-9.]+) s on the device", text)
+    assert batch and int(batch.group(1)) == 6 * ROW and float(batch.group(2)) > 0
+    assert re.search(r"GB/s; the read rate now 1 GB/s", text)  # a batch too small to move it
+    gpu = re.search(r"request r: its disk run reached the GPU ([0-9.]+) s after its decision: "
+                    r"6 chunks read, priced ([0-9.]+) s at ([0-9.e+-]+) GB/s now; the engine "
+                    r"computed prompts for ([0-9.]+) s of it; ([0-9.]+) s beyond both", text)
+    assert gpu, text
+    took, read_s, _, busy, rest = (float(x) for x in gpu.groups())
+    assert took == pytest.approx(0.25, abs=1e-4) and busy == 0.0
+    assert read_s == pytest.approx(6 * ROW / adv.read_rate(1), abs=1e-4)
+    assert rest == pytest.approx(adv.load_overhead([1]), abs=1e-4)  # what the advisor learned
+    c.close()
+
+
 def test_a_measured_load_overhead_turns_a_close_load_into_a_recompute():
     """The H200's RAM disk reads an 8k prompt's 1 GiB in ~0.35 s, recomputing takes 0.44 s: with
     no overhead the advisor loads; measured, a load took ~0.15 s more (499 ms TTFT)."""

@@ -167,6 +167,7 @@ class RequestScan:
         self.promoted = 0  # chunks this request had promoted from a file tier
         self._uncounted_load: str | None = None  # a LOAD's reason until its first promotion
         self.queue = QueueState.UNANNOUNCED
+        self.arrived_at: float | None = None  # perf_counter when vLLM announced it (DEBUG lines)
         # the prompt tokens it computed and their attention term (``offered``)
         self.computed_tokens = 0.0
         self.computed_attention = 0.0
@@ -175,6 +176,7 @@ class RequestScan:
     def arrived(self) -> None:
         """vLLM announced the request (it waits to be scheduled)."""
         if self.chain.advisor is not None and self.queue is QueueState.UNANNOUNCED:
+            self.arrived_at = time.perf_counter()
             self._queue_move(QueueState.WAITING)
             self.chain.advisor.request_waiting()
 
@@ -357,9 +359,11 @@ class RequestScan:
                     chain.calibrate(t, [k for k, tt in zip(run.keys[j:], run.tiers[j:],
                                                            strict=True) if tt == t])
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s: %s %d disk chunks, tokens %d-%d (%s): load %.4f s vs "
+            waited = ("" if self.arrived_at is None
+                      else f", {now - self.arrived_at:.4f} s after its arrival")
+            log.debug("request %s: %s %d disk chunks, tokens %d-%d (%s%s): load %.4f s vs "
                       "recompute %.4f s; read backlog %s B, writes %s B; %s", self.req_id,
-                      d.outcome, len(run.keys) - j, start, end, d.reason, d.load_s,
+                      d.outcome, len(run.keys) - j, start, end, d.reason, waited, d.load_s,
                       d.recompute_s, chain.read_backlog_bytes(), chain.write_backlog_bytes(),
                       advisor.describe())
 
@@ -377,8 +381,14 @@ class RequestScan:
         if rate and self.promoted:
             own = self.promoted * self.chain.row_bytes
             read_s = (device_ahead(backlog, own, writing) + own) / rate
-            advisor.observe_load(tier, read_s, (now or time.perf_counter()) - decided,
-                                 advisor.engine_busy_s(decided))
+            took, busy = (now or time.perf_counter()) - decided, advisor.engine_busy_s(decided)
+            advisor.observe_load(tier, read_s, took, busy)
+            # where a disk hit's time went, beside its decision line: reads (at the rate this
+            # load left), the engine's prompt steps meanwhile, and the rest
+            log.debug("request %s: its disk run reached the GPU %.4f s after its decision: "
+                      "%d chunks read, priced %.4f s at %.3g GB/s now; the engine computed "
+                      "prompts for %.4f s of it; %.4f s beyond both", self.req_id, took,
+                      self.promoted, read_s, rate / 1e9, busy, max(0.0, took - max(read_s, busy)))
 
     # -- computed tokens ---------------------------------------------------------------------
     def offered(self, ends: Sequence[int]) -> None:
