@@ -493,6 +493,8 @@ class TierChain:
             if self.advisor is not None and busy > 0:
                 full = nbytes >= self._full_batch_rows(tier) * self.row_bytes
                 self.advisor.observe_read_batch(tier, nbytes, busy, full)
+                if not log.isEnabledFor(logging.DEBUG):
+                    return
                 now_rate = self.advisor.read_rate(tier)
                 log.debug("tier %s: a read batch of %d bytes took %.4f s on the device "
                           "(%.4f s since its submission): %.3g GB/s; the read rate now %s",
