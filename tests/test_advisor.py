@@ -952,6 +952,7 @@ def test_a_loaded_disk_hit_logs_where_its_time_went(tmp_path, caplog):
     waited = re.search(r"request r: load \d+ disk chunks.*\(faster, ([0-9.]+) s after its arrival\)",
                        text)
     assert waited and 0 <= float(waited.group(1)) <= decided - arrived + 1e-4
+    assert "its first chunk decided the run" in text and " nan s" not in text
     batch = re.search(r"tier disk: a read batch of (\d+) bytes took ([0-9.]+) s on the device", text)
     assert batch and int(batch.group(1)) == 6 * ROW and float(batch.group(2)) > 0
     assert re.search(r"GB/s; the read rate now 1 GB/s", text)  # a batch too small to move it

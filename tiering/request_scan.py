@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -361,11 +362,14 @@ class RequestScan:
         if log.isEnabledFor(logging.DEBUG):
             waited = ("" if self.arrived_at is None
                       else f", {now - self.arrived_at:.4f} s after its arrival")
-            log.debug("request %s: %s %d disk chunks, tokens %d-%d (%s%s): load %.4f s vs "
-                      "recompute %.4f s; read backlog %s B, writes %s B; %s", self.req_id,
-                      d.outcome, len(run.keys) - j, start, end, d.reason, waited, d.load_s,
-                      d.recompute_s, chain.read_backlog_bytes(), chain.write_backlog_bytes(),
-                      advisor.describe())
+            # a run loaded at its first chunk was not priced whole (that chunk paid alone, or
+            # the engine is unmeasured): it loads whatever its length
+            priced = ("its first chunk decided the run" if math.isnan(d.load_s)
+                      else f"load {d.load_s:.4f} s vs recompute {d.recompute_s:.4f} s")
+            log.debug("request %s: %s %d disk chunks, tokens %d-%d (%s%s): %s; read backlog "
+                      "%s B, writes %s B; %s", self.req_id, d.outcome, len(run.keys) - j, start,
+                      end, d.reason, waited, priced, chain.read_backlog_bytes(),
+                      chain.write_backlog_bytes(), advisor.describe())
 
     def load_completed(self, now: float | None = None) -> None:
         """vLLM finished loading the request's hits to the GPU: if a disk run was loaded, the
