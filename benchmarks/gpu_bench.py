@@ -46,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -858,17 +859,27 @@ class StepBudget:
     twice for a disk config skipped both disk configs of a run that had time for them; until
     a later start is seen a start is guessed at ``START_GUESS_S``. Where the run's phases
     have neither a disk phase nor a restart (``disk_phases`` False), a disk config's phases
-    are of the same kind as any other's."""
+    are of the same kind as any other's; only a restart starts a second engine (``restarts``).
+    ``for_phases`` sets both from the run's ``--phases``."""
 
     START_GUESS_S = 15.0
 
     def __init__(self, budget_s: float, start: float, clock=time.perf_counter,
-                 disk_phases: bool = True) -> None:
+                 disk_phases: bool = True, restarts: bool | None = None) -> None:
         self.budget_s, self.start, self.clock = budget_s, start, clock
         self.disk_phases = disk_phases
+        self.restarts = disk_phases if restarts is None else restarts and disk_phases
         self.longest: dict[tuple[str, bool], float] = {}  # work, without engine starts
         self.starts_seen = 0
         self.quickest_start: float | None = None  # of the starts after the first
+
+    @classmethod
+    def for_phases(cls, budget_s: float, start: float, phases: Sequence[str],
+                   clock=time.perf_counter) -> StepBudget:
+        """The budget of a run of ``phases`` (``phases_for`` restarts a disk config's engine
+        only for the restart phase)."""
+        return cls(budget_s, start, clock, disk_phases=bool({"disk", "restart"} & set(phases)),
+                   restarts="restart" in phases)
 
     def spent(self) -> float:
         return self.clock() - self.start
@@ -883,7 +894,7 @@ class StepBudget:
 
     def estimate(self, what: str, config: str) -> float:
         disk = self._disk(what, config)
-        starts = 2 if disk and what == "phases" else 1
+        starts = 2 if disk and what == "phases" and self.restarts else 1
         if (what, disk) in self.longest:
             return self.longest[(what, disk)] + starts * self.start_s()
         other = self.longest.get((what, not disk))
@@ -1710,7 +1721,7 @@ def main() -> None:
             {"info": info, "timings": timings, "phases": rows, "throughput": tp_rows}, indent=1))
         (out / f"{stem}.md").write_text(table(rows, tp_rows, a.configs) + "\n")
 
-    budget = StepBudget(a.budget_s, t0, disk_phases=bool({"disk", "restart"} & set(a.phases)))
+    budget = StepBudget.for_phases(a.budget_s, t0, a.phases)
 
     def over_budget(what: str, config: str, key: str) -> bool:
         if budget.fits(what, config):

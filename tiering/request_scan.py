@@ -283,7 +283,7 @@ class RequestScan:
                     i, first_token, chain.read_backlog_bytes(), chain.write_backlog_bytes()):
                 # pays at its start, so for any length (or the engine is not measured yet)
                 self._decided(Decision(True, "faster" if advisor.prefill.known()
-                                       else "unmeasured"), 0)
+                                       else "unmeasured"), 0, by_first_chunk=True)
                 return run.state
             if first and first_token is not None and prompt_end is not None:
                 longest = self._longest_run_declined(i, first_token, prompt_end())
@@ -333,9 +333,11 @@ class RequestScan:
             return None
         return d, (first_token, prompt_end)
 
-    def _decided(self, d: Decision, j: int, span: tuple[int, int] | None = None) -> None:
+    def _decided(self, d: Decision, j: int, span: tuple[int, int] | None = None,
+                 by_first_chunk: bool = False) -> None:
         """Apply and account decision ``d`` for the run from its ``j``-th chunk on (``span``:
-        the tokens it was priced for, when not the noted chunks')."""
+        the tokens it was priced for, when not the noted chunks'; ``by_first_chunk``: its first
+        chunk decided it, unpriced, before the run was surveyed)."""
         chain, run = self.chain, self.disk_run
         advisor = chain.advisor
         assert advisor is not None
@@ -363,9 +365,14 @@ class RequestScan:
             waited = ("" if self.arrived_at is None
                       else f", {now - self.arrived_at:.4f} s after its arrival")
             # a run loaded at its first chunk was not priced whole (that chunk paid alone, or
-            # the engine is unmeasured): it loads whatever its length
-            priced = ("its first chunk decided the run" if math.isnan(d.load_s)
-                      else f"load {d.load_s:.4f} s vs recompute {d.recompute_s:.4f} s")
+            # the engine is unmeasured): it loads whatever its length; an unmeasured tier's
+            # run is recomputed unpriced while the tier is measured
+            if by_first_chunk:
+                priced = "its first chunk decided the run"
+            elif math.isnan(d.load_s) or math.isnan(d.recompute_s):
+                priced = "not priced"
+            else:
+                priced = f"load {d.load_s:.4f} s vs recompute {d.recompute_s:.4f} s"
             log.debug("request %s: %s %d disk chunks, tokens %d-%d (%s%s): %s; read backlog "
                       "%s B, writes %s B; %s", self.req_id, d.outcome, len(run.keys) - j, start,
                       end, d.reason, waited, priced, chain.read_backlog_bytes(),
