@@ -255,8 +255,9 @@ class Index:
         here. LMDB keeps no page checksums, so damage the scan cannot see (its free-page list,
         page headers) would surface later, in a commit or as an LMDB assertion that aborts the
         process; so the scanned entries are written into a fresh environment that replaces the
-        old one (sorted appends: ~0.4 s per million entries). If that cannot be done (a full
-        disk), the scanned index is used as it is.
+        old one (sorted appends: ~0.4 s per million entries). If that cannot be done for lack
+        of room (a full disk), the scanned index is used as it is; if an entry cannot be
+        written again (damage the scan read past), the index is damaged.
         """
         _finish_swap(folder)
         try:
@@ -269,11 +270,18 @@ class Index:
                 index.close()
                 try:
                     _rebuild(folder, map_size, tables)
-                except (OSError, lmdb.Error) as exc:
-                    if isinstance(exc, lmdb.KeyExistsError):  # keys out of order: damaged
-                        raise IndexDamaged(f"{folder / INDEX_DIR}: keys out of order") from None
+                except (OSError, lmdb.DiskError, lmdb.MapFullError) as exc:
+                    # no room for the copy: the scanned index is the best there is
                     log.warning("%s: cannot rebuild the index (%s); using it as it is",
                                 folder, exc)
+                except lmdb.KeyExistsError:  # keys out of order: damaged
+                    raise IndexDamaged(f"{folder / INDEX_DIR}: keys out of order") from None
+                except lmdb.Error as exc:
+                    # an entry LMDB will not store again (a flipped key length: a key empty
+                    # or too long) is damage the scan read past; the old environment holds
+                    # more of it, which its next reads or commits meet
+                    raise IndexDamaged(f"{folder / INDEX_DIR}: cannot be rebuilt "
+                                       f"({exc})") from None
                 index = cls(folder, map_size, records=tables["records"])
                 index.clear_stale_readers()
                 return index

@@ -19,6 +19,7 @@ import sys
 import textwrap
 
 import lmdb
+import pytest
 from faultutil import TESTS, assert_tool_ok
 from tierutil import key, open_tier, store
 
@@ -149,3 +150,62 @@ def test_index_damage_never_serves_wrong_bytes_and_writes_go_on(tmp_path, trials
         shutil.rmtree(path)
     print(f"index damage: {n} trials, 0 wrong bytes, {resets} index resets, 0 writes lost "
           "after the damage")
+
+
+def test_an_index_whose_entries_cannot_be_rebuilt_is_set_aside_not_used(tmp_path):
+    """Found by the long run of this suite (``--long``, flip_tree, trial 62): a flipped byte in
+    a tree page gave a record key that LMDB will not store again (MDB_BAD_VALSIZE), so the
+    writer's rebuild failed, and the writer went on with the damaged index "as it is" (a path
+    meant for a full disk): its next read of the records met MDB_CORRUPTED and raised. The
+    index of that trial is ``data/index_flip_tree_bad_valsize.mdb.gz``. Damage that stops the
+    rebuild sets the index aside, as damage the scan sees does; writes then go on and survive
+    a reopen."""
+    import gzip
+
+    from tiering.backends.index import INDEX_DIR, Index
+
+    folder = tmp_path / "ns"
+    (folder / INDEX_DIR).mkdir(parents=True)
+    (folder / INDEX_DIR / "data.mdb").write_bytes(
+        gzip.decompress((TESTS / "data" / "index_flip_tree_bad_valsize.mdb.gz").read_bytes()))
+    index = Index.open_for_writer(folder, 64 << 20)
+    assert index.read_stats()["index_resets"] == 1
+    assert [p.name for p in folder.iterdir() if p.name.startswith(f"{INDEX_DIR}.damaged-")]
+    assert list(index.iter_records()) == []  # the damaged entries are gone, none raises
+    record = bytes(44)
+    index.publish([(b"fresh-key", record)], [])
+    index.close()
+    again = Index.open_for_writer(folder, 64 << 20)
+    assert [k for k, _ in again.iter_records()] == [b"fresh-key"]
+    again.close()
+
+
+@pytest.mark.parametrize("error, reset", [
+    (OSError(28, "No space left on device"), False),
+    (lmdb.DiskError("mdb_txn_commit", 28), False),
+    (lmdb.MapFullError("mdb_put", -30792), False),
+    (lmdb.CorruptedError("mdb_cursor_get", -30796), True),
+    (lmdb.BadValsizeError("mdb_cursor_put", -30781), True),
+])
+def test_a_rebuild_without_room_keeps_the_index_and_one_refused_as_damage_resets_it(
+        tmp_path, monkeypatch, error, reset):
+    """Why the writer's rebuild failed decides what it does: no room for the copy (a full disk,
+    the map size) keeps the scanned index as it is, with every entry; an entry LMDB refuses is
+    damage: the index is set aside."""
+    import tiering.backends.index as index_mod
+
+    folder = tmp_path / "ns"
+    folder.mkdir()
+    first = index_mod.Index.open_for_writer(folder, 64 << 20)
+    first.publish([(b"kept-key", bytes(44))], [])
+    first.close()
+
+    def refuse(*a, **k):
+        raise error
+
+    monkeypatch.setattr(index_mod, "_rebuild", refuse)
+    again = index_mod.Index.open_for_writer(folder, 64 << 20)
+    keys = [k for k, _ in again.iter_records()]
+    assert again.read_stats()["index_resets"] == int(reset)
+    assert keys == ([] if reset else [b"kept-key"])
+    again.close()
