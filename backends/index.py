@@ -46,7 +46,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from tiering.backends.index_file_check import check_data_file
+from tiering.backends.index_file_check import INDEX_TABLES, check_data_file
 
 RECORD = np.dtype([
     ("slot", "<u8"), ("length", "<u4"), ("codec", "u1"), ("flags", "u1"), ("_pad", "<u2"),
@@ -235,9 +235,8 @@ class Index:
         except lmdb.Error as exc:
             raise IndexDamaged(f"{self.path}: cannot open ({exc})") from None
         try:
-            self.records = self.env.open_db(b"records", create=not readonly)
-            self.reserved = self.env.open_db(b"reserved", create=not readonly)
-            self.stats = self.env.open_db(b"stats", create=not readonly)
+            self.records, self.reserved, self.stats = (
+                self.env.open_db(name, create=not readonly) for name in INDEX_TABLES)
         except lmdb.NotFoundError:
             self.env.close()
             raise IndexDamaged(f"{self.path}: has no tables yet (its writer died during its "
