@@ -281,6 +281,28 @@ def randomize_weights(model) -> int:
     return n
 
 
+def file_tier_gib(asked_gib: float, stored_bytes: int, scratch: Path) -> float:
+    """The file tiers' capacity: ``--disk-gib`` if given, else 1.5x what the step stores (at
+    least 1 GiB), but no more than 95% of what ``scratch``'s file system has free: our tier
+    refuses a capacity its disk cannot hold (on the H100 of 2026-12-06h, three prompts a
+    cell asked 35.6 GiB of a 26 GiB RAM disk and the engine did not start). SystemExit
+    naming the folder if even what the step stores does not fit."""
+    if asked_gib:
+        return asked_gib
+    want = max(float(1 << 30), 1.5 * stored_bytes)
+    where = scratch
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    room = 0.95 * shutil.disk_usage(where).free
+    if want <= room:
+        return want / 2**30
+    if 1.05 * stored_bytes > room:
+        raise SystemExit(f"--scratch {scratch}: the step stores {stored_bytes / 2**30:.1f} GiB, "
+                         f"its file system has {room / 0.95 / 2**30:.1f} GiB free; expected "
+                         "at least 1.05x that (fewer --repeats or --lengths, or a larger disk)")
+    return room / 2**30
+
+
 def transfer_config(name: str, scratch: Path, cpu_bytes: int, disk_gib: float,
                     gpu_copy: str = "auto", promote: str | None = None) -> dict | None:
     if name == "none":
@@ -558,7 +580,7 @@ def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, g
     """Phase engine (+ restart engine) of one config."""
     n_fill = fillers(cpu_bytes, max(a.lengths), kvb)
     stored = (a.repeats * sum(a.lengths) + n_fill * max(a.lengths)) * kvb
-    kvt = transfer_config(config, scratch, cpu_bytes, a.disk_gib or max(1.0, 1.5 * stored / 2**30),
+    kvt = transfer_config(config, scratch, cpu_bytes, file_tier_gib(a.disk_gib, stored, scratch),
                           a.gpu_copy, a.promote)
     kvt = with_step_timing(with_switch_interval(kvt, a.switch_ms), a.step_timing)
     timings: dict = {}
@@ -625,7 +647,8 @@ def throughput_for(a, model, config, scratch, kvb, block_size, cpu_fraction):
     gpu_tokens = gpu_blocks * block_size
     cpu_bytes = int(ws_tokens * kvb * (cpu_fraction or 0))
     kvt = transfer_config(config, scratch / "tp", cpu_bytes,
-                          a.disk_gib or max(1.0, 1.5 * ws_tokens * kvb / 2**30), a.gpu_copy, a.promote)
+                          file_tier_gib(a.disk_gib, ws_tokens * kvb, scratch / "tp"), a.gpu_copy,
+                          a.promote)
     kvt = with_switch_interval(kvt, a.switch_ms)
     vocab = SHAPES[a.shape][5]
     prefixes = [prompt(5000 + i, a.tp_prefix_tokens, vocab) for i in range(a.tp_prefixes)]

@@ -683,3 +683,25 @@ def test_a_restarted_engines_warm_up_loads_nothing_from_the_disk_unless_asked(
         assert not {p[0] for p in first} & {p[0] for p in restarted}
     else:
         assert first == restarted
+
+
+def test_file_tier_gib_fits_the_scratch_disk_or_says_so(tmp_path, monkeypatch):
+    """The phases' file tier asks for at most 95% of its disk's free bytes (our tier refuses a
+    capacity its disk cannot hold, and the engine does not start); a step that cannot fit at
+    all is one error naming the folder, before any engine starts."""
+    import shutil
+    from collections import namedtuple
+
+    from benchmarks.gpu_bench import file_tier_gib
+
+    usage = namedtuple("usage", "total used free")
+    free = {"bytes": 100 << 30}
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(0, 0, free["bytes"]))
+    scratch = tmp_path / "not" / "made" / "yet"
+    assert file_tier_gib(0.0, 10 << 30, scratch) == 15.0  # 1.5x what it stores
+    assert file_tier_gib(0.0, 1 << 20, scratch) == 1.0  # at least 1 GiB
+    assert file_tier_gib(7.0, 90 << 30, scratch) == 7.0  # --disk-gib wins
+    free["bytes"] = 26 << 30  # the H100's RAM disk; three prompts a cell store 23.7 GiB
+    assert file_tier_gib(0.0, 20 << 30, scratch) == pytest.approx(0.95 * 26)
+    with pytest.raises(SystemExit, match=str(scratch)):
+        file_tier_gib(0.0, int(23.7 * 2**30), scratch)
