@@ -32,7 +32,7 @@
 #               of now, then ours-sched with those before 2026-12-06 (max_loading_requests 256,
 #               loads not fed: load_queue_bytes 0), with step traces                ~4.5 min
 # The RAM disk: ext4 on a loop device over a file in /dev/shm (O_DIRECT works, as on NVMe),
-# RAMDISK_GIB (default 26) or what /dev/shm has free less RAMDISK_SPARE_GIB (default 12, for the
+# RAMDISK_GIB (default 40) or what /dev/shm has free less RAMDISK_SPARE_GIB (default 12, for the
 # CPU tiers' shared memory); made by the first step that needs it, removed at exit. Needs root.
 # fio: $FIO, else fio on PATH, else .device/fio/fio (scripts/build_fio.sh).
 # Every step writes into OUT as it goes (a log per step, JUnit XML, gpu-bench's JSON after each
@@ -112,7 +112,7 @@ ramdisk_up() {
   fi
   local free_gib want
   free_gib=$(( $(df --output=avail -k /dev/shm | tail -1) / 1048576 ))
-  want=${RAMDISK_GIB:-26}
+  want=${RAMDISK_GIB:-40}
   [ $((free_gib - ${RAMDISK_SPARE_GIB:-12})) -lt "$want" ] && want=$((free_gib - ${RAMDISK_SPARE_GIB:-12}))
   if [ "$want" -lt "${RAMDISK_MIN_GIB:-16}" ]; then
     echo "[session] RAM disk: /dev/shm has ${free_gib} GiB free, too little for a" \
