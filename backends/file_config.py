@@ -79,7 +79,9 @@ def check_types(cfg: FileTierConfig) -> None:
             raise ValueError(f"{name}: expected true or false, got {getattr(cfg, name)!r:.40}")
 
 
-def _nearest_existing(path: Path) -> Path:
+def nearest_existing(path: Path) -> Path:
+    """``path``, or its nearest ancestor that exists: the folder whose file system a tier
+    still to be made in ``path`` will live on."""
     p = path
     while not p.exists():
         if p.parent == p:
@@ -155,7 +157,7 @@ def validate(cfg: FileTierConfig, row_bytes: int, namespace_id: str | None = Non
     root = Path(cfg.path)
     if root.exists() and not root.is_dir():
         raise ValueError(f"path: {root} exists and is not a folder")
-    anchor = _nearest_existing(root.resolve())
+    anchor = nearest_existing(root.resolve())
     if not os.access(anchor, os.W_OK | os.X_OK):
         raise ValueError(f"path: {root} is not writable (checked {anchor})")
     free = shutil.disk_usage(anchor).free

@@ -289,11 +289,10 @@ def file_tier_gib(asked_gib: float, stored_bytes: int, scratch: Path) -> float:
     naming the folder if even what the step stores does not fit."""
     if asked_gib:
         return asked_gib
+    from tiering.backends.file_config import nearest_existing
+
     want = max(float(1 << 30), 1.5 * stored_bytes)
-    where = scratch
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    room = 0.95 * shutil.disk_usage(where).free
+    room = 0.95 * shutil.disk_usage(nearest_existing(scratch.resolve())).free
     if want <= room:
         return want / 2**30
     if 1.05 * stored_bytes > room:

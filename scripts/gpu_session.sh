@@ -169,9 +169,8 @@ fio_disk() {
   rm -f "$OUT/.fio_err"
   rm -f "$dir/fio.dat"
   python3 - "$OUT" "$name" <<'PY' | tee -a "$summary"
-import json, sys
+import json, os, sys
 out, name = sys.argv[1], sys.argv[2]
-import os
 runs = {rw: json.load(open(f"{out}/.fio_{rw}.json")) for rw in ("write", "read", "read_deep")
         if os.path.exists(f"{out}/.fio_{rw}.json")}
 json.dump(runs, open(f"{out}/fio_{name}.json", "w"), indent=1)

@@ -493,14 +493,12 @@ class TierChain:
             if self.advisor is not None and busy > 0:
                 full = nbytes >= self._full_batch_rows(tier) * self.row_bytes
                 self.advisor.observe_read_batch(tier, nbytes, busy, full)
-                if not log.isEnabledFor(logging.DEBUG):
-                    return
-                now_rate = self.advisor.read_rate(tier)
-                log.debug("tier %s: a read batch of %d bytes took %.4f s on the device "
-                          "(%.4f s since its submission): %.3g GB/s; the read rate now %s",
-                          tier_label(tier, self.tiers[tier].medium), nbytes, busy, longest,
-                          nbytes / busy / 1e9,
-                          f"{now_rate / 1e9:.3g} GB/s" if now_rate else "unknown")
+                if log.isEnabledFor(logging.DEBUG):
+                    rate = self.advisor.read_rate(tier)
+                    log.debug("tier %s: a read batch of %d bytes took %.4f s on the device "
+                              "(%.4f s since its submission): %.3g GB/s; the read rate now %s",
+                              tier_label(tier, self.tiers[tier].medium), nbytes, busy, longest,
+                              nbytes / busy / 1e9, f"{rate / 1e9:.3g} GB/s" if rate else "unknown")
 
     def _finish_demotion(self, i: int, done: Completion) -> None:
         row = self._in_flight.pop((i, "store", done.key), None)
