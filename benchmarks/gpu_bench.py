@@ -1020,6 +1020,11 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
                    help="N, prompts per batch (0: per shape, " +
                         ", ".join(f"{k} {v}" for k, v in SWEEP_PROMPTS.items()) + ")")
     g.add_argument("--sweep-prompt-tokens", type=int, default=512)
+    g.add_argument("--sweep-rounds", type=int, default=1,
+                   help="batches per hit rate: the rates run this many times in turn on one "
+                        "engine, and the table gives each rate's median [min-max] (one batch "
+                        "cannot resolve a 1%% difference: no offloading's two batches differ "
+                        "by up to 10%%)")
     g.add_argument("--sweep-hit-rates", default="0,20,50,80,100",
                    help="percent of each batch's prompts seen before, comma-separated")
     g.add_argument("--sweep-chunk-tokens", default="",
@@ -1089,6 +1094,8 @@ def check_sweep_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None
         ap.error(f"prefill sweep: unknown shape/config/profiler {bad}; shapes {sorted(SHAPES)}, "
                  f"configs {SWEEP_CONFIGS + OURS_SWEEP_CONFIGS[1:]}, "
                  f"profilers {PROFILERS}")
+    if not 1 <= a.sweep_rounds <= 20:
+        ap.error(f"--sweep-rounds: expected 1 to 20 batches per hit rate, got {a.sweep_rounds}")
     if (a.sweep_prompts < 0 or a.sweep_prompt_tokens < 16 or a.sweep_cpu_factor <= 0
             or a.sweep_disk_cpu_factor <= 0 or not 0 <= a.sweep_gpu_cache_batches < 1e6
             or 0 < a.sweep_gpu_cache_batches < 1):
@@ -1192,6 +1199,16 @@ def sweep_batches(n: int, rates: list[float], seed: int = 11) -> list[tuple[str,
         batches.append(("hit", rate, batch))
         prev = batch
     return batches
+
+
+def sweep_plan(config: str, n: int, rates: list[float], rounds: int = 1
+               ) -> list[tuple[str, float, list[int]]]:
+    """A setup's batches: ``sweep_batches`` over the hit rates ``rounds`` times in turn; for
+    ``none`` (no cache of any kind) a fresh batch, then the same prompts again, per round."""
+    if config == "none":
+        return [("hit", rate, list(range(k * n, (k + 1) * n)))
+                for k in range(rounds) for rate in (0.0, 100.0)]
+    return sweep_batches(n, rates * rounds)
 
 
 def sweep_prompts(count: int, tokens: int, vocab: int, seed: int) -> list[list[int]]:
@@ -1405,9 +1422,7 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
                                 None if a.sweep_load_queue_mib < 0
                                 else int(a.sweep_load_queue_mib * 2**20))
     kvt = with_switch_interval(kvt, a.switch_ms)
-    plan = sweep_batches(n, a.sweep_hit_rates)
-    if config == "none":  # no cache of any kind: a fresh batch, then the same prompts again
-        plan = [("hit", 0.0, list(range(n))), ("hit", 100.0, list(range(n)))]
+    plan = sweep_plan(config, n, a.sweep_hit_rates, a.sweep_rounds)
     prompts = sweep_prompts(max(max(b) for _, _, b in plan) + 1, tokens, vocab,
                             seed=1000 + list(SHAPES).index(shape))
     engine_kw: dict = {}
@@ -1466,7 +1481,9 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
             row = {"shape": shape, "config": config,
                    "chunk_tokens": chunk or default_chunk_tokens(config, block_tokens,
                                                                  not a.cpu_platform),
-                   "batch": kind, "hit_rate": rate, "prompts": n, "prompt_tokens": tokens,
+                   "batch": kind, "hit_rate": rate,
+                   "round": sum(1 for x in rows if (x["batch"], x["hit_rate"]) == (kind, rate)),
+                   "prompts": n, "prompt_tokens": tokens,
                    "seen_prompts": seen, "tokens_per_s": n * tokens / res["wall_s"],
                    "blocks_loaded": res["from_cpu"] / block_tokens,
                    "blocks_per_s": res["from_cpu"] / block_tokens / res["wall_s"],
@@ -1543,8 +1560,25 @@ def latency_split(outs: list[Any]) -> dict[str, dict[str, float | int | None]]:
                 "max_s": max(v) if v else None} for k, v in parts.items()}
 
 
+def sweep_medians(rows: list[dict], setup: tuple[str, Any], rate: float) -> dict | None:
+    """One setup's batches at one hit rate (one per ``--sweep-rounds``) as their median
+    ``tokens_per_s`` and ``blocks_per_s``, the range of ``tokens_per_s``, and the share served
+    from a disk tier; None if the setup ran no batch at that rate."""
+    rs = [x for x in rows if (x["config"], x["chunk_tokens"]) == setup and x["hit_rate"] == rate]
+    if not rs:
+        return None
+    tps = [x["tokens_per_s"] for x in rs]
+    disk = [x["from_disk"] / (x["prompts"] * x["prompt_tokens"]) for x in rs if x.get("from_disk")]
+    return {"tokens_per_s": statistics.median(tps), "min": min(tps), "max": max(tps),
+            "batches": len(rs), "blocks_loaded": statistics.median(x["blocks_loaded"] for x in rs),
+            "blocks_per_s": statistics.median(x["blocks_per_s"] for x in rs),
+            "disk_share": statistics.median(disk) if disk else 0.0}
+
+
 def sweep_table(rows: list[dict], rates: list[float]) -> str:
-    """tokens/s per setup and hit rate, and the speed-up over no offloading."""
+    """tokens/s per setup and hit rate (the median of its batches, with their range where a
+    rate ran several), the speed-up over no offloading, and each of our setups over vLLM's
+    spec (``cpu``) where both ran."""
     lines = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
         rs = [r for r in rows if r["shape"] == shape and r["batch"] == "hit"]
@@ -1559,24 +1593,37 @@ def sweep_table(rows: list[dict], rates: list[float]) -> str:
                      + (f", {base:.0f} tok/s" if base else "") + "); blocks/s loaded from CPU")
         lines.append("| setup | " + " | ".join(f"{x:g}%" for x in rates) + " |")
         lines.append("|---|" + "---|" * len(rates))
-        for setup in dict.fromkeys((r["config"], r["chunk_tokens"]) for r in rs):
+        setups = list(dict.fromkeys((r["config"], r["chunk_tokens"]) for r in rs))
+        medians = {(su, rate): sweep_medians(rs, su, rate) for su in setups for rate in rates}
+        for setup in setups:
             cells = []
             for rate in rates:
-                r = next((x for x in rs if (x["config"], x["chunk_tokens"]) == setup
-                          and x["hit_rate"] == rate), None)
-                if r is None:
+                m = medians[setup, rate]
+                if m is None:
                     cells.append("")
                     continue
-                cell = f"{r['tokens_per_s']:.0f}"
+                cell = f"{m['tokens_per_s']:.0f}"
+                if m["batches"] > 1:
+                    cell += f" [{m['min']:.0f}-{m['max']:.0f}]"
                 if base:
-                    cell += f" ({r['tokens_per_s'] / base:.2f}x)"
-                if r["blocks_loaded"]:
-                    cell += f" {r['blocks_per_s']:.0f} b/s"
-                if r.get("from_disk"):  # tokens served from a file tier, of the batch's
-                    cell += f", {r['from_disk'] / (r['prompts'] * r['prompt_tokens']):.0%} disk"
+                    cell += f" ({m['tokens_per_s'] / base:.2f}x)"
+                if m["blocks_loaded"]:
+                    cell += f" {m['blocks_per_s']:.0f} b/s"
+                if m["disk_share"]:  # tokens served from a file tier, of the batch's
+                    cell += f", {m['disk_share']:.0%} disk"
                 cells.append(cell)
             name = setup[0] if setup[0] == "none" else f"{setup[0]} ({setup[1]}-token chunks)"
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        vllm_spec = next((su for su in setups if su[0] == "cpu"), None)
+        for setup in setups:
+            if vllm_spec is None or setup[0] not in OURS_SWEEP_CONFIGS:
+                continue
+            cells = []
+            for rate in rates:
+                ours, theirs = medians[setup, rate], medians[vllm_spec, rate]
+                cells.append(f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.3f}"
+                             if ours and theirs else "")
+            lines.append(f"| {setup[0]} ÷ cpu | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -1598,8 +1645,8 @@ def sweep_plot(rows: list[dict], path: Path) -> None:
     for ax, shape in zip(axes[0], shapes, strict=True):
         rs = [r for r in rows if r["shape"] == shape and r["batch"] == "hit"]
         for setup in dict.fromkeys((r["config"], r["chunk_tokens"]) for r in rs):
-            pts = sorted((r["hit_rate"], r["tokens_per_s"]) for r in rs
-                         if (r["config"], r["chunk_tokens"]) == setup)
+            pts = [(rate, m["tokens_per_s"]) for rate in sorted({r["hit_rate"] for r in rs})
+                   if (m := sweep_medians(rs, setup, rate)) is not None]
             label = setup[0] if setup[0] == "none" else f"{setup[0]} ({setup[1]} tok)"
             ax.plot([p[0] for p in pts], [p[1] / 1000 for p in pts], marker="o", label=label)
         ax.set_title(f"{shape}: prefill of unique prompts", fontsize=10)
@@ -1627,6 +1674,7 @@ def sweep_main(a: argparse.Namespace, t0: float) -> None:
     stem = out / f"prefill_sweep_{a.tag}"
     info = {"vllm": vllm.__version__, "argv": sys.argv[1:], "shapes": a.sweep_shapes,
             "configs": a.sweep_configs, "hit_rates": a.sweep_hit_rates,
+            "rounds": a.sweep_rounds,
             "chunk_tokens": [c or "default" for c in chunks], "prompt_tokens": tokens,
             "gpu_block_tokens": block_tokens,
             "kv_layout": kv_layout_label()}

@@ -489,6 +489,37 @@ def test_sweep_table_gives_the_speedup_over_no_offloading():
     assert "| ours (16-token chunks) | 90 (0.90x) | 800 (8.00x) 1240 b/s |" in text
 
 
+def test_sweep_rounds_repeat_every_rate_and_the_table_gives_medians_and_the_ratio_to_vllm():
+    """--sweep-rounds 3: every hit rate runs three batches on one engine (the LRU reuse of
+    sweep_batches holds across rounds); the table gives each rate's median with its range and
+    our setup over vLLM's spec from the medians, so one slow batch does not decide parity."""
+    n = 10
+    plan = gpu_bench.sweep_plan("ours", n, [0, 100], 3)
+    assert [(k, r) for k, r, _ in plan] == [("fill", 0)] + [("hit", 0), ("hit", 100)] * 3
+    for (_, _, prev), (_, rate, batch) in zip(plan, plan[1:], strict=False):
+        if rate == 100:  # every prompt of a 100% batch is one of the batch just before
+            assert set(batch) == set(prev)
+    none = gpu_bench.sweep_plan("none", n, [0, 50, 100], 2)
+    assert [(r, b[0]) for _, r, b in none] == [(0, 0), (100, 0), (0, n), (100, n)]
+    rows = [{"shape": "8b", "config": c, "chunk_tokens": 16, "batch": "hit", "hit_rate": r,
+             "prompts": 4, "prompt_tokens": 512, "tokens_per_s": t, "blocks_loaded": b,
+             "blocks_per_s": b * 10}
+            for c, r, t, b in (("none", 0, 100.0, 0), ("none", 100, 100.0, 0),
+                               ("cpu", 50, 200.0, 62), ("cpu", 50, 260.0, 62),
+                               ("cpu", 50, 250.0, 62),
+                               ("ours-sched", 50, 180.0, 62), ("ours-sched", 50, 255.0, 62),
+                               ("ours-sched", 50, 300.0, 62))]
+    text = gpu_bench.sweep_table(rows, [50])
+    assert "| cpu (16-token chunks) | 250 [200-260] (2.50x) 620 b/s |" in text
+    assert "| ours-sched (16-token chunks) | 255 [180-300] (2.55x) 620 b/s |" in text
+    assert "| ours-sched ÷ cpu | 1.020 |" in text
+    monkeypatch_argv = ["gpu_bench", "--phases", "prefill-sweep", "--sweep-rounds", "0"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", monkeypatch_argv)
+        with pytest.raises(SystemExit):
+            gpu_bench.parse()
+
+
 def test_profile_summary_splits_time_by_part_of_the_code(tmp_path):
     """A real cProfile run through start/stop, read back: our worker code and our scheduler
     code land in their groups, with µs per block."""
