@@ -446,6 +446,7 @@ class Engine:
             lps = [float(d[t].logprob) if d and t in d else None
                    for d, t in zip(c.logprobs or [], c.token_ids, strict=False)]
             res.append({"ttft_s": lat if lat and lat > 0 else None,
+                        **engine_core_split(o.metrics),
                         "cached_tokens": o.num_cached_tokens, "token_ids": list(c.token_ids),
                         "logprobs": lps})
         return wall, src, res
@@ -522,6 +523,18 @@ def record(rows, a, engine, config, length, phase, prompts, skip_cache=False, ex
     return _record(rows, a, engine, config, length, phase, prompts, skip_cache, extra)
 
 
+def engine_core_split(stats: Any) -> dict[str, float | None]:
+    """A request's time in the engine core from vLLM's own timestamps (``RequestStateStats``,
+    one monotonic clock): ``wait_s`` from queued to first scheduled to compute (admission,
+    and a connector's load: vLLM records SCHEDULED only once the load is done) and
+    ``compute_s`` from then to the first token. Both None where vLLM gave no timestamps."""
+    q, s, f = (float(getattr(stats, k, 0.0) or 0.0)
+               for k in ("queued_ts", "scheduled_ts", "first_token_ts"))
+    if not (0 < q <= s <= f):
+        return {"wait_s": None, "compute_s": None}
+    return {"wait_s": s - q, "compute_s": f - s}
+
+
 def _record(rows, a, engine, config, length, phase, prompts, skip_cache, extra):
     if phase in a.cprofile_phases and length == max(a.lengths):
         stem = Path(a.out).resolve() / (f"phases_{a.tag}_{config}_{phase}_{length}_"
@@ -534,13 +547,16 @@ def _record(rows, a, engine, config, length, phase, prompts, skip_cache, extra):
     r = res[0]
     row = {"config": config, "length": length, "phase": phase, "wall_s": wall,
            "ttft_s": r["ttft_s"] if r["ttft_s"] is not None else wall,
+           "wait_s": r.get("wait_s"), "compute_s": r.get("compute_s"),
            "cached_tokens": r["cached_tokens"], "from_gpu": src["device"],
            "from_cpu": src["host"], "from_disk": src["disk"], "token_ids": r["token_ids"],
            "logprobs": r["logprobs"], **(extra or {})}
     rows.append(row)
+    split = ("" if row["wait_s"] is None else
+             f"  (wait {row['wait_s'] * 1000:.1f} + compute {row['compute_s'] * 1000:.1f} ms)")
     print(f"[bench] {config:<10} {length:>6} {phase:<9} ttft {row['ttft_s'] * 1000:8.1f} ms  "
           f"cached {row['cached_tokens']:>6} (gpu {src['device']:.0f} cpu {src['host']:.0f} "
-          f"disk {src['disk']:.0f})", flush=True)
+          f"disk {src['disk']:.0f}){split}", flush=True)
     return row
 
 
@@ -763,6 +779,30 @@ def cell(rs: list[dict], length: int) -> str:
     return text
 
 
+def split_table(rows: list[dict], configs: list[str], lengths: list[int]) -> list[str]:
+    """Where a hit's first token goes, per phase that loads (cpu, disk, restart) and length:
+    the medians of ``wait_s`` (queued to scheduled: admission and the load) and ``compute_s``
+    (scheduled to the first token), in ms; no lines where no row has vLLM's timestamps."""
+    out: list[str] = []
+    for ph in ("cpu", "disk", "restart"):
+        for length in lengths:
+            cells = []
+            for c in configs:
+                rs = [r for r in cell_rows(rows, c, length, ph) if r.get("wait_s") is not None]
+                cells.append("" if not rs else
+                             f"{statistics.median(r['wait_s'] for r in rs) * 1000:.1f} + "
+                             f"{statistics.median(r['compute_s'] for r in rs) * 1000:.1f}")
+            if any(cells):
+                out.append(f"| {ph} {length} | " + " | ".join(cells) + " |")
+    if not out:
+        return []
+    return ["\nWhere a hit's first token goes, ms (vLLM's timestamps in the engine core; "
+            "medians): queued to scheduled (admission and the load) + scheduled to the first "
+            "token (the compute step)",
+            "| phase, tokens | " + " | ".join(configs) + " |", "|---|" + "---|" * len(configs),
+            *out]
+
+
 def table(rows: list[dict], tp_rows: list[dict], configs: list[str]) -> str:
     lines = []
     phases = [p for p in PHASES if p != "throughput" and any(r["phase"] == p for r in rows)]
@@ -778,6 +818,7 @@ def table(rows: list[dict], tp_rows: list[dict], configs: list[str]) -> str:
         for ph in phases:
             cells = [cell(cell_rows(rows, c, length, ph), length) for c in configs]
             lines.append(f"| {ph} | " + " | ".join(cells) + " |")
+    lines += split_table(rows, configs, lengths)
     if tp_rows:
         t0 = tp_rows[0]
         lines.append(f"\nThroughput: {t0['requests']} concurrent requests over a working set of "

@@ -622,6 +622,34 @@ def test_a_cell_of_several_repeats_gives_the_median_and_range_and_each_repeat_is
     assert "| disk |  | 73 (r) = |" in gpu_bench.table(one, [], ["none", "ours"])
 
 
+def test_a_hits_ttft_is_split_at_vllms_scheduled_timestamp():
+    """vLLM records SCHEDULED for a loading request only once its load is done: queued to
+    scheduled is admission plus the load, scheduled to the first token the compute step. The
+    table gives both medians per spec, so two specs' hits split where they differ; a request
+    without vLLM's timestamps (stats off) gives none, never a negative time."""
+    from types import SimpleNamespace as NS
+
+    split = gpu_bench.engine_core_split(NS(queued_ts=10.0, scheduled_ts=10.012,
+                                           first_token_ts=10.130))
+    assert split["wait_s"] == pytest.approx(0.012) and split["compute_s"] == pytest.approx(0.118)
+    for bad in (None, NS(queued_ts=0.0, scheduled_ts=0.0, first_token_ts=0.0),
+                NS(queued_ts=10.0, scheduled_ts=9.0, first_token_ts=10.1)):
+        assert gpu_bench.engine_core_split(bad) == {"wait_s": None, "compute_s": None}
+    rows = []
+    for config, waits, computes in (("ours", (12, 14, 40), (120, 118, 121)),
+                                    ("cpu", (11, 11, 12), (119, 119, 120))):
+        for rep, (w, c) in enumerate(zip(waits, computes, strict=True)):
+            rows.append({**_phase_row(config, "cpu", rep, w + c + 2, [1, 2], "c"),
+                         "wait_s": w / 1000, "compute_s": c / 1000})
+    rows.append({**_phase_row("ours", "cold", 0, 300, [1, 2]), "wait_s": 0.001,
+                 "compute_s": 0.299})
+    text = gpu_bench.table(rows, [], ["ours", "cpu"])
+    assert "| cpu 2048 | 14.0 + 120.0 | 11.0 + 119.0 |" in text
+    assert "| cold 2048 |" not in text  # cold prompts load nothing: not in the split
+    assert "Where a hit's first token goes" not in gpu_bench.table(
+        [_phase_row("ours", "cpu", 0, 130, [1, 2], "c")], [], ["ours"])
+
+
 def test_cprofile_phases_must_be_run_and_mark_their_cells(monkeypatch, capsys):
     """``--cprofile-phases``: only phases that run may be profiled (a typo is refused, not a
     run without the profile it was for), and a profiled request's cell says so, since its
