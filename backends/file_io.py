@@ -31,6 +31,7 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -198,6 +199,8 @@ class Committer(threading.Thread):
         self.pending = pending
         self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.pid = os.getpid()
+        # the tier's own work between jobs (the promotion advisor's state to keep), if any
+        self.housekeeping_hook: Callable[[], None] | None = None
         # overlap only batches that give every I/O thread at least one full-size run
         self._overlap_rows = io.threads * -(-MIN_RUN_BYTES // slabs.slot_bytes)
 
@@ -281,6 +284,8 @@ class Committer(threading.Thread):
                 log.warning("file tier %s: cleared %d reader slot(s) of dead processes",
                             self.index.path.parent, cleared)
             self._take_requests()
+            if self.housekeeping_hook is not None:
+                self.housekeeping_hook()
         except Exception:  # housekeeping must never stop the committer
             log.exception("file tier: committer housekeeping failed")
 

@@ -161,6 +161,11 @@ class FileTier(StoreTier):
                                    cfg.max_batch or max(COMMIT_BATCH_MIN_ROWS, min(
                                        COMMIT_BATCH_MAX_ROWS, COMMIT_BATCH_BYTES // self.row_bytes)),
                                    self.pending)
+        # the advisor's latest state, handed over by the scheduler thread and written on the
+        # committer's (offer_advisor_state); the lock orders it with the shutdown's save
+        self._advisor_offer: dict[str, Any] | None = None
+        self._advisor_lock = threading.Lock()
+        self.committer.housekeeping_hook = self._write_advisor_offer
         self.committer.start()
         # this process's counters; each increment is also persisted with the next index txn
         self.stats = TierStats(on_add=self.pending.count)
@@ -509,9 +514,21 @@ class FileTier(StoreTier):
     def load_advisor_state(self) -> dict[str, Any] | None:
         return load_advisor_state(self.folder)
 
+    def offer_advisor_state(self, state: dict[str, Any]) -> None:
+        self._advisor_offer = state  # one reference: the committer takes the latest
+
+    def _write_advisor_offer(self) -> None:
+        """Committer thread, between jobs: write the state last offered, if any."""
+        with self._advisor_lock:
+            state, self._advisor_offer = self._advisor_offer, None
+            if state is not None and not self.closed:
+                save_advisor_state(self.folder, state)
+
     def save_advisor_state(self, state: dict[str, Any]) -> None:
-        if not self.closed:
-            save_advisor_state(self.folder, state)
+        with self._advisor_lock:  # after an offer being written, and instead of one pending
+            self._advisor_offer = None
+            if not self.closed:
+                save_advisor_state(self.folder, state)
 
     def close(self) -> None:
         if self.closed:

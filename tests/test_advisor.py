@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -981,6 +982,83 @@ def test_a_measured_load_overhead_turns_a_close_load_into_a_recompute():
     assert adv.loading_pays([1] * (32768 // 16), first_token=0)
 
 
+def h100_8b_ram_disk_advisor() -> PromotionAdvisor:
+    """The restarted 8B engine on an H100's RAM disk (2026-12-06i, docs/results/2026-12-06i):
+    its prefill fit (c 4.2 ms, a 24.3 µs, b 6.94e-9: 2k 0.064 s, 8k 0.432 s, 32k 4.52 s), its
+    rows of 64 tokens (8 MiB) and the read rate its 8k loads ran at (3.16 GB/s)."""
+    adv = PromotionAdvisor(1, 8 * MiB, chunk_tokens=64)
+    c, a, b = 0.0042, 24.3e-6, 6.94e-9
+    for k, n in ((0, 2048), (0, 8192), (0, 16384), (16384, 32768)):
+        adv.observe_prefill(k, n, c + cost(a, b, k, n))
+    adv.observe_read_batch(1, 64 * 8 * MiB, 64 * 8 * MiB / 3.16e9)
+    return adv
+
+
+def test_the_first_token_tail_turns_the_h100s_close_8k_load_into_a_recompute():
+    """The restarted engine priced the 8k disk hit at a 0.355 s load against 0.432 s of compute
+    and loaded it: it landed 0.366-0.389 s after arrival and its first token came 112-122 ms
+    later (vLLM takes a step's output after launching the next step), 484-518 ms in all against
+    447 ms recomputed. With the tail its loads then showed (79-122 ms; measured, not assumed)
+    the 8k hit is recomputed; 2k still is, and 32k (1.35 s of reads against 4.5 s) still
+    loads. On a busy engine the tail is left out: the loaded tokens join steps that run anyway,
+    and a recomputed run waits for them too."""
+    adv = h100_8b_ram_disk_advisor()
+    runs = {n: [1] * (n // 64) for n in (2048, 8192, 32768)}
+    before = {n: adv.decide(r, 0, n, count=False) for n, r in runs.items()}
+    assert [before[n].load for n in runs] == [False, True, True]  # as the engine decided
+    assert before[8192].load_s == pytest.approx(0.355, abs=0.03)
+    assert before[8192].recompute_s == pytest.approx(0.432, abs=0.01)
+    for tail in (0.112, 0.122, 0.079, 0.114, 0.086, 0.114):  # the tails of its four loads
+        adv.observe_first_token(tail)
+    assert 0.08 < adv.first_token_tail_s < 0.12
+    after = {n: adv.decide(r, 0, n, count=False) for n, r in runs.items()}
+    assert [after[n].load for n in runs] == [False, False, True]
+    assert after[8192].load_s == pytest.approx(before[8192].load_s + adv.first_token_tail_s)
+    # a recompute takes no less than the tail: the 2k prompt's 0.064 s of compute waited for
+    # the same launch (97-167 ms of compute to its first token on that engine)
+    assert after[2048].recompute_s == pytest.approx(adv.first_token_tail_s)
+    assert after[8192].recompute_s == pytest.approx(before[8192].recompute_s)
+    assert not adv.first_chunk_pays(1, 0)  # the survey then prices the run whole
+    # busy: a run of another request was given to the engine in this step
+    adv.queue_compute(0, 2048)
+    busy = adv.decide(runs[8192], 0, 8192, count=False)
+    assert busy.load_s == pytest.approx(before[8192].load_s)
+
+
+@pytest.mark.parametrize("seconds", [math.nan, math.inf, -0.1, 0.0])
+def test_a_first_token_tail_measured_as_garbage_is_ignored(seconds: float) -> None:
+    adv = h100_8b_ram_disk_advisor()
+    adv.observe_first_token(0.1)
+    adv.observe_first_token(seconds)
+    assert adv.first_token_tail_s == pytest.approx(0.1)
+
+
+def test_a_loaded_request_teaches_the_tail_once_and_only_when_it_was_alone(tmp_path, caplog):
+    """The tail is timed from the load's landing to the first token, once per landing, and
+    only when the request was the engine's only one at both ends: under a batch it would hold
+    other requests' steps, which a recomputed run waits for too."""
+    import logging
+
+    adv = h100_8b_ram_disk_advisor()
+    c = make_chain(tmp_path, rows=8, advisor=adv)
+    req = RequestScan(c, "r")
+    req.first_token(now=5.0, alone=True)  # no load landed: nothing to time
+    assert adv.first_token_tail_s == 0.0
+    with caplog.at_level(logging.DEBUG, logger="tiering"):
+        req.load_completed(now=10.0, alone=True)
+        req.first_token(now=10.11, alone=True)
+    assert adv.first_token_tail_s == pytest.approx(0.11)
+    assert "its first token came 0.1100 s after its load landed" in caplog.text
+    req.first_token(now=10.5, alone=True)  # once per landing
+    assert adv.first_token_tail_s == pytest.approx(0.11)
+    for landed_alone, token_alone in ((False, True), (True, False)):
+        other = RequestScan(c, "o")
+        other.load_completed(now=20.0, alone=landed_alone)
+        other.first_token(now=21.0, alone=token_alone)
+        assert adv.first_token_tail_s == pytest.approx(0.11)
+    c.close()
+
+
 @pytest.mark.parametrize("read_s, seconds, engine_s", [
     (0.1, math.nan, 0.0), (0.1, math.inf, 0.0), (0.1, -1.0, 0.0), (math.nan, 0.5, 0.0),
     (math.inf, 0.5, 0.0), (-0.1, 0.5, 0.0), (0.1, 0.5, math.nan), (0.1, 0.5, math.inf),
@@ -1016,6 +1094,7 @@ def measured_advisor() -> PromotionAdvisor:
         adv.observe_prefill(k, n, 0.01 + cost(30e-6, 3.2e-9, k, n))
     adv.observe_read_batch(1, 16 * ROW, 16 * ROW / 2.5e9)
     adv.observe_load(1, 0.1, 0.22)
+    adv.observe_first_token(0.09)
     return adv
 
 
@@ -1025,7 +1104,7 @@ def test_writes_in_flight_on_the_tier_slow_its_reads_up_to_twice_and_can_tip_a_l
     is declined as disk_busy while the writer streams."""
     adv = measured_advisor()
     rate = adv.read_rate(1)
-    n = next(n for n in range(16, 4096, 16) if adv.decide([1] * (n // 16), 0).load)
+    n = next(n for n in range(16, 32768, 16) if adv.decide([1] * (n // 16), 0).load)
     tiers = [1] * (n // 16)
     idle = adv.decide(tiers, 0, None, {1: 0}, {1: 0})
     assert idle.load and idle.reason == "faster"
@@ -1085,6 +1164,30 @@ def test_a_restarted_engine_starts_from_the_costs_the_last_one_measured(tmp_path
     c2.close()
 
 
+def test_the_advisors_state_is_kept_while_serving_not_only_at_shutdown(tmp_path):
+    """vLLM's server force-kills its engine core on SIGTERM: no shutdown call, and a state
+    saved only then was lost (the next engine measured afresh). A loaded request's first token
+    hands the state to the file tier at once, which writes it on its committer thread; the
+    scheduler thread does no I/O for it."""
+    adv = measured_advisor()
+    c = make_chain(tmp_path, rows=8, advisor=adv)
+    saved = tmp_path / "disk" / facts(ROW).namespace_id / "advisor.json"
+    req = RequestScan(c, "r")
+    req.load_completed(now=1.0, alone=True)
+    req.first_token(now=1.2, alone=True)
+    deadline = time.monotonic() + 10
+    while not saved.exists() and time.monotonic() < deadline:  # the committer's housekeeping
+        time.sleep(0.05)
+    kept = json.loads(saved.read_text())
+    assert kept["first_token_tail_s"] == pytest.approx(adv.first_token_tail_s)
+    assert kept["read_bytes_per_s"] == pytest.approx(adv.read_rate(1))
+    # an engine that stops without closing the chain (killed) still leaves it to the next one
+    again = PromotionAdvisor(1, ROW, chunk_tokens=16)
+    again.restore_tier(1, {k: v for k, v in kept.items() if k != "magic"})
+    assert again.describe() == pytest.approx(adv.describe())
+    c.close()
+
+
 def test_a_provisional_rate_stays_provisional_across_a_restart(tmp_path):
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
     adv.observe_read_batch(1, 2 * ROW, 2 * ROW / 1e9)
@@ -1095,7 +1198,7 @@ def test_a_provisional_rate_stays_provisional_across_a_restart(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["garbage", "not_ours", "bad_types", "negative", "huge",
-                                    "symlink", "directory", "bad_prefill", "bad_flag",
+                                    "symlink", "directory", "bad_prefill", "bad_flag", "bad_tail",
                                     "nan_step", "old_prefill"])
 def test_a_damaged_advisor_file_is_ignored_with_one_warning(tmp_path, caplog, damage):
     import json
@@ -1120,6 +1223,8 @@ def test_a_damaged_advisor_file_is_ignored_with_one_warning(tmp_path, caplog, da
         saved.symlink_to(target)
     elif damage == "directory":
         saved.mkdir()
+    elif damage == "bad_tail":
+        saved.write_text(json.dumps({**good, "first_token_tail_s": -0.1}))
     elif damage == "bad_flag":
         saved.write_text(json.dumps({**good, "read_rate_provisional": "yes"}))
     elif damage == "bad_prefill":

@@ -430,12 +430,14 @@ def test_a_step_number_rides_to_the_worker_and_its_time_back_to_our_advisor(tmp_
         assert adv is not None and adv.clock.forward
         handed: list = []
         scheduler = TieredOffloadingConnector.__new__(TieredOffloadingConnector)
+        scheduler._awaiting_first_token = {}
         scheduler.connector_worker = None
         scheduler.connector_scheduler = SimpleNamespace(
             manager=manager,
             build_connector_meta=lambda out: OffloadingConnectorMetadata({}, {}),
             update_connector_output=handed.append)
         worker = TieredOffloadingConnector.__new__(TieredOffloadingConnector)
+        worker._awaiting_first_token = {}
         worker.connector_scheduler = None
         theirs = OffloadingWorkerMetadata()
         theirs.mark_completed(5)
@@ -477,12 +479,14 @@ def test_with_another_step_timing_the_connector_leaves_vllms_metadata_alone(tmp_
     manager = _spec_manager(tmp_path, "forward-off", step_timing="outputs")
     try:
         conn = TieredOffloadingConnector.__new__(TieredOffloadingConnector)
+        conn._awaiting_first_token = {}
         conn.connector_worker = None
         conn.connector_scheduler = SimpleNamespace(
             manager=manager, build_connector_meta=lambda out: OffloadingConnectorMetadata({}, {}))
         meta = conn.build_connector_meta(None)
         assert not hasattr(meta, STEP_NUMBER_FIELD)
         worker = TieredOffloadingConnector.__new__(TieredOffloadingConnector)
+        worker._awaiting_first_token = {}
         worker.connector_scheduler = None
         worker.connector_worker = SimpleNamespace(build_connector_worker_meta=lambda: None)
         worker._connector_metadata = None

@@ -1269,6 +1269,8 @@ def _scheduler_side(manager, handed: list, meta_factory=None):
     from tiering.vllm import TieredOffloadingConnector
 
     conn = TieredOffloadingConnector.__new__(TieredOffloadingConnector)
+
+    conn._awaiting_first_token = {}
     conn.connector_worker = None
     conn.connector_scheduler = SimpleNamespace(
         manager=manager,
@@ -1281,6 +1283,8 @@ def _worker_side(timer, theirs=None):
     from tiering.vllm import TieredOffloadingConnector
 
     conn = TieredOffloadingConnector.__new__(TieredOffloadingConnector)
+
+    conn._awaiting_first_token = {}
     conn.connector_scheduler = None
     conn.connector_worker = SimpleNamespace(build_connector_worker_meta=lambda: theirs)
     conn._connector_metadata = None

@@ -104,6 +104,7 @@ def test_our_connector_hands_our_workers_failed_loads_to_vllm():
     a load into them), and ``get_block_ids_with_load_errors`` takes the worker's blocks once;
     without a worker of ours it answers as vLLM's connector does (none)."""
     conn = TieredOffloadingConnector.__new__(TieredOffloadingConnector)
+    conn._awaiting_first_token = {}
     spec = SimpleNamespace(load_errors_reported=False)
     worker = SimpleNamespace(blocks={4, 9},
                              take_load_error_blocks=lambda: worker.__dict__.pop("blocks", set()))

@@ -3,6 +3,7 @@ corruption. One module-scoped scenario runs the servers once; the tests assert o
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -51,6 +52,12 @@ def scenario(tmp_path_factory):
             before = s.metrics()
             out = s.complete(prompts[name])
             rec[phase] = {"out": out["token_ids"], "before": before, "after": s.metrics()}
+        # idle a moment, as before a restart: the file tier writes the advisor's state while
+        # serving (vLLM force-kills its engine core on SIGTERM: there is no shutdown to save at)
+        time.sleep(1.5)
+    # what the first server's promotion advisor kept for the next one (saved at shutdown)
+    (ns,) = find_namespaces(work / "kv")
+    rec["advisor_1"] = json.loads((ns / "advisor.json").read_text())
 
     # the restarted server runs under our scheduler (vLLM's --scheduler-cls, by name)
     restart_args = [*args, "--scheduler-cls", "tiering.vllm.scheduler.TieringScheduler"]
@@ -115,6 +122,14 @@ def test_the_servers_steps_were_timed_by_the_workers_forward_passes(scenario):
     for name in ("tiered-1", "tiered-2"):
         log = (scenario["work"] / f"{name}.log").read_text()
         assert "timed by the worker's forward passes from now on" in log, name
+
+
+def test_a_loaded_requests_first_token_was_timed_and_kept_for_the_restart(scenario):
+    """The last A, alone on the server, loaded its prefix (promoted from the disk): our
+    connector saw its first token, the advisor learned the first-token tail from it, and the
+    file tier kept it in advisor.json for the restarted server."""
+    tail = scenario["advisor_1"].get("first_token_tail_s")
+    assert tail is not None and 0 < tail < 30, scenario["advisor_1"]
 
 
 def test_restart_keeps_disk_hits(scenario):

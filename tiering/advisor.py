@@ -18,6 +18,19 @@ same tokens. Both costs are measured while serving:
   s, waiting behind three full steps that a recomputed run waits for too: counted whole, that
   wait had every later run recomputed.
 
+* **first-token tail**: what a request whose hits were loaded waited from the load's landing on
+  the GPU to its first token, measured while it was the engine's only request
+  (``observe_first_token``). vLLM launches a step's kernels before it takes the previous step's
+  output, so the step that computes a loaded request's last tokens returns its token only after
+  the next step's launch: in eager mode on an H100 (2026-12-06i) 79-122 ms for the 8B shape and
+  185-270 ms for the 32B one, in vLLM's spec as in ours, while the fitted step cost ``c`` was
+  4 ms. A recomputed prompt waits for the same launch, hidden behind its forward pass when that
+  is longer (8k: 440 ms for a 433 ms forward; 2k: 97-167 ms for a 69 ms one). Unpriced, it had
+  the restarted engine load an 8k disk hit (priced 0.355 s against 0.432 s of compute; it took
+  484-518 ms against 447 recomputed). On an idle engine a load is priced with it, and a
+  recompute at no less than it; on a busy one both wait behind the same steps and it is left
+  out.
+
 The measurements are kept across restarts: each file tier saves its rate, its load overhead and
 the prefill fit at shutdown (``tier_state``, the tier's ``advisor.json``) and a new engine starts
 from them (``restore_tier``). Without that, a restarted H200 engine loaded its first 2k and 8k
@@ -30,12 +43,14 @@ prompt's 2048 rows at 2.9 GB/s; with the small batch's rate the 32k disk hit was
 The decision is per request, for the whole run of chunks it would read from disk (after its
 CPU hits). Loading costs the reads — the run's own bytes **plus the reads queued ahead of it on
 the same tier** (under many requests the disk is a shared queue) — plus the tier's load
-overhead (at least ``ADVISOR_LOAD_STEPS`` extra steps, ``c`` each); recomputing costs the run's ``a`` and ``b`` terms **plus the compute
-already given to the engine in this step** (requests decided, or missed, before this one), or
-**the compute of the requests waiting behind it**, if more. So the disk takes runs while its
-queue is shorter than the engine's, and the two work side by side: throughput approaches the
-engine's rate plus the disk's, and never falls below the engine's alone. Alone (nothing queued,
-nobody waiting) this is the plain comparison of the two costs.
+overhead (at least ``ADVISOR_LOAD_STEPS`` extra steps, ``c`` each); recomputing costs the
+run's ``a`` and ``b`` terms **plus the compute already given to the engine in this step**
+(requests decided, or missed, before this one), or **the compute of the requests waiting behind
+it**, if more. So the disk takes runs while its queue is shorter than the engine's, and the two
+work side by side: throughput approaches the engine's rate plus the disk's, and never falls
+below the engine's alone. Alone (nothing queued, nobody waiting) this is the plain comparison
+of the two costs to the first token: a load adds the first-token tail, and a recompute takes
+no less than it.
 
 The waiting requests (``engine_backlog_s``): vLLM's scheduler asks about a request only when it
 is about to schedule it, with the step's token budget left, so at a decision the requests behind
@@ -145,6 +160,9 @@ class PromotionAdvisor:
         self._provisional = dict.fromkeys(self._read, False)
         # seconds a load takes beyond its reads (measured: ``observe_load``), per file tier
         self._overhead = {t: _Ewma() for t in self._read}
+        # seconds from a load's landing to the request's first token, the engine otherwise idle
+        # (``observe_first_token``); engine-wide
+        self._tail = _Ewma()
         self._declined = dict.fromkeys(self._read, 0)
         self._remeasure = dict.fromkeys(self._read, False)
         # tier -> when its probe (a load while its load overhead is unknown) was decided
@@ -192,6 +210,25 @@ class PromotionAdvisor:
         if (0 <= read_s < math.inf and 0 < seconds < math.inf
                 and 0 <= engine_s < math.inf):
             self._overhead[tier].add(max(0.0, seconds - max(read_s, engine_s)))
+
+    def observe_first_token(self, seconds: float) -> None:
+        """A request whose hits were loaded, the engine's only request, gave its first token
+        ``seconds`` after its load landed on the GPU (``RequestScan.first_token``)."""
+        if 0 < seconds < math.inf:
+            self._tail.add(seconds)
+
+    @property
+    def first_token_tail_s(self) -> float:
+        """The measured first-token tail, or 0 before any was measured."""
+        return self._tail.value or 0.0
+
+    def _idle_tail_s(self) -> float:
+        """The first-token tail where a decision made now should price it: on an idle engine
+        (nothing given to it in this step, nothing computed in its last step, nobody waiting);
+        0 on a busy one, where a loaded request's tokens join steps the engine runs anyway."""
+        if self._queued_s or self.engine_queue_s or self._backlog_term():
+            return 0.0
+        return self.first_token_tail_s
 
     def engine_busy_s(self, since: float) -> float:
         """How long after ``since`` the engine kept computing prompt tokens (the end of the last
@@ -330,14 +367,15 @@ class PromotionAdvisor:
         compute = self.prefill.seconds(first_token, first_token + self.chunk_tokens)
         queued = (backlog_bytes or {}).get(tier, 0)
         ahead = device_ahead(queued, self.row_bytes, (writing_bytes or {}).get(tier, 0))
-        m = ADVISOR_PAYOFF_MARGIN
+        m, tail = ADVISOR_PAYOFF_MARGIN, self._idle_tail_s()
         # against the run's own compute behind the step's only: a fixed amount of other work
         # (the last step's compute, the waiting requests) that pays for one chunk's reads does
         # not pay for a longer run's, whose reads grow by a chunk's per chunk: those runs are
-        # surveyed, and ``decide`` prices them whole
+        # surveyed, and ``decide`` prices them whole. The tail is paid once either way: where a
+        # chunk pays with it, k chunks (k reads, one tail, k or more chunks' compute) pay too
         return (self.row_bytes / slowest <= m * compute
-                and (ahead + self.row_bytes) / rate + self.load_overhead([tier])
-                <= m * (self._queued_s + compute))
+                and (ahead + self.row_bytes) / rate + self.load_overhead([tier]) + tail
+                <= m * max(self._queued_s + compute, tail))
 
     def decide(self, tiers: Sequence[int], first_token: int, end_token: int | None = None,
                backlog_bytes: Mapping[int, int] | None = None,
@@ -368,10 +406,11 @@ class PromotionAdvisor:
         read = max((queued[t] + own[t]) / rates[t] for t in own)  # type: ignore[operator]
         end = end_token if end_token is not None else first_token + len(tiers) * self.chunk_tokens
         compute = self.prefill.seconds(first_token, end)
-        m, steps = ADVISOR_PAYOFF_MARGIN, self.load_overhead(list(own))
-        load_s = read + steps
-        recompute_s = max(compute + self._queued_s, self.engine_queue_s, self._backlog_term())
-        alone_pays = alone_read + steps <= m * compute
+        m, steps, tail = ADVISOR_PAYOFF_MARGIN, self.load_overhead(list(own)), self._idle_tail_s()
+        load_s = read + steps + tail
+        recompute_s = max(compute + self._queued_s, self.engine_queue_s, self._backlog_term(),
+                          tail)
+        alone_pays = alone_read + steps + tail <= m * max(compute, tail)
         if load_s <= m * recompute_s:
             return Decision(True, "faster" if alone_pays else "engine_busy", load_s, recompute_s)
         if count:
@@ -430,6 +469,7 @@ class PromotionAdvisor:
         return {"read_bytes_per_s": self._read[tier].value,
                 "read_rate_provisional": self._provisional[tier],
                 "load_overhead_s": self._overhead[tier].value,
+                "first_token_tail_s": self._tail.value,
                 "prefill": self.prefill.state() if self.prefill.samples else None}
 
     def restore_tier(self, tier: int, state: dict[str, object]) -> None:
@@ -439,7 +479,7 @@ class PromotionAdvisor:
         if not isinstance(state, dict):
             raise ValueError("advisor state: expected an object")
         values: dict[str, float | None] = {}
-        for name in ("read_bytes_per_s", "load_overhead_s"):
+        for name in ("read_bytes_per_s", "load_overhead_s", "first_token_tail_s"):
             v = state.get(name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                                   or not 0 <= v < math.inf
@@ -457,6 +497,8 @@ class PromotionAdvisor:
         self._read[tier].value = values["read_bytes_per_s"]
         self._provisional[tier] = provisional and values["read_bytes_per_s"] is not None
         self._overhead[tier].value = values["load_overhead_s"]
+        if self._tail.value is None:  # engine-wide: the first tier's saved tail, as the fit
+            self._tail.value = values["first_token_tail_s"]
 
     def describe(self) -> dict[str, float | None]:
         known = self.prefill.known()
@@ -466,5 +508,6 @@ class PromotionAdvisor:
                 "engine_queue_s": self.engine_queue_s,
                 "engine_backlog_s": self.engine_backlog_s,
                 "waiting_requests": self.waiting_requests,
+                "first_token_tail_s": self._tail.value,
                 **{f"read_bytes_per_s[{i}]": r.value for i, r in self._read.items()},
                 **{f"load_overhead_s[{i}]": o.value for i, o in self._overhead.items()}}

@@ -53,6 +53,7 @@ from tiering.promotion_reserve import PromotionReserve
 from tiering.settings import (
     ADVISOR_CALIBRATION_BYTES,
     ADVISOR_CALIBRATION_MAX_ROWS,
+    ADVISOR_OFFER_EVERY_S,
     DEMOTION_PIN_FRACTION,
     DEMOTION_PIN_MIN,
     LOOKUP_POLL_INTERVAL_S,
@@ -127,6 +128,7 @@ class TierChain:
         # tiers counts twice)
         self._demote_budget = max(DEMOTION_PIN_MIN, int(self.num_rows * DEMOTION_PIN_FRACTION))
         self.advisor = advisor  # None: every disk hit is loaded
+        self._advisor_offered_at = time.perf_counter()  # when the file tiers last got its state
         # read batches in flight: id -> [tier, reads left, bytes, longest read's seconds,
         # submitted at]; and when each tier's last finished batch ended
         self._batches: dict[int, list[Any]] = {}
@@ -409,7 +411,19 @@ class TierChain:
         """The engine took back a step's output (vLLM's ``update_from_output``, once a step, in
         the order they were scheduled): the advisor's step clock times steps by it."""
         if self.advisor is not None:
-            self.advisor.step_output(time.perf_counter())
+            now = time.perf_counter()
+            self.advisor.step_output(now)
+            if now - self._advisor_offered_at >= ADVISOR_OFFER_EVERY_S:
+                self.offer_advisor_state()
+
+    def offer_advisor_state(self) -> None:
+        """Hand each file tier the advisor's state to keep for the next engine (the tier
+        writes it on its own thread: ``Tier.offer_advisor_state``). Scheduler thread."""
+        if self.advisor is None:
+            return
+        self._advisor_offered_at = time.perf_counter()
+        for i, below in enumerate(self.file_tiers, start=1):
+            below.offer_advisor_state(self.advisor.tier_state(i))
 
     # -- background completions: the one place they are applied ------------------------------
     def on_schedule_end(self) -> None:

@@ -166,6 +166,10 @@ class RequestScan:
         # when it was decided; the bytes of reads queued on that tier then, and of writes)
         self._loading: tuple[int, float, int, int] | None = None
         self.promoted = 0  # chunks this request had promoted from a file tier
+        # when its last load landed on the GPU, until its first token (``first_token``), and
+        # whether it was the engine's only request then
+        self.landed_at: float | None = None
+        self.landed_alone = False
         self._uncounted_load: str | None = None  # a LOAD's reason until its first promotion
         self.queue = QueueState.UNANNOUNCED
         self.arrived_at: float | None = None  # perf_counter when vLLM announced it (DEBUG lines)
@@ -378,11 +382,14 @@ class RequestScan:
                       end, d.reason, waited, priced, chain.read_backlog_bytes(),
                       chain.write_backlog_bytes(), advisor.describe())
 
-    def load_completed(self, now: float | None = None) -> None:
-        """vLLM finished loading the request's hits to the GPU: if a disk run was loaded, the
-        advisor learns what the load cost beyond its reads (its promoted bytes and the reads
+    def load_completed(self, now: float | None = None, alone: bool = False) -> None:
+        """vLLM finished loading the request's hits to the GPU (``alone``: the engine's only
+        request): its first token is timed from now (``first_token``). If a disk run was loaded,
+        the advisor learns what the load cost beyond its reads (its promoted bytes and the reads
         queued ahead of them and the writes they shared the device with, at the tier's read rate
         now) and beyond the engine's steps that computed prompts meanwhile."""
+        now = time.perf_counter() if now is None else now
+        self.landed_at, self.landed_alone = now, alone
         advisor = self.chain.advisor
         if self._loading is None or advisor is None:
             return
@@ -392,14 +399,33 @@ class RequestScan:
         if rate and self.promoted:
             own = self.promoted * self.chain.row_bytes
             read_s = (device_ahead(backlog, own, writing) + own) / rate
-            took, busy = (now or time.perf_counter()) - decided, advisor.engine_busy_s(decided)
+            took, busy = now - decided, advisor.engine_busy_s(decided)
             advisor.observe_load(tier, read_s, took, busy)
+            self.chain.offer_advisor_state()
             # where a disk hit's time went, beside its decision line: reads (at the rate this
             # load left), the engine's prompt steps meanwhile, and the rest
             log.debug("request %s: its disk run reached the GPU %.4f s after its decision: "
                       "%d chunks read, priced %.4f s at %.3g GB/s now; the engine computed "
                       "prompts for %.4f s of it; %.4f s beyond both", self.req_id, took,
                       self.promoted, read_s, rate / 1e9, busy, max(0.0, took - max(read_s, busy)))
+
+    def first_token(self, now: float | None = None, alone: bool = False) -> None:
+        """vLLM returned the request's first token (our connector saw it; ``alone``: the
+        engine's only request). If its hits had landed and it was alone from then on, the
+        advisor learns the first-token tail: what a loaded request waits beyond its load on an
+        otherwise idle engine (``PromotionAdvisor.observe_first_token``). Once per landing."""
+        landed, self.landed_at = self.landed_at, None
+        advisor = self.chain.advisor
+        if landed is None or advisor is None:
+            return
+        took = (time.perf_counter() if now is None else now) - landed
+        if not (self.landed_alone and alone):
+            return  # other requests' steps in it: a batch's wait, which a recompute pays too
+        advisor.observe_first_token(took)
+        self.chain.offer_advisor_state()
+        log.debug("request %s: its first token came %.4f s after its load landed on the GPU, "
+                  "the engine otherwise idle; first-token tail now %.4f s", self.req_id, took,
+                  advisor.first_token_tail_s)
 
     # -- computed tokens ---------------------------------------------------------------------
     def offered(self, ends: Sequence[int]) -> None:

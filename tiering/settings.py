@@ -135,6 +135,12 @@ ADVISOR_MIN_SAMPLE_TOKENS = 64
 # a calibration read, so a tier that was slow for a while (a busy disk) is not written off for
 # good. Counted in runs, not chunks: one 32k-token prompt is 2048 chunks of 16 tokens.
 ADVISOR_REPROBE_AFTER = 32
+# How often, at most, a step's end hands the advisor's measurements to the file tiers to keep
+# for the next engine (each tier writes the latest one on its committer thread, at most once per
+# HOUSEKEEPING_SECONDS; never the scheduler's). A loaded request's measurements are handed over
+# at once. Saving only at shutdown lost them under `vllm serve`: on SIGTERM vLLM force-kills its
+# engine core without a shutdown call.
+ADVISOR_OFFER_EVERY_S = 1.0
 # A calibration read (a tier's read rate is unknown, or due to be measured again): about this
 # many bytes of rows the tier holds, read into scratch memory in one batch, within
 # [advisor.rate_min_rows, ADVISOR_CALIBRATION_MAX_ROWS] rows. Enough to keep every I/O thread busy for a while; small next to a long prompt's run.

@@ -115,6 +115,10 @@ METRICS: tuple[Metric, ...] = (
            "take less than this (disk_runs_loaded{reason=engine_busy}).", per_tier=False),
     Metric("advisor_waiting_requests", "gauge", "Requests announced to the connector and not "
            "yet reached by the scheduler (no tier label).", per_tier=False),
+    Metric("advisor_first_token_tail_seconds", "gauge", "What a request whose hits were "
+           "loaded waited from the load's landing on the GPU to its first token, the engine "
+           "otherwise idle (no tier label; 0 until measured or restored): a load on an idle "
+           "engine is priced with it, a recompute at no less.", per_tier=False),
     Metric("advisor_load_overhead_seconds", "gauge", "What a load from a file tier costs beyond "
            "its reads, as this engine measured it (decision to KV on the GPU, less the reads; 0 "
            "until a load was measured or restored from the tier's advisor.json)."),

@@ -377,6 +377,12 @@ class StoreTier(Tier):
         serving; may block on the tier's storage. Default: a tier that keeps nothing."""
         return None
 
+    def offer_advisor_state(self, state: dict[str, Any]) -> None:
+        """Keep ``state`` for the next engine soon, without blocking: called on the scheduler
+        thread (``ADVISOR_OFFER_EVERY_S``), the tier writes the latest one from its own
+        thread (vLLM's server stops its engine core without a shutdown call on SIGTERM).
+        Default: a tier that keeps nothing."""
+
     def save_advisor_state(self, state: dict[str, Any]) -> None:
         """Keep ``state`` (JSON values) for the next engine; called at shutdown, before
         ``close``, never on the scheduler's path. A failure is logged, never raised."""

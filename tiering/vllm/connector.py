@@ -67,10 +67,13 @@ class TieredOffloadingConnector(OffloadingConnector):
         super().__init__(*args, **kwargs)
         self._tell_spec_load_errors_are_reported()
         self._forward_timer = ForwardTimer()
+        # scheduler side: requests given hits to load, by id, until their first token
+        self._awaiting_first_token: dict[str, Any] = {}
 
     # -- the forward passes timed (tiering/vllm/forward_timer.py) ----------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Scheduler side: vLLM's metadata of the step, numbered for the worker to time."""
+        self._note_first_tokens()
         meta = super().build_connector_meta(scheduler_output)
         manager = self._our_manager()
         if manager is not None:
@@ -120,6 +123,51 @@ class TieredOffloadingConnector(OffloadingConnector):
                 except Exception:  # never into vLLM: its own handling below must run
                     _log_once("taking the workers' forward-pass times")
         super().update_connector_output(connector_output)
+        self._note_first_tokens()
+
+    # -- a loaded request's first token (the advisor's first-token tail) ----------------------
+    # vLLM appends a step's tokens to its requests, frees the finished ones (request_finished)
+    # and then hands the connector the step's output (update_connector_output), all before it
+    # sends the step's outputs: a first token seen there is timed as it leaves the engine.
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> Any:
+        """Scheduler side: a request given ``num_external_tokens`` of hits to load is watched
+        for its first token, for our spec."""
+        out = super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if num_external_tokens > 0 and self._our_manager() is not None:
+            self._awaiting_first_token[request.request_id] = request
+        return out
+
+    def request_finished(self, request: Any, block_ids: Any) -> Any:
+        self._note_first_tokens(request.request_id)
+        return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+        self._note_first_tokens(request.request_id)
+        return super().request_finished_all_groups(request, block_ids)
+
+    def _note_first_tokens(self, finished: str | None = None) -> None:
+        """Tell our spec's manager of each watched request that has an output token now
+        (``finished``: that request ends here, token or not: it is watched no more)."""
+        watched = self._awaiting_first_token
+        if not watched:
+            return
+        came = [rid for rid, req in watched.items()
+                if getattr(req, "num_output_tokens", 0) > 0]
+        if finished is not None and finished in watched and finished not in came:
+            del watched[finished]
+        if not came:
+            return
+        manager = self._our_manager()
+        for rid in came:
+            del watched[rid]
+            if manager is None:
+                continue
+            try:
+                with _held(manager):
+                    manager.first_token(rid)
+            except Exception:  # never into vLLM's scheduler: that request goes untimed
+                _log_once("timing a loaded request's first token")
 
     def _tell_spec_load_errors_are_reported(self) -> None:
         """Our spec's worker (built later, at ``register_kv_caches``) may then turn a failed

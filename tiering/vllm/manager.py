@@ -177,7 +177,14 @@ class TieredManager(OffloadingManager):
         self.load_gate.ended(req_id)
         scan = self._scans.get(req_id)
         if scan is not None:
-            scan.load_completed()
+            scan.load_completed(alone=len(self._scans) == 1)
+
+    def first_token(self, req_id: str) -> None:
+        """Our connector (``TieredOffloadingConnector``) saw the first token of a request that
+        loaded hits: its scan times it from the load's landing (``RequestScan.first_token``)."""
+        scan = self._scans.get(req_id)
+        if scan is not None:
+            scan.first_token(alone=len(self._scans) == 1)
 
     def prepare_store(self, keys: Collection[bytes], req_context: ReqContext
                       ) -> PrepareStoreOutput | None:

@@ -84,6 +84,8 @@ class TierMetrics:
                 stats.set_gauge(PREFIX + "advisor_prefill_seconds", cost, (term,))
             stats.set_gauge(PREFIX + "advisor_engine_backlog_seconds", adv.engine_backlog_s, ())
             stats.set_gauge(PREFIX + "advisor_waiting_requests", adv.waiting_requests, ())
+            stats.set_gauge(PREFIX + "advisor_first_token_tail_seconds",
+                            adv.first_token_tail_s, ())
             for i, backlog in chain.read_backlog_bytes().items():
                 label = tier_label(i, chain.tiers[i].medium)
                 rate = adv.read_rate(i) or 0.0
