@@ -27,6 +27,11 @@ the step's number rides in the connector metadata vLLM hands the worker, the tim
 metadata vLLM hands back. A spec that numbers no steps (vLLM's own, or ours with another
 ``step_timing``) leaves both untouched.
 
+On the scheduler side it watches each request given hits to load until vLLM has its first
+token (``update_state_after_alloc`` to ``update_connector_output`` or ``request_finished``) and
+tells our spec's manager then: the promotion advisor's first-token tail
+(``tiering.advisor``). A failure there is logged once and leaves that request untimed.
+
 ``get_required_kvcache_layout`` is called by vLLM in the engine-core process while it sizes the
 KV cache: no I/O, no state, and nothing raised beyond what vLLM's own connector raises for the
 same config. ``get_block_ids_with_load_errors`` runs on the worker thread after each forward
