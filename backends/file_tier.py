@@ -162,9 +162,12 @@ class FileTier(StoreTier):
                                        COMMIT_BATCH_MAX_ROWS, COMMIT_BATCH_BYTES // self.row_bytes)),
                                    self.pending)
         # the advisor's latest state, handed over by the scheduler thread and written on the
-        # committer's (offer_advisor_state); the lock orders it with the shutdown's save
+        # committer's (offer_advisor_state): the offer lock guards only the hand-over (the
+        # scheduler thread never waits for a write), the write lock orders the committer's
+        # write with the shutdown's save
         self._advisor_offer: dict[str, Any] | None = None
-        self._advisor_lock = threading.Lock()
+        self._advisor_offer_lock = threading.Lock()
+        self._advisor_write_lock = threading.Lock()
         self.committer.housekeeping_hook = self._write_advisor_offer
         self.committer.start()
         # this process's counters; each increment is also persisted with the next index txn
@@ -515,18 +518,24 @@ class FileTier(StoreTier):
         return load_advisor_state(self.folder)
 
     def offer_advisor_state(self, state: dict[str, Any]) -> None:
-        self._advisor_offer = state  # one reference: the committer takes the latest
+        with self._advisor_offer_lock:  # the committer takes the latest
+            self._advisor_offer = state
+
+    def _take_advisor_offer(self) -> dict[str, Any] | None:
+        with self._advisor_offer_lock:
+            state, self._advisor_offer = self._advisor_offer, None
+        return state
 
     def _write_advisor_offer(self) -> None:
         """Committer thread, between jobs: write the state last offered, if any."""
-        with self._advisor_lock:
-            state, self._advisor_offer = self._advisor_offer, None
+        with self._advisor_write_lock:
+            state = self._take_advisor_offer()
             if state is not None and not self.closed:
                 save_advisor_state(self.folder, state)
 
     def save_advisor_state(self, state: dict[str, Any]) -> None:
-        with self._advisor_lock:  # after an offer being written, and instead of one pending
-            self._advisor_offer = None
+        with self._advisor_write_lock:  # after an offer being written, instead of one pending
+            self._take_advisor_offer()
             if not self.closed:
                 save_advisor_state(self.folder, state)
 

@@ -298,16 +298,24 @@ def test_a_declined_longest_run_means_every_shorter_run_is_declined(seed):
         adv.observe_read_batch(1, 64 * ROW, 64 * ROW / 10 ** rnd.uniform(6, 10))
         if rnd.random() < 0.5:
             adv.queue_compute(0, rnd.randrange(16, 8192))  # compute given to the engine already
+        if rnd.random() < 0.5:  # a first-token tail, priced on an idle engine
+            adv.observe_first_token(10 ** rnd.uniform(-3, -0.5))
         first = 16 * rnd.randrange(0, 512)
         longest = rnd.randrange(1, 256)
         reads = {1: rnd.choice([0, rnd.randrange(0, 256) * ROW])}
         writes = {1: rnd.choice([0, rnd.randrange(0, 256) * ROW])}
 
-        loads = [adv.decide([1] * n, first, first + 16 * n, reads, writes, count=False).load
-                 for n in range(1, longest + 1)]
-        if loads[0] or loads[-1]:
+        def load(n: int, tail: bool, adv=adv, first=first, reads=reads,
+                 writes=writes) -> bool:
+            return adv.decide([1] * n, first, first + 16 * n, reads, writes, count=False,
+                              tail=tail).load
+
+        # the scan's shortcut prices one chunk and the longest run without the tail
+        if load(1, False) or load(longest, False):
             continue
         checked += 1
+        # a run short of the prompt's end is priced without the tail, one to its end with it
+        loads = [load(n, False) for n in range(1, longest)] + [load(longest, True)]
         assert not any(loads), (seed, first, longest, loads.index(True) + 1)
     assert checked > 50  # the premise held often enough to test something
 

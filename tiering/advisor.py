@@ -379,14 +379,16 @@ class PromotionAdvisor:
 
     def decide(self, tiers: Sequence[int], first_token: int, end_token: int | None = None,
                backlog_bytes: Mapping[int, int] | None = None,
-               writing_bytes: Mapping[int, int] | None = None, count: bool = True) -> Decision:
+               writing_bytes: Mapping[int, int] | None = None, count: bool = True,
+               tail: bool = True) -> Decision:
         """Load one row from each of ``tiers`` (the file tier's id per row, in prompt order)
         covering tokens ``[first_token, end_token)`` (default: one chunk's tokens per row), or
         recompute them? ``backlog_bytes[t]``: the bytes of reads queued or in flight on tier
         ``t`` ahead of this run; ``writing_bytes[t]``: the bytes of writes admitted to tier
         ``t`` and not yet written, which the run's reads share the device with
         (``device_ahead``). ``count`` False: only price it (a decline is not counted towards
-        measuring the tier again)."""
+        measuring the tier again). ``tail`` False: the run does not reach the prompt's end, and
+        the first-token tail is not priced (the cold rest's forward pass hides it either way)."""
         if not tiers:
             return Decision(True, "faster", 0.0, 0.0)
         if not self.prefill.known():
@@ -406,11 +408,12 @@ class PromotionAdvisor:
         read = max((queued[t] + own[t]) / rates[t] for t in own)  # type: ignore[operator]
         end = end_token if end_token is not None else first_token + len(tiers) * self.chunk_tokens
         compute = self.prefill.seconds(first_token, end)
-        m, steps, tail = ADVISOR_PAYOFF_MARGIN, self.load_overhead(list(own)), self._idle_tail_s()
-        load_s = read + steps + tail
+        m, steps = ADVISOR_PAYOFF_MARGIN, self.load_overhead(list(own))
+        tail_s = self._idle_tail_s() if tail else 0.0
+        load_s = read + steps + tail_s
         recompute_s = max(compute + self._queued_s, self.engine_queue_s, self._backlog_term(),
-                          tail)
-        alone_pays = alone_read + steps + tail <= m * max(compute, tail)
+                          tail_s)
+        alone_pays = alone_read + steps + tail_s <= m * max(compute, tail_s)
         if load_s <= m * recompute_s:
             return Decision(True, "faster" if alone_pays else "engine_busy", load_s, recompute_s)
         if count:

@@ -129,6 +129,7 @@ class TierChain:
         self._demote_budget = max(DEMOTION_PIN_MIN, int(self.num_rows * DEMOTION_PIN_FRACTION))
         self.advisor = advisor  # None: every disk hit is loaded
         self._advisor_offered_at = time.perf_counter()  # when the file tiers last got its state
+        self._advisor_unoffered = False  # measured since (a step's output) and not handed over
         # read batches in flight: id -> [tier, reads left, bytes, longest read's seconds,
         # submitted at]; and when each tier's last finished batch ended
         self._batches: dict[int, list[Any]] = {}
@@ -415,6 +416,14 @@ class TierChain:
             self.advisor.step_output(now)
             if now - self._advisor_offered_at >= ADVISOR_OFFER_EVERY_S:
                 self.offer_advisor_state()
+            else:
+                self._advisor_unoffered = True
+
+    def engine_idle(self) -> None:
+        """The engine has no request left: what the advisor measured since the last offer is
+        handed over now (an idle engine produces no step output to do it at)."""
+        if self._advisor_unoffered:
+            self.offer_advisor_state()
 
     def offer_advisor_state(self) -> None:
         """Hand each file tier the advisor's state to keep for the next engine (the tier
@@ -422,6 +431,7 @@ class TierChain:
         if self.advisor is None:
             return
         self._advisor_offered_at = time.perf_counter()
+        self._advisor_unoffered = False
         for i, below in enumerate(self.file_tiers, start=1):
             below.offer_advisor_state(self.advisor.tier_state(i))
 

@@ -170,6 +170,7 @@ class RequestScan:
         # whether it was the engine's only request then
         self.landed_at: float | None = None
         self.landed_alone = False
+        self.computed_at_landing = 0.0  # ``computed_tokens`` when it landed
         self._uncounted_load: str | None = None  # a LOAD's reason until its first promotion
         self.queue = QueueState.UNANNOUNCED
         self.arrived_at: float | None = None  # perf_counter when vLLM announced it (DEBUG lines)
@@ -297,8 +298,12 @@ class RequestScan:
             self.counted.add(key)
             return None
         start, end = run.token_span(j, advisor.chunk_tokens)
+        # the first-token tail is the load's own only where nothing is computed after the run
+        # (a cold rest of the prompt hides it behind its forward pass, loaded or recomputed)
+        last = prompt_end() if prompt_end is not None else None
+        to_end = last is None or last - end < advisor.chunk_tokens
         self._decided(advisor.decide(run.tiers[j:], start, end, chain.read_backlog_bytes(),
-                                     chain.write_backlog_bytes()), j)
+                                     chain.write_backlog_bytes(), tail=to_end), j)
         return run.state
 
     def _longest_run_declined(self, i: int, first_token: int, prompt_end: int | None
@@ -329,10 +334,13 @@ class RequestScan:
         reads, writes = chain.read_backlog_bytes(), chain.write_backlog_bytes()
         # one chunk, priced alone: first_chunk_pays also asks each chunk to pay on its own, so
         # its no does not say that a one-chunk run would be recomputed
-        if advisor.decide([i], first_token, None, reads, writes, count=False).load:
+        # both priced without the first-token tail, which only a run to the prompt's end pays:
+        # so what loading saves stays convex in the run's length, and a longest run declined
+        # without it is declined with it too
+        if advisor.decide([i], first_token, None, reads, writes, count=False, tail=False).load:
             return None
         chunks = -(-(prompt_end - first_token) // advisor.chunk_tokens)
-        d = advisor.decide([i] * chunks, first_token, prompt_end, reads, writes)
+        d = advisor.decide([i] * chunks, first_token, prompt_end, reads, writes, tail=False)
         if d.load:
             return None
         return d, (first_token, prompt_end)
@@ -390,6 +398,7 @@ class RequestScan:
         now) and beyond the engine's steps that computed prompts meanwhile."""
         now = time.perf_counter() if now is None else now
         self.landed_at, self.landed_alone = now, alone
+        self.computed_at_landing = self.computed_tokens
         advisor = self.chain.advisor
         if self._loading is None or advisor is None:
             return
@@ -411,7 +420,8 @@ class RequestScan:
 
     def first_token(self, now: float | None = None, alone: bool = False) -> None:
         """vLLM returned the request's first token (our connector saw it; ``alone``: the
-        engine's only request). If its hits had landed and it was alone from then on, the
+        engine's only request). If its hits had landed, it was alone from then on and it
+        computed less than a chunk after the landing (its load reached the prompt's end), the
         advisor learns the first-token tail: what a loaded request waits beyond its load on an
         otherwise idle engine (``PromotionAdvisor.observe_first_token``). Once per landing."""
         landed, self.landed_at = self.landed_at, None
@@ -421,6 +431,8 @@ class RequestScan:
         took = (time.perf_counter() if now is None else now) - landed
         if not (self.landed_alone and alone):
             return  # other requests' steps in it: a batch's wait, which a recompute pays too
+        if self.computed_tokens - self.computed_at_landing >= advisor.chunk_tokens:
+            return  # the prompt's cold rest (or a failed load's recompute) was computed in it
         advisor.observe_first_token(took)
         self.chain.offer_advisor_state()
         log.debug("request %s: its first token came %.4f s after its load landed on the GPU, "

@@ -149,6 +149,8 @@ class TieredManager(OffloadingManager):
         scan = self._scans.pop(req_id, None)
         if scan is not None:
             scan.finished()
+        if not self._scans:
+            self.chain.engine_idle()
 
     def resident(self, key: bytes) -> bool:
         """Would ``lookup(key)`` find the chunk in the CPU tier now? (A read, nothing counted or
