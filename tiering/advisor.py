@@ -19,17 +19,17 @@ same tokens. Both costs are measured while serving:
   wait had every later run recomputed.
 
 * **first-token tail**: what a request whose hits were loaded waited from the load's landing on
-  the GPU to its first token, measured while it was the engine's only request
-  (``observe_first_token``). vLLM launches a step's kernels before it takes the previous step's
+  the GPU to its first token, measured while it was the engine's only request and had less
+  than a chunk left to compute (``observe_first_token``). vLLM launches a step's kernels before it takes the previous step's
   output, so the step that computes a loaded request's last tokens returns its token only after
   the next step's launch: in eager mode on an H100 (2026-12-06i) 79-122 ms for the 8B shape and
   185-270 ms for the 32B one, in vLLM's spec as in ours, while the fitted step cost ``c`` was
   4 ms. A recomputed prompt waits for the same launch, hidden behind its forward pass when that
   is longer (8k: 440 ms for a 433 ms forward; 2k: 97-167 ms for a 69 ms one). Unpriced, it had
   the restarted engine load an 8k disk hit (priced 0.355 s against 0.432 s of compute; it took
-  484-518 ms against 447 recomputed). On an idle engine a load is priced with it, and a
-  recompute at no less than it; on a busy one both wait behind the same steps and it is left
-  out.
+  484-518 ms against 447 recomputed). On an idle engine a load that reaches the prompt's end
+  is priced with it, and its recompute at no less; on a busy one both wait behind the same
+  steps, and behind a cold rest of the prompt both wait for its forward pass: left out.
 
 The measurements are kept across restarts: each file tier saves its rate, its load overhead and
 the prefill fit at shutdown (``tier_state``, the tier's ``advisor.json``) and a new engine starts
