@@ -20,9 +20,9 @@ same tokens. Both costs are measured while serving:
 
 * **first-token tail**: what a request whose hits were loaded waited from the load's landing on
   the GPU to its first token, measured while it was the engine's only request and had less
-  than a chunk left to compute (``observe_first_token``). vLLM launches a step's kernels before it takes the previous step's
-  output, so the step that computes a loaded request's last tokens returns its token only after
-  the next step's launch: in eager mode on an H100 (2026-12-06i) 79-122 ms for the 8B shape and
+  than a chunk left to compute (``observe_first_token``). vLLM launches a step's kernels
+  before it takes the previous step's output, so the step that computes a loaded request's
+  last tokens returns its token only after the next step's launch: in eager mode on an H100 (2026-12-06i) 79-122 ms for the 8B shape and
   185-270 ms for the 32B one, in vLLM's spec as in ours, while the fitted step cost ``c`` was
   4 ms. A recomputed prompt waits for the same launch, hidden behind its forward pass when that
   is longer (8k: 440 ms for a 433 ms forward; 2k: 97-167 ms for a 69 ms one). Unpriced, it had

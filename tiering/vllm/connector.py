@@ -155,24 +155,18 @@ class TieredOffloadingConnector(OffloadingConnector):
         """Tell our spec's manager of each watched request that has an output token now
         (``finished``: that request ends here, token or not: it is watched no more)."""
         watched = self._awaiting_first_token
-        if not watched:
-            return
-        came = [rid for rid, req in watched.items()
-                if getattr(req, "num_output_tokens", 0) > 0]
-        if finished is not None and finished in watched and finished not in came:
-            del watched[finished]
-        if not came:
-            return
-        manager = self._our_manager()
+        came = [rid for rid, req in watched.items() if getattr(req, "num_output_tokens", 0) > 0]
+        manager = self._our_manager() if came else None
         for rid in came:
             del watched[rid]
-            if manager is None:
-                continue
             try:
-                with _held(manager):
-                    manager.first_token(rid)
+                if manager is not None:
+                    with _held(manager):
+                        manager.first_token(rid)
             except Exception:  # never into vLLM's scheduler: that request goes untimed
                 _log_once("timing a loaded request's first token")
+        if finished is not None:
+            watched.pop(finished, None)
 
     def _tell_spec_load_errors_are_reported(self) -> None:
         """Our spec's worker (built later, at ``register_kv_caches``) may then turn a failed
