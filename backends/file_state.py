@@ -5,7 +5,7 @@
 * ``announce`` — who writes this namespace and how (``writer.json``, one log line).
 * ``load_advisor_state`` / ``save_advisor_state`` — what the promotion advisor measured on this
   tier (``advisor.json``), so that a restarted engine decides its first disk hits as the last
-  one would have.
+  one would have; ``AdvisorStateKeeper`` writes it while serving, off the scheduler thread.
 
 (The in-memory slot table rebuilt from the index at open is ``slot_table.py``.)
 """
@@ -16,7 +16,9 @@ import errno
 import fcntl
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +156,44 @@ def save_advisor_state(folder: Path, state: dict[str, Any]) -> None:
         write_json(folder / ADVISOR_FILE, {**state, "magic": ADVISOR_MAGIC})
     except (OSError, ValueError, TypeError) as exc:
         log.warning("%s: cannot save the promotion advisor's state (%s)", folder, exc)
+
+
+class AdvisorStateKeeper:
+    """``advisor.json`` kept while serving: the scheduler thread hands the latest state over
+    (``offer``, never waiting for a write), the tier's committer thread writes it between jobs
+    (``write_offer``), and the shutdown's ``save`` replaces any offer not yet written. vLLM's
+    server force-kills its engine core on SIGTERM: a state saved only at shutdown was lost.
+    The offer lock guards only the hand-over; the write lock orders the two writers."""
+
+    def __init__(self, folder: Path, closed: Callable[[], bool]) -> None:
+        self.folder = folder
+        self._closed = closed  # the tier's: nothing is written once it is closed
+        self._offer: dict[str, Any] | None = None
+        self._offer_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+
+    def offer(self, state: dict[str, Any]) -> None:
+        with self._offer_lock:
+            self._offer = state
+
+    def _take(self) -> dict[str, Any] | None:
+        with self._offer_lock:
+            state, self._offer = self._offer, None
+        return state
+
+    def write_offer(self) -> None:
+        """Committer thread: write the state last offered, if any."""
+        with self._write_lock:
+            state = self._take()
+            if state is not None and not self._closed():
+                save_advisor_state(self.folder, state)
+
+    def save(self, state: dict[str, Any]) -> None:
+        """At shutdown: ``state``, after an offer being written and instead of one pending."""
+        with self._write_lock:
+            self._take()
+            if not self._closed():
+                save_advisor_state(self.folder, state)
 
 
 def announce(tier: Any) -> None:

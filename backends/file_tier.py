@@ -43,11 +43,11 @@ from tiering.backends.file_io import (
     WritesDone,
 )
 from tiering.backends.file_state import (
+    AdvisorStateKeeper,
     NamespaceLocked,  # noqa: F401 - part of this module's interface
     acquire_writer_lock,
     announce,
     load_advisor_state,
-    save_advisor_state,
 )
 from tiering.backends.index import MAX_KEY_BYTES, Index
 from tiering.backends.namespace import (
@@ -161,14 +161,9 @@ class FileTier(StoreTier):
                                    cfg.max_batch or max(COMMIT_BATCH_MIN_ROWS, min(
                                        COMMIT_BATCH_MAX_ROWS, COMMIT_BATCH_BYTES // self.row_bytes)),
                                    self.pending)
-        # the advisor's latest state, handed over by the scheduler thread and written on the
-        # committer's (offer_advisor_state): the offer lock guards only the hand-over (the
-        # scheduler thread never waits for a write), the write lock orders the committer's
-        # write with the shutdown's save
-        self._advisor_offer: dict[str, Any] | None = None
-        self._advisor_offer_lock = threading.Lock()
-        self._advisor_write_lock = threading.Lock()
-        self.committer.housekeeping_hook = self._write_advisor_offer
+        # the promotion advisor's state, written between the committer's jobs while serving
+        self._advisor_state = AdvisorStateKeeper(self.folder, lambda: self.closed)
+        self.committer.housekeeping_hook = self._advisor_state.write_offer
         self.committer.start()
         # this process's counters; each increment is also persisted with the next index txn
         self.stats = TierStats(on_add=self.pending.count)
@@ -518,26 +513,10 @@ class FileTier(StoreTier):
         return load_advisor_state(self.folder)
 
     def offer_advisor_state(self, state: dict[str, Any]) -> None:
-        with self._advisor_offer_lock:  # the committer takes the latest
-            self._advisor_offer = state
-
-    def _take_advisor_offer(self) -> dict[str, Any] | None:
-        with self._advisor_offer_lock:
-            state, self._advisor_offer = self._advisor_offer, None
-        return state
-
-    def _write_advisor_offer(self) -> None:
-        """Committer thread, between jobs: write the state last offered, if any."""
-        with self._advisor_write_lock:
-            state = self._take_advisor_offer()
-            if state is not None and not self.closed:
-                save_advisor_state(self.folder, state)
+        self._advisor_state.offer(state)
 
     def save_advisor_state(self, state: dict[str, Any]) -> None:
-        with self._advisor_write_lock:  # after an offer being written, instead of one pending
-            self._take_advisor_offer()
-            if not self.closed:
-                save_advisor_state(self.folder, state)
+        self._advisor_state.save(state)
 
     def close(self) -> None:
         if self.closed:
