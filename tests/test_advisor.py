@@ -1196,6 +1196,30 @@ def test_the_advisors_state_is_kept_while_serving_not_only_at_shutdown(tmp_path)
     c.close()
 
 
+def test_a_link_planted_at_advisor_json_while_serving_is_never_written_through(tmp_path):
+    """The committer writes advisor.json while serving: a symlink planted there meanwhile is
+    replaced by our own file (written beside it and renamed over the link), its target stays
+    as it was, and the tier serves on."""
+    adv = measured_advisor()
+    c = make_chain(tmp_path, rows=8, advisor=adv)
+    saved = tmp_path / "disk" / facts(ROW).namespace_id / "advisor.json"
+    target = tmp_path / "elsewhere"
+    target.write_text("keep me")
+    saved.unlink(missing_ok=True)
+    saved.symlink_to(target)
+    c.offer_advisor_state()
+    deadline = time.monotonic() + 10
+    while saved.is_symlink() and time.monotonic() < deadline:  # the committer's housekeeping
+        time.sleep(0.05)
+    assert target.read_text() == "keep me"
+    assert not saved.is_symlink()
+    assert json.loads(saved.read_text())["read_bytes_per_s"] == pytest.approx(adv.read_rate(1))
+    fill(c, [key(1)])
+    c.wait_idle()
+    assert c.file_tiers[0].contains(key(1))
+    c.close()
+
+
 def test_a_provisional_rate_stays_provisional_across_a_restart(tmp_path):
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16)
     adv.observe_read_batch(1, 2 * ROW, 2 * ROW / 1e9)
