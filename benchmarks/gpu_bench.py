@@ -134,6 +134,9 @@ def parse() -> argparse.Namespace:
                          "run of memory: a 64-token chunk is then one copy per direction")
     ap.add_argument("--switch-ms", type=float, default=None,
                     help="our tiers' switch_interval_ms (default: the spec's; 0: Python's 5 ms)")
+    ap.add_argument("--io-threads", type=int, default=None,
+                    help="our file tiers' io_threads (default: the tier's, 8); vLLM's fs tier "
+                         "keeps its own 16 + 16: an A/B of the read threads on one disk")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="skip the steps (a config's phases or throughput run) that would end "
                          "after this many seconds, judged by the longest such step so far "
@@ -182,6 +185,8 @@ def parse() -> argparse.Namespace:
     a.lengths = _numbers(ap, "--lengths", a.lengths, int)
     if a.repeats < 1:
         ap.error(f"--repeats: expected at least 1, got {a.repeats}")
+    if a.io_threads is not None and not 1 <= a.io_threads <= 1024:
+        ap.error(f"--io-threads: expected 1 to 1024 threads a file tier, got {a.io_threads}")
     a.tp_cpu_fraction = _numbers(ap, "--tp-cpu-fraction", a.tp_cpu_fraction, float)
     bad = sorted(set(a.configs) - set(CONFIGS)) + sorted(set(a.phases) - set(PHASES)
                                                          - {SWEEP_PHASE})
@@ -355,6 +360,25 @@ def with_switch_interval(kvt: dict | None, ms: float | None) -> dict | None:
     for tier in extra.get("secondary_tiers", []):
         if tier.get("module_path") == "tiering.vllm":
             tier["switch_interval_ms"] = ms
+    return kvt
+
+
+def with_io_threads(kvt: dict | None, n: int | None) -> dict | None:
+    """``kvt`` with ``io_threads`` = ``n`` on each of our file tiers (None: the tier's default),
+    for an A/B of how many reads a disk gets in flight (vLLM's fs tier runs 16 read-first and 16
+    write-first threads, ours 8 by default); vLLM's own tiers are left as they are."""
+    if kvt is None or n is None:
+        return kvt
+    if n < 1:
+        raise ValueError(f"--io-threads: expected at least 1 thread, got {n}")
+    extra = kvt["kv_connector_extra_config"]
+    if extra.get("spec_module_path") == "tiering.vllm":
+        for tier in extra.get("tiers", []):
+            if tier.get("medium") == "file":
+                tier["io_threads"] = n
+    for tier in extra.get("secondary_tiers", []):
+        if tier.get("module_path") == "tiering.vllm":
+            tier["io_threads"] = n
     return kvt
 
 
@@ -598,6 +622,7 @@ def phases_for(a, model, config, scratch, rows, lengths_prompts, kvb, max_len, g
     kvt = transfer_config(config, scratch, cpu_bytes, file_tier_gib(a.disk_gib, stored, scratch),
                           a.gpu_copy, a.promote)
     kvt = with_step_timing(with_switch_interval(kvt, a.switch_ms), a.step_timing)
+    kvt = with_io_threads(kvt, a.io_threads)
     timings: dict = {}
     warm = list(a.lengths)
     eng = Engine(a, model, config, kvt, gpu_blocks, max_len, warm)
@@ -664,7 +689,7 @@ def throughput_for(a, model, config, scratch, kvb, block_size, cpu_fraction):
     kvt = transfer_config(config, scratch / "tp", cpu_bytes,
                           file_tier_gib(a.disk_gib, ws_tokens * kvb, scratch / "tp"), a.gpu_copy,
                           a.promote)
-    kvt = with_switch_interval(kvt, a.switch_ms)
+    kvt = with_io_threads(with_switch_interval(kvt, a.switch_ms), a.io_threads)
     vocab = SHAPES[a.shape][5]
     prefixes = [prompt(5000 + i, a.tp_prefix_tokens, vocab) for i in range(a.tp_prefixes)]
     r = random.Random(7)
@@ -1462,7 +1487,7 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
                                 None if a.sweep_load_starts < 0 else a.sweep_load_starts,
                                 None if a.sweep_load_queue_mib < 0
                                 else int(a.sweep_load_queue_mib * 2**20))
-    kvt = with_switch_interval(kvt, a.switch_ms)
+    kvt = with_io_threads(with_switch_interval(kvt, a.switch_ms), a.io_threads)
     plan = sweep_plan(config, n, a.sweep_hit_rates, a.sweep_rounds)
     prompts = sweep_prompts(max(max(b) for _, _, b in plan) + 1, tokens, vocab,
                             seed=1000 + list(SHAPES).index(shape))

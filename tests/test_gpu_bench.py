@@ -210,6 +210,44 @@ def test_switch_ms_reaches_our_tiers_only(tmp_path):
         "switch_interval_ms"] == 0
 
 
+def test_io_threads_reach_our_file_tiers_only(tmp_path, monkeypatch, capsys):
+    """--io-threads (an A/B of the reads a disk gets in flight) sets io_threads on every file
+    tier of ours, in a form the tier's parser takes, and leaves vLLM's tiers and our CPU tier
+    alone; a count outside 1..1024 is refused at parse time."""
+    from tiering.backends.file_config import FileTierConfig
+    from tiering.config import parse
+
+    for c in gpu_bench.CONFIGS:
+        kvt = gpu_bench.transfer_config(c, tmp_path, 1 << 30, 4.0)
+        before = json.dumps(kvt, sort_keys=True)
+        assert gpu_bench.with_io_threads(kvt, None) is kvt
+        assert json.dumps(kvt, sort_keys=True) == before
+        kvt = gpu_bench.with_io_threads(kvt, 16)
+        if kvt is None:
+            continue
+        extra = kvt["kv_connector_extra_config"]
+        if c in ("ours", "ours-wb"):
+            cfg = parse({k: v for k, v in extra.items()
+                         if k not in ("spec_name", "spec_module_path")})
+            assert [f.io_threads for f in cfg.files] == [16]
+            assert "io_threads" not in extra["tiers"][0]  # the CPU tier has none
+        elif c == "vtier-ours":
+            entry = dict(extra["secondary_tiers"][0])
+            entry.pop("type"), entry.pop("module_path")
+            assert FileTierConfig.from_dict(entry).io_threads == 16
+        else:
+            assert '"io_threads"' not in json.dumps(kvt), c  # the key (tmp_path has the word)
+    disk = gpu_bench.sweep_transfer_config("ours-disk", 1 << 30, None, 16, disk=(tmp_path, 1 << 30))
+    assert gpu_bench.with_io_threads(disk, 32)["kv_connector_extra_config"]["tiers"][1][
+        "io_threads"] == 32
+    for bad in ("0", "2000"):
+        monkeypatch.setattr(sys, "argv", ["gpu_bench", "--io-threads", bad])
+        with pytest.raises(SystemExit):
+            gpu_bench.parse()
+        assert f"--io-threads: expected 1 to 1024 threads a file tier, got {bad}" in \
+            capsys.readouterr().err
+
+
 def test_vtier_configs_build_the_tiers_they_name(tmp_path):
     """vtier-ours's entry is a valid FileTier config once vLLM's factory has taken ``type`` and
     ``module_path`` off it; under vLLM 0.33 (.venv033) the factory resolves both entries."""
