@@ -24,7 +24,7 @@ VLLM033_TESTS := tests/test_vllm_spec.py tests/test_vllm_adapters.py tests/test_
                  tests/test_engine_facts.py tests/test_advisor.py tests/test_backlog_hostile.py \
                  tests/test_copy_feeder.py tests/test_new_paths_hostile.py tests/test_defaults_hostile.py \
                  tests/test_staging_steps.py tests/test_feeder_growth_hostile.py tests/test_forward_timing.py \
-                 tests/test_forward_timing_hostile.py tests/test_first_token_tail.py \
+                 tests/test_forward_timing_hostile.py tests/test_first_token_tail.py tests/test_block_order.py \
                  tests/vllm_contract
 
 test: env

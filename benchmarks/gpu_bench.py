@@ -1036,12 +1036,16 @@ SWEEP_CONFIGS = ("none", "cpu", "ours")
 SWEEP_DISK_CONFIG = "ours-disk"
 # ours-sched: ours with vLLM's scheduler replaced by tiering.vllm.scheduler.TieringScheduler
 # (--scheduler-cls: without vLLM's quadratic in-flight reservation sum; vLLM's queue order);
-# ours-hf: the same scheduler with hits_first on (tiering/vllm/hits_first.py), for the A/B
+# ours-hf: the same scheduler with hits_first on (tiering/vllm/hits_first.py), for the A/B;
+# ours-vorder: the same scheduler handing out GPU blocks in vLLM's order
+# ("gpu_blocks_ascending": false, tiering/vllm/block_order.py), for that A/B
 SWEEP_SCHED_CONFIG = "ours-sched"
 SWEEP_HF_CONFIG = "ours-hf"
+SWEEP_VORDER_CONFIG = "ours-vorder"
+SWEEP_SCHEDULER_CONFIGS = (SWEEP_SCHED_CONFIG, SWEEP_HF_CONFIG, SWEEP_VORDER_CONFIG)
 SCHEDULER_CLS = "tiering.vllm.scheduler.TieringScheduler"
 # every setup that runs our spec
-OURS_SWEEP_CONFIGS = ("ours", SWEEP_DISK_CONFIG, SWEEP_SCHED_CONFIG, SWEEP_HF_CONFIG)
+OURS_SWEEP_CONFIGS = ("ours", SWEEP_DISK_CONFIG) + SWEEP_SCHEDULER_CONFIGS
 # N per shape: all three of 1b, 8b, 32b with none, cpu and ours in ~7 minutes of an H200
 # (a cold batch: ~3.3 s at 1b, ~3.6 s at 8b, ~5.4 s at 32b at the issue's no-offloading rates)
 SWEEP_PROMPTS = {"1b": 1024, "8b": 256, "32b": 96, "small": 64, "tiny": 8}
@@ -1080,7 +1084,8 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, of {', '.join(SWEEP_CONFIGS)} (ours: our spec with "
                         f"its CPU tier only), {SWEEP_SCHED_CONFIG} (ours under --scheduler-cls "
                         f"{SCHEDULER_CLS}), {SWEEP_HF_CONFIG} (the same with hits_first "
-                        f"on) and {SWEEP_DISK_CONFIG} (our spec, a small CPU "
+                        f"on), {SWEEP_VORDER_CONFIG} (the same with GPU blocks in vLLM's "
+                        f"order) and {SWEEP_DISK_CONFIG} (our spec, a small CPU "
                         "tier over a file tier in --scratch)")
     g.add_argument("--sweep-prompts", type=int, default=0,
                    help="N, prompts per batch (0: per shape, " +
@@ -1114,7 +1119,7 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
                         "once, the rest fed as room frees; 0: all at once; -1: the spec's "
                         "default)")
     g.add_argument("--sweep-trace", action="store_true",
-                   help=f"{SWEEP_SCHED_CONFIG}, {SWEEP_HF_CONFIG}: a step trace of the engine "
+                   help=f"{', '.join(SWEEP_SCHEDULER_CONFIGS)}: a step trace of the engine "
                         "(tiering/step_trace.py) and a table of each batch's steps in --out")
     g.add_argument("--sweep-gpu-cache-batches", type=float, default=SWEEP_GPU_CACHE_BATCHES,
                    help="GPU KV cache in batches' blocks (later batches reuse freed blocks, "
@@ -1152,9 +1157,7 @@ def check_sweep_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None
     a.profile = [x for x in a.profile.split(",") if x]
     bad = (sorted(set(a.sweep_shapes) - set(SHAPES)) + sorted(set(a.sweep_configs)
                                                               - set(SWEEP_CONFIGS)
-                                                              - {SWEEP_DISK_CONFIG,
-                                                                 SWEEP_SCHED_CONFIG,
-                                                                 SWEEP_HF_CONFIG})
+                                                              - set(OURS_SWEEP_CONFIGS))
            + sorted(set(a.profile) - set(PROFILERS)))
     if bad:
         ap.error(f"prefill sweep: unknown shape/config/profiler {bad}; shapes {sorted(SHAPES)}, "
@@ -1210,6 +1213,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
             extra["max_loading_requests"] = max_loading_requests
         if config == SWEEP_HF_CONFIG:
             extra["hits_first"] = True
+        if config == SWEEP_VORDER_CONFIG:
+            extra["gpu_blocks_ascending"] = False
         if max_load_starts_per_step is not None:
             extra["max_load_starts_per_step"] = max_load_starts_per_step
         if load_queue_bytes is not None:
@@ -1494,7 +1499,7 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     engine_kw: dict = {}
     if a.sweep_max_batched_tokens:
         engine_kw["max_num_batched_tokens"] = a.sweep_max_batched_tokens
-    if config in (SWEEP_SCHED_CONFIG, SWEEP_HF_CONFIG):
+    if config in SWEEP_SCHEDULER_CONFIGS:
         engine_kw["scheduler_cls"] = SCHEDULER_CLS
     timings: dict = {"cpu_tier_bytes": cpu_bytes if kvt else 0}
     print(f"[sweep] {shape} {key}: {n} prompts x {tokens} tokens = "
@@ -1504,7 +1509,7 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
     gpu_blocks = sweep_gpu_blocks(n, tokens, block_tokens, a.sweep_gpu_cache_batches, max_len)
     timings["gpu_blocks"] = gpu_blocks
     trace = None
-    if a.sweep_trace and config in (SWEEP_SCHED_CONFIG, SWEEP_HF_CONFIG):
+    if a.sweep_trace and config in SWEEP_SCHEDULER_CONFIGS:
         # the engine-core process records its steps and copy jobs (tiering/step_trace.py)
         from tiering.step_trace import ENV as TRACE_ENV
 

@@ -462,6 +462,10 @@ def test_ours_sched_is_ours_under_our_scheduler():
     assert parse(dict(hf["kv_connector_extra_config"])).hits_first is True
     sched = gpu_bench.sweep_transfer_config("ours-sched", 1 << 30, None, 16)
     assert parse(dict(sched["kv_connector_extra_config"])).hits_first is False
+    assert parse(dict(sched["kv_connector_extra_config"])).gpu_blocks_ascending is True
+    vorder = gpu_bench.sweep_transfer_config("ours-vorder", 1 << 30, None, 16)
+    assert parse(dict(vorder["kv_connector_extra_config"])).gpu_blocks_ascending is False
+    assert set(gpu_bench.SWEEP_SCHEDULER_CONFIGS) == {"ours-sched", "ours-hf", "ours-vorder"}
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     cls = resolve_obj_by_qualname(gpu_bench.SCHEDULER_CLS)

@@ -67,12 +67,15 @@ def scenario(tmp_path_factory):
         out = s.complete(prompts["A"])
         rec["restart"] = {"out": out["token_ids"], "before": before, "after": s.metrics()}
         time.sleep(2)  # access stats reach the index within a second of idling
+        with NamespaceReader(ns) as r:  # A's chunks: the only ones read back so far
+            hot = [(k, rec_) for k, rec_ in r.iter_records() if rec_[7] > 0]
+            row_bytes, per_file = r.row_bytes, r._per_file
+        # then B and C, loaded from the tiers into blocks A's request freed (vLLM hands them
+        # out in descending order, our scheduler in ascending: tiering/vllm/block_order.py)
+        for name in "BC":
+            rec[f"restart_{name}"] = {"out": s.complete(prompts[name])["token_ids"]}
 
-    # Flip one byte in one of A's slots (A's chunks are the ones read back: hits > 0).
-    (ns,) = find_namespaces(work / "kv")
-    with NamespaceReader(ns) as r:
-        hot = [(k, rec_) for k, rec_ in r.iter_records() if rec_[7] > 0]
-        row_bytes, per_file = r.row_bytes, r._per_file
+    # Flip one byte in one of A's slots (A's chunks were the ones read back: hits > 0).
     slot = hot[len(hot) // 2][1][0]
     with open(ns / f"slab-{slot // per_file:04d}.dat", "r+b") as fh:
         fh.seek((slot % per_file) * row_bytes + 4096)
@@ -91,7 +94,8 @@ def scenario(tmp_path_factory):
 def test_greedy_outputs_identical_to_no_offloading(scenario):
     base = scenario["base"]
     for phase, name in (("cold", "A"), ("again", "A"), ("B", "B"), ("C", "C"), ("last", "A"),
-                        ("restart", "A"), ("corrupt", "A")):
+                        ("restart", "A"), ("restart_B", "B"), ("restart_C", "C"),
+                        ("corrupt", "A")):
         assert scenario[phase]["out"] == base[name], phase
 
 
@@ -114,6 +118,7 @@ def test_the_restarted_server_ran_under_our_scheduler(scenario):
     the restart's hits and outputs (the test below) came through it."""
     log = (scenario["work"] / "tiered-2.log").read_text()
     assert "Scheduler: in-flight reservations remembered per request" in log
+    assert "GPU blocks handed out in ascending order" in log
 
 
 def test_the_servers_steps_were_timed_by_the_workers_forward_passes(scenario):

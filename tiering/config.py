@@ -16,6 +16,7 @@ from tiering.backends.mooncake_config import MooncakeTierConfig, check_row
 from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
 from tiering.settings import (
+    GPU_BLOCKS_ASCENDING_DEFAULT,
     HITS_FIRST_DEFAULT,
     IO_SWITCH_INTERVAL_S,
     LOAD_QUEUE_BYTES,
@@ -32,7 +33,8 @@ VLLM_KEYS = {
     "enable_kv_cache_events",
 }
 OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests", "switch_interval_ms",
-            "hits_first", "max_load_starts_per_step", "load_queue_bytes"}
+            "hits_first", "max_load_starts_per_step", "load_queue_bytes",
+            "gpu_blocks_ascending"}
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
                  "prefill_tokens_per_s", "promotion_reserve", "step_timing"}
@@ -81,6 +83,9 @@ class TieredConfig:
     # CPU tier are admitted (their loads started) before those that compute
     # (tiering/vllm/hits_first.py); no effect under vLLM's own scheduler
     hits_first: bool = HITS_FIRST_DEFAULT
+    # under TieringScheduler: each allocation's GPU blocks in ascending order, so that our
+    # copies join adjacent blocks (tiering/vllm/block_order.py); no effect under vLLM's own
+    gpu_blocks_ascending: bool = GPU_BLOCKS_ASCENDING_DEFAULT
     # loads started in one scheduler step while nothing computes (tiering.vllm.load_gate); 0:
     # no limit
     max_load_starts_per_step: int = MAX_LOAD_STARTS_PER_STEP
@@ -121,6 +126,10 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
     if not isinstance(hits_first, bool):
         raise ValueError(f"hits_first: expected true or false, got {hits_first!r}")
     cfg.hits_first = hits_first
+    ascending = extra.get("gpu_blocks_ascending", GPU_BLOCKS_ASCENDING_DEFAULT)
+    if not isinstance(ascending, bool):
+        raise ValueError(f"gpu_blocks_ascending: expected true or false, got {ascending!r}")
+    cfg.gpu_blocks_ascending = ascending
     cfg.max_load_starts_per_step = _int(extra.get("max_load_starts_per_step",
                                                   MAX_LOAD_STARTS_PER_STEP),
                                         "max_load_starts_per_step", 0)

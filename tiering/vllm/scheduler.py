@@ -1,5 +1,7 @@
 """A vLLM scheduler for engines that load many prefixes at once: vLLM's own scheduler with one
-quadratic admission cost made linear, and cache hits admitted before prompts that compute
+quadratic admission cost made linear, GPU blocks handed out in ascending order so that offloading
+copies are few and large (``tiering/vllm/block_order.py``; the spec's ``gpu_blocks_ascending``,
+on by default), and cache hits admitted before prompts that compute
 (``tiering/vllm/hits_first.py``; the spec's ``hits_first``, off by default). Selected with vLLM's
 ``--scheduler-cls`` option:
 
@@ -24,6 +26,7 @@ depends on nothing else, which holds for plain full attention (``FullAttentionMa
 not its subclasses: sliding windows, Mamba, cross-attention, sparse attention each compute it
 from more). For any other KV cache layout, the class behaves exactly as vLLM's scheduler.
 The remembered sum changes no scheduling decision: same admissions, same order, same blocks
+(held in another order where block_order sorts them)
 (``tests/test_vllm_sched_reserve.py`` checks it against vLLM's scheduler step by step, with
 hits first off). Hits first does change the order, on purpose: its module says how.
 One default differs under this class: our spec's cap on requests loading at once
@@ -55,6 +58,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from tiering.step_trace import TRACE
+from tiering.vllm.block_order import AscendingBlocks
 from tiering.vllm.compat import share_vllm_logging
 from tiering.vllm.hits_first import HitsFirst
 from tiering.vllm.manager import TieredManager
@@ -377,13 +381,15 @@ class _StepTimes:
         return out
 
 
-class TieringSyncScheduler(_StepTimes, HitsFirst, _ReservationMemo, Scheduler):
-    """vLLM's ``Scheduler`` (no async scheduling) with the linear reservation sum and hits
-    first."""
+class TieringSyncScheduler(_StepTimes, HitsFirst, AscendingBlocks, _ReservationMemo, Scheduler):
+    """vLLM's ``Scheduler`` (no async scheduling) with the linear reservation sum, hits first
+    and GPU blocks in ascending order."""
 
 
-class TieringAsyncScheduler(_StepTimes, HitsFirst, _ReservationMemo, AsyncScheduler):
-    """vLLM's ``AsyncScheduler`` with the linear reservation sum and hits first."""
+class TieringAsyncScheduler(_StepTimes, HitsFirst, AscendingBlocks, _ReservationMemo,
+                            AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with the linear reservation sum, hits first and GPU blocks in
+    ascending order."""
 
 
 class TieringScheduler(TieringSyncScheduler):

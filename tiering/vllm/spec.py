@@ -165,7 +165,8 @@ class TieredOffloadingSpec(OffloadingSpec):
                                       on_shutdown=lambda: region.close(unlink=True),
                                       max_loading_requests=self.cfg.max_loading_requests,
                                       hits_first=self.cfg.hits_first,
-                                      max_load_starts_per_step=self.cfg.max_load_starts_per_step)
+                                      max_load_starts_per_step=self.cfg.max_load_starts_per_step,
+                                      gpu_blocks_ascending=self.cfg.gpu_blocks_ascending)
         warning = staging_steps_warning(self.num_rows, facts.chunk_tokens, max_batched_tokens(),
                                         self.row_bytes, len(tiers))
         if warning:
