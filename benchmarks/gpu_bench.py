@@ -1038,7 +1038,7 @@ SWEEP_DISK_CONFIG = "ours-disk"
 # (--scheduler-cls: without vLLM's quadratic in-flight reservation sum; vLLM's queue order);
 # ours-hf: the same scheduler with hits_first on (tiering/vllm/hits_first.py), for the A/B;
 # ours-vorder: the same scheduler handing out GPU blocks in vLLM's order
-# ("gpu_blocks_ascending": false, tiering/vllm/block_order.py), for that A/B
+# ("sort_gpu_blocks": false, tiering/vllm/block_order.py), for that A/B
 SWEEP_SCHED_CONFIG = "ours-sched"
 SWEEP_HF_CONFIG = "ours-hf"
 SWEEP_VORDER_CONFIG = "ours-vorder"
@@ -1214,7 +1214,7 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
         if config == SWEEP_HF_CONFIG:
             extra["hits_first"] = True
         if config == SWEEP_VORDER_CONFIG:
-            extra["gpu_blocks_ascending"] = False
+            extra["sort_gpu_blocks"] = False
         if max_load_starts_per_step is not None:
             extra["max_load_starts_per_step"] = max_load_starts_per_step
         if load_queue_bytes is not None:

@@ -462,9 +462,9 @@ def test_ours_sched_is_ours_under_our_scheduler():
     assert parse(dict(hf["kv_connector_extra_config"])).hits_first is True
     sched = gpu_bench.sweep_transfer_config("ours-sched", 1 << 30, None, 16)
     assert parse(dict(sched["kv_connector_extra_config"])).hits_first is False
-    assert parse(dict(sched["kv_connector_extra_config"])).gpu_blocks_ascending is True
+    assert parse(dict(sched["kv_connector_extra_config"])).sort_gpu_blocks is True
     vorder = gpu_bench.sweep_transfer_config("ours-vorder", 1 << 30, None, 16)
-    assert parse(dict(vorder["kv_connector_extra_config"])).gpu_blocks_ascending is False
+    assert parse(dict(vorder["kv_connector_extra_config"])).sort_gpu_blocks is False
     assert set(gpu_bench.SWEEP_SCHEDULER_CONFIGS) == {"ours-sched", "ours-hf", "ours-vorder"}
     from vllm.utils.import_utils import resolve_obj_by_qualname
 

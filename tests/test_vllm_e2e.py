@@ -70,8 +70,8 @@ def scenario(tmp_path_factory):
         with NamespaceReader(ns) as r:  # A's chunks: the only ones read back so far
             hot = [(k, rec_) for k, rec_ in r.iter_records() if rec_[7] > 0]
             row_bytes, per_file = r.row_bytes, r._per_file
-        # then B and C, loaded from the tiers into blocks A's request freed (vLLM hands them
-        # out in descending order, our scheduler in ascending: tiering/vllm/block_order.py)
+        # then B and C, loaded from the tiers into blocks A's request freed, which our
+        # scheduler hands out sorted (tiering/vllm/block_order.py)
         for name in "BC":
             rec[f"restart_{name}"] = {"out": s.complete(prompts[name])["token_ids"]}
 
@@ -118,7 +118,7 @@ def test_the_restarted_server_ran_under_our_scheduler(scenario):
     the restart's hits and outputs (the test below) came through it."""
     log = (scenario["work"] / "tiered-2.log").read_text()
     assert "Scheduler: in-flight reservations remembered per request" in log
-    assert "GPU blocks handed out in ascending order" in log
+    assert "GPU blocks of each allocation handed out in" in log
 
 
 def test_the_servers_steps_were_timed_by_the_workers_forward_passes(scenario):

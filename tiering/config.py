@@ -16,12 +16,12 @@ from tiering.backends.mooncake_config import MooncakeTierConfig, check_row
 from tiering.backends.sizes import parse_size
 from tiering.policies import resolve
 from tiering.settings import (
-    GPU_BLOCKS_ASCENDING_DEFAULT,
     HITS_FIRST_DEFAULT,
     IO_SWITCH_INTERVAL_S,
     LOAD_QUEUE_BYTES,
     MAX_LOAD_STARTS_PER_STEP,
     PROMOTION_RESERVE_DEFAULT,
+    SORT_GPU_BLOCKS_DEFAULT,
     STAGING_STEPS_OVER_A_LOWER_TIER,
 )
 from tiering.switch_interval import parse_switch_interval_ms
@@ -34,7 +34,7 @@ VLLM_KEYS = {
 }
 OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests", "switch_interval_ms",
             "hits_first", "max_load_starts_per_step", "load_queue_bytes",
-            "gpu_blocks_ascending"}
+            "sort_gpu_blocks"}
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
                  "prefill_tokens_per_s", "promotion_reserve", "step_timing"}
@@ -83,9 +83,10 @@ class TieredConfig:
     # CPU tier are admitted (their loads started) before those that compute
     # (tiering/vllm/hits_first.py); no effect under vLLM's own scheduler
     hits_first: bool = HITS_FIRST_DEFAULT
-    # under TieringScheduler: each allocation's GPU blocks in ascending order, so that our
-    # copies join adjacent blocks (tiering/vllm/block_order.py); no effect under vLLM's own
-    gpu_blocks_ascending: bool = GPU_BLOCKS_ASCENDING_DEFAULT
+    # under TieringScheduler: each allocation's GPU blocks sorted in the order our rows hold
+    # them, so that copies join adjacent blocks (tiering/vllm/block_order.py); no effect under
+    # vLLM's own scheduler
+    sort_gpu_blocks: bool = SORT_GPU_BLOCKS_DEFAULT
     # loads started in one scheduler step while nothing computes (tiering.vllm.load_gate); 0:
     # no limit
     max_load_starts_per_step: int = MAX_LOAD_STARTS_PER_STEP
@@ -126,10 +127,10 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
     if not isinstance(hits_first, bool):
         raise ValueError(f"hits_first: expected true or false, got {hits_first!r}")
     cfg.hits_first = hits_first
-    ascending = extra.get("gpu_blocks_ascending", GPU_BLOCKS_ASCENDING_DEFAULT)
-    if not isinstance(ascending, bool):
-        raise ValueError(f"gpu_blocks_ascending: expected true or false, got {ascending!r}")
-    cfg.gpu_blocks_ascending = ascending
+    sort_blocks = extra.get("sort_gpu_blocks", SORT_GPU_BLOCKS_DEFAULT)
+    if not isinstance(sort_blocks, bool):
+        raise ValueError(f"sort_gpu_blocks: expected true or false, got {sort_blocks!r}")
+    cfg.sort_gpu_blocks = sort_blocks
     cfg.max_load_starts_per_step = _int(extra.get("max_load_starts_per_step",
                                                   MAX_LOAD_STARTS_PER_STEP),
                                         "max_load_starts_per_step", 0)

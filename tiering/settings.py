@@ -234,15 +234,15 @@ LOAD_QUEUE_MAX_BYTES = 1 << 30
 # On a GPU the loads take the copy engine rather than the cores; until an A/B there says it costs
 # no throughput, it is for those who want the hits' latency (docs/benchmarks.md).
 HITS_FIRST_DEFAULT = False
-# Default of the spec's ``gpu_blocks_ascending``; it acts only under TieringScheduler
-# (tiering/vllm/block_order.py). vLLM hands a request recycled blocks in descending order, and
-# our worker joins only pages that continue upwards on both sides, so each 16-token block was a
-# copy of its own (0.5 MiB at the 1B shape). Sorted, vLLM 0.33's own scheduler and block pool
-# give 5-12 blocks a load copy instead of 1.4-2.5, and up to 32 a store copy instead of
-# 1.8-1.9 (docs/benchmarks.md, "GPU blocks in order"). On: it moves no block between requests
-# and changes no eviction, only which position a request's new block holds. The GPU A/B
-# (gpu-bench's ``ours-vorder`` setup) is next on the device list.
-GPU_BLOCKS_ASCENDING_DEFAULT = True
+# Default of the spec's ``sort_gpu_blocks``; it acts only under TieringScheduler
+# (tiering/vllm/block_order.py). Our worker joins a transfer's pages into one copy only where
+# both sides continue; rows hold a chunk's blocks last first, which vLLM's recycled blocks fit
+# only in runs (an allocation mixes freed requests' tails and heads). Sorted as the rows hold
+# them, vLLM 0.33's own scheduler and block pool give 3.2-3.5 pages a copy (of at most 4, with
+# 64-token chunks) instead of 1.5 (docs/benchmarks.md, "GPU blocks in order"). On: it moves no
+# block between requests and changes no eviction, only which position a request's new block
+# holds. The GPU A/B (gpu-bench's ``ours-vorder`` setup) is next on the device list.
+SORT_GPU_BLOCKS_DEFAULT = True
 # Waiting requests looked at per step (from the queue's head): bounds the scan's cost under a
 # deep queue (one key build and one dict lookup each: a hostile test measured ~3 ms a step for
 # 4096 on the 2-core build machine). The sweep's largest batch is 1024 prompts.

@@ -1,6 +1,6 @@
 """A vLLM scheduler for engines that load many prefixes at once: vLLM's own scheduler with one
-quadratic admission cost made linear, GPU blocks handed out in ascending order so that offloading
-copies are few and large (``tiering/vllm/block_order.py``; the spec's ``gpu_blocks_ascending``,
+quadratic admission cost made linear, GPU blocks handed out in the order our staging rows hold
+them so that offloading copies are few and large (``tiering/vllm/block_order.py``; the spec's ``sort_gpu_blocks``,
 on by default), and cache hits admitted before prompts that compute
 (``tiering/vllm/hits_first.py``; the spec's ``hits_first``, off by default). Selected with vLLM's
 ``--scheduler-cls`` option:
@@ -58,7 +58,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from tiering.step_trace import TRACE
-from tiering.vllm.block_order import AscendingBlocks
+from tiering.vllm.block_order import SortedBlocks
 from tiering.vllm.compat import share_vllm_logging
 from tiering.vllm.hits_first import HitsFirst
 from tiering.vllm.manager import TieredManager
@@ -381,15 +381,15 @@ class _StepTimes:
         return out
 
 
-class TieringSyncScheduler(_StepTimes, HitsFirst, AscendingBlocks, _ReservationMemo, Scheduler):
+class TieringSyncScheduler(_StepTimes, HitsFirst, SortedBlocks, _ReservationMemo, Scheduler):
     """vLLM's ``Scheduler`` (no async scheduling) with the linear reservation sum, hits first
-    and GPU blocks in ascending order."""
+    and GPU blocks sorted for our copies."""
 
 
-class TieringAsyncScheduler(_StepTimes, HitsFirst, AscendingBlocks, _ReservationMemo,
+class TieringAsyncScheduler(_StepTimes, HitsFirst, SortedBlocks, _ReservationMemo,
                             AsyncScheduler):
     """vLLM's ``AsyncScheduler`` with the linear reservation sum, hits first and GPU blocks in
-    ascending order."""
+    the order our copies want."""
 
 
 class TieringScheduler(TieringSyncScheduler):
