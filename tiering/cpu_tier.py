@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Collection, Iterable, Sequence
+from operator import attrgetter
 
 from tiering.backends.staging import StagingRegion
 from tiering.policies import EvictionPolicy, StoreThreshold, create, evict_or_none
@@ -59,6 +60,7 @@ _LEGAL = {
 
 
 _READY = RowState.READY  # (a module constant: enum member lookups cost on the hot path)
+_ROW_INDEX = attrgetter("index")
 
 
 class Row:
@@ -199,7 +201,13 @@ class CpuTier(RowTier):
                 row = self.key_row.pop(v)
                 self._free(row)
             self.stats.add("evictions", len(victims))
-        return [self.rows[self.free_rows.pop()] for _ in range(n)], victims
+        rows = [self.rows[self.free_rows.pop()] for _ in range(n)]
+        # highest first: the caller gives them to its chunks in order, and a store or load job's
+        # pages join into one copy where its chunks' rows descend as its GPU blocks do (vLLM
+        # hands out descending blocks, TieringScheduler sorts them so: backends/block_copy.py
+        # CopyLayout, tiering/vllm/block_order.py)
+        rows.sort(key=_ROW_INDEX, reverse=True)
+        return rows, victims
 
     def _bind(self, key: bytes, row: Row, state: RowState, source: str = "cpu") -> None:
         row.move(state)

@@ -236,12 +236,12 @@ LOAD_QUEUE_MAX_BYTES = 1 << 30
 HITS_FIRST_DEFAULT = False
 # Default of the spec's ``sort_gpu_blocks``; it acts only under TieringScheduler
 # (tiering/vllm/block_order.py). Our worker joins a transfer's pages into one copy only where
-# both sides continue; rows hold a chunk's blocks last first, which vLLM's recycled blocks fit
-# only in runs (an allocation mixes freed requests' tails and heads). Sorted as the rows hold
-# them, vLLM 0.33's own scheduler and block pool give 3.2-3.5 pages a copy (of at most 4, with
-# 64-token chunks) instead of 1.5 (docs/benchmarks.md, "GPU blocks in order"). On: it moves no
-# block between requests and changes no eviction, only which position a request's new block
-# holds. The GPU A/B (gpu-bench's ``ours-vorder`` setup) is next on the device list.
+# both sides continue; rows hold a chunk's blocks last first and a job's chunks get descending
+# rows, which vLLM's recycled blocks fit only in runs (an allocation mixes freed requests'
+# tails and heads). Sorted highest first, vLLM 0.33's own scheduler and block pool give 10-13
+# pages a copy instead of 1.8 (docs/benchmarks.md, "GPU blocks sorted for our copies"). On: it
+# moves no block between requests and changes no eviction, only which position a request's
+# new block holds. The GPU A/B (gpu-bench's ``ours-vorder`` setup) is next on the device list.
 SORT_GPU_BLOCKS_DEFAULT = True
 # Waiting requests looked at per step (from the queue's head): bounds the scan's cost under a
 # deep queue (one key build and one dict lookup each: a hostile test measured ~3 ms a step for

@@ -1,23 +1,23 @@
 """GPU blocks handed out in the order our staging rows hold them, so that copies are few and large.
 
 Why: our worker joins a transfer's pages into one copy only where the GPU side and the row side
-both continue (``backends/block_copy.merge_runs``). A row holds a chunk's blocks last position
-first (``block_copy.BLOCK_ORDER``), which fits what vLLM hands out once blocks are recycled: it
-frees a finished request's blocks in reverse (under prefix caching its tail is evicted first)
-and allocates from the free queue's head, so a request gets runs of descending blocks. But
-only runs: an allocation mixes the tail of one freed request with the head of the next, and a
-fresh cache's blocks ascend. Counted through vLLM 0.33's own scheduler and block pool with the
-worker's own descriptor code (``tests/test_block_order.py``; docs/benchmarks.md, "GPU blocks in
-order"): with 64-token chunks of 16-token blocks, 1.5 pages a copy in vLLM's order against 3.2
-to 3.5 (of at most 4) when each allocation is sorted descending.
+both continue (``backends/block_copy.merge_runs``). Rows hold a chunk's blocks last position
+first (``block_copy.BLOCK_ORDER``) and the CPU tier gives a job's chunks descending rows
+(``CpuTier._allocate``), which fits what vLLM hands out once blocks are recycled: it frees a
+finished request's blocks in reverse (under prefix caching its tail is evicted first) and
+allocates from the free queue's head, so a request gets descending blocks. But only in runs:
+an allocation mixes the tail of one freed request with the head of the next, and a fresh
+cache's blocks ascend. Counted through vLLM 0.33's own scheduler and block pool with the
+worker's own descriptor code (``tests/test_block_order.py``; docs/benchmarks.md, "GPU blocks
+sorted for our copies"): 1.8 pages a copy in vLLM's order, 10-13 when each allocation is
+sorted descending, with chunks of one block or four.
 
 What changes: each ``get_new_blocks`` call of the scheduler's block pool returns the same
-blocks, sorted by id: descending where a chunk has several blocks (the rows' order), ascending
-where a chunk is one block (rows are taken in ascending order, so ascending blocks continue
-across rows). Which blocks are taken, and so which cached blocks are evicted, is vLLM's choice
-as before; only which position of the request a new block holds changes, which no KV cache
-reader depends on (the block table maps each position to its block). The cost is one sort of
-each allocation on the scheduler thread (32 blocks a 512-token prompt).
+blocks, sorted by id, highest first. Which blocks are taken, and so which cached blocks are
+evicted, is vLLM's choice as before; only which position of the request a new block holds
+changes, which no KV cache reader depends on (the block table maps each position to its
+block). The cost is one sort of each allocation on the scheduler thread (32 blocks a
+512-token prompt).
 
 Contract: set up once in the scheduler's ``__init__`` (vLLM's scheduler thread, before any
 request); the wrapper runs inside vLLM's allocation, does no I/O and raises only what vLLM's
@@ -44,10 +44,10 @@ log = logging.getLogger(__name__)
 _BLOCK_ID = attrgetter("block_id")
 
 
-def descending_for(blocks_per_chunk: int) -> bool:
-    """Whether a transfer's pages join best with GPU blocks in descending order: where a chunk
-    has several blocks and rows hold them last position first; else ascending."""
-    return blocks_per_chunk > 1 and BLOCK_ORDER == "last_first"
+# Where rows hold a chunk's blocks last position first (``block_copy.BLOCK_ORDER``) and the CPU
+# tier gives a job's chunks descending rows (``CpuTier._allocate``), a job whose GPU blocks
+# descend is one run on both sides, whatever the chunk's block count
+DESCENDING = BLOCK_ORDER == "last_first"
 
 
 def sort_new_blocks(pool: Any, descending: bool) -> bool:
@@ -94,12 +94,11 @@ class SortedBlocks:
             log.info("GPU blocks in vLLM's order (\"sort_gpu_blocks\": false in the spec's "
                      "config)")
             return
-        descending = descending_for(manager.blocks_per_chunk)
         pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
-        if not sort_new_blocks(pool, descending):
+        if not sort_new_blocks(pool, DESCENDING):
             log.info("GPU blocks in vLLM's order (this vLLM's scheduler has no block pool "
                      "with get_new_blocks)")
             return
-        log.info("GPU blocks of each allocation handed out in %s order (%d blocks a chunk: "
-                 "copies join adjacent blocks; \"sort_gpu_blocks\": false keeps vLLM's order)",
-                 "descending" if descending else "ascending", manager.blocks_per_chunk)
+        log.info("GPU blocks of each allocation handed out in %s order (copies join adjacent "
+                 "blocks; \"sort_gpu_blocks\": false keeps vLLM's order)",
+                 "descending" if DESCENDING else "ascending")

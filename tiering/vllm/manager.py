@@ -60,14 +60,12 @@ class TieredManager(OffloadingManager):
                  max_loading_requests: int | None = None,
                  hits_first: bool = HITS_FIRST_DEFAULT,
                  max_load_starts_per_step: int = MAX_LOAD_STARTS_PER_STEP,
-                 sort_gpu_blocks: bool = SORT_GPU_BLOCKS_DEFAULT,
-                 blocks_per_chunk: int = 1) -> None:
+                 sort_gpu_blocks: bool = SORT_GPU_BLOCKS_DEFAULT) -> None:
         self.chain = chain
         # read by tiering.vllm.scheduler's hits-first pass (no effect without it)
         self.hits_first = hits_first
         # read by tiering.vllm.block_order under TieringScheduler (no effect without it)
         self.sort_gpu_blocks = sort_gpu_blocks
-        self.blocks_per_chunk = blocks_per_chunk  # GPU blocks an offloaded chunk
         self.metrics = metrics
         self._on_shutdown = on_shutdown
         # requests with a load to the GPU in flight, at most max_loading_requests (0: no cap;

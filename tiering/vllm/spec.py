@@ -166,8 +166,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                                       max_loading_requests=self.cfg.max_loading_requests,
                                       hits_first=self.cfg.hits_first,
                                       max_load_starts_per_step=self.cfg.max_load_starts_per_step,
-                                      sort_gpu_blocks=self.cfg.sort_gpu_blocks,
-                                      blocks_per_chunk=self.blocks_per_chunk)
+                                      sort_gpu_blocks=self.cfg.sort_gpu_blocks)
         warning = staging_steps_warning(self.num_rows, facts.chunk_tokens, max_batched_tokens(),
                                         self.row_bytes, len(tiers))
         if warning:
