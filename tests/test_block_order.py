@@ -190,6 +190,20 @@ def test_sort_new_blocks_wraps_once_and_declines_what_it_cannot_wrap(caplog):
     assert len([r for r in caplog.records if "could not sort" in r.message]) == 1
 
 
+def test_without_our_spec_the_scheduler_keeps_vllms_order_and_says_so(model, caplog):
+    """TieringScheduler with no connector keeps vLLM's pool untouched, with one INFO line."""
+    from vllm_harness import Harness
+
+    from tiering.vllm import scheduler as sched_mod
+
+    with caplog.at_level("INFO", logger="tiering.vllm.block_order"):
+        h = Harness(model, None, scheduler_cls=sched_mod.TieringScheduler)
+    pool = h.scheduler.kv_cache_manager.block_pool
+    assert not getattr(pool.get_new_blocks, "_tiering_sorted", False)
+    assert [r.message for r in caplog.records if r.name == "tiering.vllm.block_order"] == [
+        "GPU blocks in vLLM's order (no connector over our spec behind this scheduler)"]
+
+
 def test_a_non_boolean_switch_is_refused_naming_the_key():
     from tiering.config import parse
 

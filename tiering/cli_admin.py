@@ -267,8 +267,9 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 
 
 # vLLM's scheduler with its per-admission reservation sum made linear (docs/vllm.md, "The
-# scheduler option"): it schedules exactly as vLLM's does (hits_first is off by default), only
-# faster when many loads are admitted at once, so the printed command names it
+# scheduler option"): it admits exactly as vLLM's does (hits_first is off by default), only
+# faster when many loads are admitted at once, and hands a request's new GPU blocks out sorted
+# so that our copies are fewer (sort_gpu_blocks), so the printed command names it
 SCHEDULER_CLS = "tiering.vllm.scheduler.TieringScheduler"
 
 

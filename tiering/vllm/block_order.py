@@ -61,8 +61,8 @@ def sort_new_blocks(pool: Any, descending: bool) -> bool:
         return True
     failed: list[bool] = []
 
-    def get_new_blocks(num_blocks: int) -> list[Any]:
-        blocks: list[Any] = get(num_blocks)  # vLLM's errors (too few blocks) are vLLM's
+    def get_new_blocks(*args: Any, **kwargs: Any) -> list[Any]:
+        blocks: list[Any] = list(get(*args, **kwargs))  # vLLM's errors (too few blocks) are its
         try:
             return sorted(blocks, key=_BLOCK_ID, reverse=descending)
         except (AttributeError, TypeError) as exc:  # not vLLM's blocks: its order, never a raise
@@ -89,7 +89,9 @@ class SortedBlocks:
 
         manager = TieredManager.of_scheduler(self)
         if manager is None:
-            return  # no connector, or not our spec: vLLM's order, as under its own scheduler
+            log.info("GPU blocks in vLLM's order (no connector over our spec behind this "
+                     "scheduler)")
+            return
         if not manager.sort_gpu_blocks:
             log.info("GPU blocks in vLLM's order (\"sort_gpu_blocks\": false in the spec's "
                      "config)")
