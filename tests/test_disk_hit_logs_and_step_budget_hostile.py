@@ -108,7 +108,7 @@ def test_a_disk_configs_estimate_counts_the_engines_its_phases_start(phases, mon
     monkeypatch.setattr(gpu_bench, "with_switch_interval", lambda kvt, ms: kvt)
     a = SimpleNamespace(phases=phases, lengths=[32], repeats=1, disk_gib=1.0, gpu_copy=None,
                         promote=None, switch_ms=None, step_timing=None, shape="tiny",
-                        restart_warmup="fresh")
+                        restart_warmup="fresh", io_threads=None)
     gpu_bench.phases_for(a, None, "ours", tmp_path, [], [(32, [1, 2], 0)], 1, 64, 8, 1 << 20)
     b = gpu_bench.StepBudget.for_phases(1000, 0.0, phases, clock=lambda: 0.0)
     b.took("phases", "ours", 100.0)  # its own work, no start given
