@@ -238,7 +238,7 @@ HITS_FIRST_DEFAULT = False
 # (tiering/vllm/block_order.py). Our worker joins a transfer's pages into one copy only where
 # both sides continue; rows hold a chunk's blocks last first and a job's chunks get descending
 # rows, which vLLM's recycled blocks fit only in runs (an allocation mixes freed requests'
-# tails and heads). Sorted highest first, vLLM 0.33's own scheduler and block pool give 10-13
+# tails and heads). Sorted highest first, vLLM 0.33's own scheduler and block pool give 9.5-13
 # pages a copy instead of 1.8 (docs/benchmarks.md, "GPU blocks sorted for our copies"). On: it
 # moves no block between requests and changes no eviction, only which position a request's
 # new block holds. The GPU A/B (gpu-bench's ``ours-vorder`` setup) is next on the device list.

@@ -9,7 +9,7 @@ allocates from the free queue's head, so a request gets descending blocks. But o
 an allocation mixes the tail of one freed request with the head of the next, and a fresh
 cache's blocks ascend. Counted through vLLM 0.33's own scheduler and block pool with the
 worker's own descriptor code (``tests/test_block_order.py``; docs/benchmarks.md, "GPU blocks
-sorted for our copies"): 1.8 pages a copy in vLLM's order, 10-13 when each allocation is
+sorted for our copies"): 1.8 pages a copy in vLLM's order, 9.5-13 when each allocation is
 sorted descending, with chunks of one block or four.
 
 What changes: each ``get_new_blocks`` call of the scheduler's block pool returns the same
