@@ -199,7 +199,9 @@ def test_without_our_spec_the_scheduler_keeps_vllms_order_and_says_so(model, cap
     with caplog.at_level("INFO", logger="tiering.vllm.block_order"):
         h = Harness(model, None, scheduler_cls=sched_mod.TieringScheduler)
     pool = h.scheduler.kv_cache_manager.block_pool
-    assert not getattr(pool.get_new_blocks, "_tiering_sorted", False)
+    from tiering.vllm.block_order import is_sorted
+
+    assert not is_sorted(pool)
     assert [r.message for r in caplog.records if r.name == "tiering.vllm.block_order"] == [
         "GPU blocks in vLLM's order (no connector over our spec behind this scheduler)"]
 

@@ -34,6 +34,7 @@ cache layout it wants.
 from __future__ import annotations
 
 import logging
+import weakref
 from operator import attrgetter
 from typing import Any
 
@@ -42,12 +43,21 @@ from tiering.backends.block_copy import BLOCK_ORDER
 log = logging.getLogger(__name__)
 
 _BLOCK_ID = attrgetter("block_id")
+_SORTED_POOLS: weakref.WeakSet[Any] = weakref.WeakSet()  # pools whose get_new_blocks we wrapped
 
 
 # Where rows hold a chunk's blocks last position first (``block_copy.BLOCK_ORDER``) and the CPU
 # tier gives a job's chunks descending rows (``CpuTier._allocate``), a job whose GPU blocks
 # descend is one run on both sides, whatever the chunk's block count
 DESCENDING = BLOCK_ORDER == "last_first"
+
+
+def is_sorted(pool: Any) -> bool:
+    """Whether ``sort_new_blocks`` wrapped this pool's ``get_new_blocks``."""
+    try:
+        return pool in _SORTED_POOLS
+    except TypeError:  # not weakly referable: never wrapped
+        return False
 
 
 def sort_new_blocks(pool: Any, descending: bool) -> bool:
@@ -57,7 +67,7 @@ def sort_new_blocks(pool: Any, descending: bool) -> bool:
     get = getattr(pool, "get_new_blocks", None)
     if get is None or not callable(get):
         return False
-    if getattr(get, "_tiering_sorted", False):
+    if is_sorted(pool):
         return True
     failed: list[bool] = []
 
@@ -72,8 +82,8 @@ def sort_new_blocks(pool: Any, descending: bool) -> bool:
                             type(blocks).__name__, exc)
             return blocks
 
-    get_new_blocks._tiering_sorted = True  # type: ignore[attr-defined]
     pool.get_new_blocks = get_new_blocks
+    _SORTED_POOLS.add(pool)
     return True
 
 
