@@ -223,6 +223,11 @@ def main() -> None:
         ("per-layer", "dma", 0, {"chunk": 4, "order": "descending"}),
         ("per-layer", "dma", 0, {"chunk": 4, "order": "descending", "streams": 2}),
         ("per-layer", "dma", 0, {"chunk": 4, "order": "ascending"}),
+        # larger chunks (128 and 256 tokens): each tensor's part of a chunk one 512 KiB or
+        # 1 MiB copy. Per-layer pages cannot join across rows (a row holds every tensor), so
+        # the chunk bounds a copy; does the copy engine's both-ways rate follow the size?
+        ("per-layer", "dma", 0, {"chunk": 8, "order": "descending"}),
+        ("per-layer", "dma", 0, {"chunk": 16, "order": "descending"}),
     ]
     pick = os.environ.get("GPU_CHECK_VARIANTS", "all")
     if pick == "both":  # the baseline and the both-ways candidates only
