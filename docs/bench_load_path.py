@@ -2,7 +2,7 @@
 
     .venv033/bin/python docs/bench_load_path.py [--prompts 256] [--chunk-tokens 16]
         [--configs none,cpu,ours,ours@0] [--repeat 5] [--profile DIR]
-        [--baseline OLD_CHECKOUT --rounds 3]
+        [--baseline OLD_CHECKOUT --rounds 3] [--miss]
 
 The prefill sweep's workload without a model: N unique 512-token prompts, max_tokens 1, GPU
 prefix caching off, 16-token GPU blocks (CUDA vLLM 0.33 on a machine without a GPU: the
@@ -13,7 +13,8 @@ hit batch through ``Scheduler.schedule`` and ``update_from_output`` (and the con
 scheduler side and our manager inside them), against the same batch without offloading
 (``none``: every token computed). Reported: µs per loaded GPU block (wall clock and CPU time of
 the process), raw and above ``none`` (what the load path adds on the scheduler thread), and the
-steps the batch took.
+steps the batch took. ``--miss``: the sweep's 0% batch instead: every timed batch is N prompts
+never seen (every chunk a miss and a store; the CPU tier evicts once full), per stored block.
 
 Configs: ``none``, ``cpu`` (vLLM's ``CPUOffloadingSpec``), ``ours`` (``TieredOffloadingSpec``
 with its defaults), ``ours-sched`` (ours under ``TieringScheduler``'s plain variant), ``ours@K`` (ours with ``max_loading_requests`` K; ``ours@0``: no cap). Every
@@ -119,6 +120,8 @@ def measure(a: argparse.Namespace) -> dict[str, dict]:
     n, tokens = a.prompts, a.tokens
     rng = random.Random(5)
     prompts = [[rng.randrange(4, 500) for _ in range(tokens)] for _ in range(n)]
+    fresh = [[[rng.randrange(4, 500) for _ in range(tokens)] for _ in range(n)]
+             for _ in range(a.repeat + 1)] if a.miss else []
     configs = [c for c in a.configs.split(",") if c]
     harnesses = {}
     for config in configs:  # rows are never written (no worker): the region stays sparse
@@ -143,7 +146,10 @@ def measure(a: argparse.Namespace) -> dict[str, dict]:
         for config in configs:
             h = harnesses[config]
             h.cached.clear()
-            for i, p in enumerate(prompts):
+            batch = prompts
+            if a.miss:  # the same fresh prompts for every config in a round
+                batch = fresh[rep]
+            for i, p in enumerate(batch):
                 h.add(f"hit{rep}-{i}", p, max_tokens=1)
             gc.collect()
             if prof:
@@ -154,7 +160,8 @@ def measure(a: argparse.Namespace) -> dict[str, dict]:
             t0, c0 = time.perf_counter(), time.process_time()
             h.run(max_steps=100_000)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            blocks = sum(h.cached.values()) / 16
+            # --miss: the batch's stored blocks (every full block of every prompt)
+            blocks = n * (tokens // 16) if a.miss else sum(h.cached.values()) / 16
             if prof:
                 profiling.stop_profile(None, str(path))
                 text = profiling.summarize(str(path), blocks=max(blocks, 1.0))
@@ -213,6 +220,8 @@ def main() -> None:
     ap.add_argument("--baseline", default="", help="a checkout of the old code to compare")
     ap.add_argument("--baseline-configs", default="none,cpu,ours")
     ap.add_argument("--rounds", type=int, default=3, help="processes per tree (--baseline)")
+    ap.add_argument("--miss", action="store_true",
+                    help="time batches of new prompts (the sweep's 0%%: stores) instead of hits")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # child process
     a = ap.parse_args()
     root = os.environ.get("BENCH_TIERING_ROOT")
