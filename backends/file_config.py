@@ -31,7 +31,12 @@ class FileTierConfig:
     store_threshold: int = 0
     tracker_size: int = 64_000
     io: str = "auto"
-    io_threads: int = 8
+    # 16, not 8: on the H200 machine's virtual disk 16 threads read 4 MiB runs at 1.59 / 1.58
+    # GB/s against 1.21 / 1.11 with 8 (docs/bench_disk_hit.py, 2026-12-04b), and on an H100
+    # host's a 32k disk hit in the engine read at ~2.0 GB/s, 0.92x vLLM's fs tier's time, where
+    # 8 threads had been 1.06x on another host (docs/benchmarks.md, 2026-12-07 and -07b);
+    # vLLM's fs tier runs 32
+    io_threads: int = 16
     compression: str = "none"
     compression_level: int = 1
     element_bytes: int = 2

@@ -135,7 +135,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--switch-ms", type=float, default=None,
                     help="our tiers' switch_interval_ms (default: the spec's; 0: Python's 5 ms)")
     ap.add_argument("--io-threads", type=int, default=None,
-                    help="our file tiers' io_threads (default: the tier's, 8); vLLM's fs tier "
+                    help="our file tiers' io_threads (default: the tier's, 16); vLLM's fs tier "
                          "keeps its own 16 + 16: an A/B of the read threads on one disk")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="skip the steps (a config's phases or throughput run) that would end "
