@@ -1042,10 +1042,18 @@ SWEEP_DISK_CONFIG = "ours-disk"
 SWEEP_SCHED_CONFIG = "ours-sched"
 SWEEP_HF_CONFIG = "ours-hf"
 SWEEP_VORDER_CONFIG = "ours-vorder"
-SWEEP_SCHEDULER_CONFIGS = (SWEEP_SCHED_CONFIG, SWEEP_HF_CONFIG, SWEEP_VORDER_CONFIG)
+# none-sched: no offloading under the same scheduler class, so that --sweep-trace gives no
+# offloading's step table beside ours-sched's (where a 0% batch's extra time goes: its steps or
+# its tail); the speed-ups stay relative to plain none
+SWEEP_NONE_SCHED_CONFIG = "none-sched"
+SWEEP_SCHEDULER_CONFIGS = (SWEEP_SCHED_CONFIG, SWEEP_HF_CONFIG, SWEEP_VORDER_CONFIG,
+                           SWEEP_NONE_SCHED_CONFIG)
+# the setups that offload nothing
+SWEEP_NO_OFFLOAD_CONFIGS = ("none", SWEEP_NONE_SCHED_CONFIG)
 SCHEDULER_CLS = "tiering.vllm.scheduler.TieringScheduler"
 # every setup that runs our spec
-OURS_SWEEP_CONFIGS = ("ours", SWEEP_DISK_CONFIG) + SWEEP_SCHEDULER_CONFIGS
+OURS_SWEEP_CONFIGS = ("ours", SWEEP_DISK_CONFIG, SWEEP_SCHED_CONFIG, SWEEP_HF_CONFIG,
+                      SWEEP_VORDER_CONFIG)
 # N per shape: all three of 1b, 8b, 32b with none, cpu and ours in ~7 minutes of an H200
 # (a cold batch: ~3.3 s at 1b, ~3.6 s at 8b, ~5.4 s at 32b at the issue's no-offloading rates)
 SWEEP_PROMPTS = {"1b": 1024, "8b": 256, "32b": 96, "small": 64, "tiny": 8}
@@ -1085,8 +1093,10 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
                         f"its CPU tier only), {SWEEP_SCHED_CONFIG} (ours under --scheduler-cls "
                         f"{SCHEDULER_CLS}), {SWEEP_HF_CONFIG} (the same with hits_first "
                         f"on), {SWEEP_VORDER_CONFIG} (the same with GPU blocks in vLLM's "
-                        f"order) and {SWEEP_DISK_CONFIG} (our spec, a small CPU "
-                        "tier over a file tier in --scratch)")
+                        f"order), {SWEEP_DISK_CONFIG} (our spec, a small CPU "
+                        "tier over a file tier in --scratch) and "
+                        f"{SWEEP_NONE_SCHED_CONFIG} (no offloading under {SCHEDULER_CLS}, "
+                        "for --sweep-trace)")
     g.add_argument("--sweep-prompts", type=int, default=0,
                    help="N, prompts per batch (0: per shape, " +
                         ", ".join(f"{k} {v}" for k, v in SWEEP_PROMPTS.items()) + ")")
@@ -1157,11 +1167,12 @@ def check_sweep_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None
     a.profile = [x for x in a.profile.split(",") if x]
     bad = (sorted(set(a.sweep_shapes) - set(SHAPES)) + sorted(set(a.sweep_configs)
                                                               - set(SWEEP_CONFIGS)
-                                                              - set(OURS_SWEEP_CONFIGS))
+                                                              - set(OURS_SWEEP_CONFIGS)
+                                                              - {SWEEP_NONE_SCHED_CONFIG})
            + sorted(set(a.profile) - set(PROFILERS)))
     if bad:
         ap.error(f"prefill sweep: unknown shape/config/profiler {bad}; shapes {sorted(SHAPES)}, "
-                 f"configs {SWEEP_CONFIGS + OURS_SWEEP_CONFIGS[1:]}, "
+                 f"configs {SWEEP_CONFIGS + OURS_SWEEP_CONFIGS[1:] + (SWEEP_NONE_SCHED_CONFIG,)}, "
                  f"profilers {PROFILERS}")
     if not 1 <= a.sweep_rounds <= 20:
         ap.error(f"--sweep-rounds: expected 1 to 20 batches per hit rate, got {a.sweep_rounds}")
@@ -1187,7 +1198,7 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
     ``default_chunk_tokens``); ``ours-disk``: ours over a file tier at ``disk`` (folder,
     capacity in bytes), promoting disk hits by ``promote`` and with the CPU tier's
     ``promotion_reserve`` if given (None: the spec's default)."""
-    if config == "none":
+    if config in SWEEP_NO_OFFLOAD_CONFIGS:
         return None
     extra: dict = {"cpu_bytes_to_use": cpu_bytes}
     if chunk_tokens:  # also one GPU block's worth: our spec's default on CUDA is longer
@@ -1276,7 +1287,7 @@ def sweep_plan(config: str, n: int, rates: list[float], rounds: int = 1
                ) -> list[tuple[str, float, list[int]]]:
     """A setup's batches: ``sweep_batches`` over the hit rates ``rounds`` times in turn; for
     ``none`` (no cache of any kind) a fresh batch, then the same prompts again, per round."""
-    if config == "none":
+    if config in SWEEP_NO_OFFLOAD_CONFIGS:
         return [("hit", rate, list(range(k * n, (k + 1) * n)))
                 for k in range(rounds) for rate in (0.0, 100.0)]
     return sweep_batches(n, rates * rounds)
@@ -1683,7 +1694,8 @@ def sweep_table(rows: list[dict], rates: list[float]) -> str:
                 if m["disk_share"]:  # tokens served from a file tier, of the batch's
                     cell += f", {m['disk_share']:.0%} disk"
                 cells.append(cell)
-            name = setup[0] if setup[0] == "none" else f"{setup[0]} ({setup[1]}-token chunks)"
+            name = (setup[0] if setup[0] in SWEEP_NO_OFFLOAD_CONFIGS
+                    else f"{setup[0]} ({setup[1]}-token chunks)")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         vllm_spec = next((su for su in setups if su[0] == "cpu"), None)
         for setup in setups:
@@ -1718,7 +1730,8 @@ def sweep_plot(rows: list[dict], path: Path) -> None:
         for setup in dict.fromkeys((r["config"], r["chunk_tokens"]) for r in rs):
             pts = [(rate, m["tokens_per_s"]) for rate in sorted({r["hit_rate"] for r in rs})
                    if (m := sweep_medians(rs, setup, rate)) is not None]
-            label = setup[0] if setup[0] == "none" else f"{setup[0]} ({setup[1]} tok)"
+            label = (setup[0] if setup[0] in SWEEP_NO_OFFLOAD_CONFIGS
+                     else f"{setup[0]} ({setup[1]} tok)")
             ax.plot([p[0] for p in pts], [p[1] / 1000 for p in pts], marker="o", label=label)
         ax.set_title(f"{shape}: prefill of unique prompts", fontsize=10)
         ax.set_xlabel("CPU hit rate %")
@@ -1762,8 +1775,11 @@ def sweep_main(a: argparse.Namespace, t0: float) -> None:
     for shape in a.sweep_shapes:
         n = a.sweep_prompts or SWEEP_PROMPTS.get(shape, 64)
         model = write_model(scratch / f"model-{shape}", shape, max(4096, 2 * tokens))
-        steps: list[tuple[str, int | None]] = [("none", None)] if "none" in a.sweep_configs else []
-        steps += [(c, ch) for ch in chunks for c in a.sweep_configs if c != "none"]
+        # the setups without offloading once (no chunk size), first
+        steps: list[tuple[str, int | None]] = [(c, None) for c in SWEEP_NO_OFFLOAD_CONFIGS
+                                               if c in a.sweep_configs]
+        steps += [(c, ch) for ch in chunks for c in a.sweep_configs
+                  if c not in SWEEP_NO_OFFLOAD_CONFIGS]
         for config, chunk in steps:
             key = f"{shape}/{config}" + ("" if chunk is None else f"@{chunk}")
             if not budget.fits(f"sweep-{shape}", config):

@@ -465,7 +465,8 @@ def test_ours_sched_is_ours_under_our_scheduler():
     assert parse(dict(sched["kv_connector_extra_config"])).sort_gpu_blocks is True
     vorder = gpu_bench.sweep_transfer_config("ours-vorder", 1 << 30, None, 16)
     assert parse(dict(vorder["kv_connector_extra_config"])).sort_gpu_blocks is False
-    assert set(gpu_bench.SWEEP_SCHEDULER_CONFIGS) == {"ours-sched", "ours-hf", "ours-vorder"}
+    assert set(gpu_bench.SWEEP_SCHEDULER_CONFIGS) == {"ours-sched", "ours-hf", "ours-vorder",
+                                                      "none-sched"}
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     cls = resolve_obj_by_qualname(gpu_bench.SCHEDULER_CLS)
@@ -518,6 +519,30 @@ def test_the_sweep_gpu_cache_holds_two_batches_so_later_batches_reuse_freed_bloc
         with pytest.raises(SystemExit):
             gpu_bench.parse()
         assert "--sweep-gpu-cache-batches" in capsys.readouterr().err
+
+
+def test_none_sched_offloads_nothing_under_our_scheduler_and_is_not_the_baseline():
+    """none-sched: no transfer config, none's batches, our scheduler (for its step trace);
+    the table names it without a chunk size and keeps plain none as the speed-ups' base."""
+    assert gpu_bench.sweep_transfer_config("none-sched", 1 << 30, None, 16) is None
+    assert "none-sched" not in gpu_bench.OURS_SWEEP_CONFIGS
+    assert (gpu_bench.sweep_plan("none-sched", 4, [0.0, 50.0, 100.0], 2)
+            == gpu_bench.sweep_plan("none", 4, [0.0, 50.0, 100.0], 2))
+    rows = [{"shape": "1b", "config": c, "chunk_tokens": 16, "batch": "hit", "hit_rate": r,
+             "prompts": 4, "prompt_tokens": 512, "tokens_per_s": t, "blocks_loaded": 0,
+             "blocks_per_s": 0}
+            for c, r, t in (("none", 0, 100.0), ("none", 100, 100.0),
+                            ("none-sched", 0, 98.0), ("none-sched", 100, 97.0))]
+    text = gpu_bench.sweep_table(rows, [0, 100])
+    assert "| none-sched | 98 (0.98x) | 97 (0.97x) |" in text
+    assert "| none | 100 (1.00x) | 100 (1.00x) |" in text
+
+
+def test_none_sched_is_a_sweep_config_the_options_accept(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "prefill-sweep",
+                                      "--sweep-configs", "ours-sched,none-sched,none"])
+    a = gpu_bench.parse()
+    assert a.sweep_configs == ["ours-sched", "none-sched", "none"]
 
 
 def test_sweep_table_gives_the_speedup_over_no_offloading():
