@@ -355,6 +355,11 @@ class MooncakeTier(StoreTier):
                             f"{self._overrun_s:.0f}s")
             if self.link.up:
                 self._link_down()
+                # a line per change of the link, as a failed call gives (the fault line above
+                # is rate-limited: a second overrun within MOONCAKE_LOG_EVERY_S said nothing)
+                log.warning("mooncake tier: master %s did not answer (%d call(s) running for "
+                            "more than %.1f s); chunks are misses until it does",
+                            self.cfg.master, len(late), self._overrun_s)
         if (self.link.state is LinkState.DOWN and not self.link.probing
                 and time.monotonic() >= self.link.next_probe):
             self.link.probing = True

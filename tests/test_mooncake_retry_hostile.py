@@ -45,7 +45,10 @@ from test_mooncake_tier import store as store_rows  # noqa: E402
 from tiering.backends.mooncake_io import ALREADY_EXISTS  # noqa: E402
 from tiering.backends.mooncake_tier import LinkState, MooncakeTier  # noqa: E402
 from tiering.backends.mooncake_value import HEADER_BYTES, object_name  # noqa: E402
-from tiering.settings import MOONCAKE_TRANSFER_AGAIN_WITHIN  # noqa: E402
+from tiering.settings import (  # noqa: E402
+    MOONCAKE_OVERRUN_FACTOR,
+    MOONCAKE_TRANSFER_AGAIN_WITHIN,
+)
 from tiering.tier import Lookup  # noqa: E402
 
 # Mooncake's ErrorCode values (mooncake-store/include/types.h)
@@ -451,6 +454,25 @@ def test_a_slow_first_call_is_not_sent_again(open_tier, staging, kind, timeout_s
     else:
         assert counters(reader) == {**base, "promotion_failures": 4,
                                     "remote_errors:transfer": 4, "io_errors": 4}
+
+
+def test_an_overrun_call_marks_the_link_down_in_a_line_of_its_own(open_tier, staging, caplog):
+    """A call past timeout_s: its chunks are counted under remote_errors{reason="timeout"} and
+    the link goes down with the same "did not answer" line as a failed call gives, whatever
+    the rate-limited fault line says (the e2e test waits for the link's return by these
+    lines; a second overrun within a minute logged nothing at all)."""
+    buf, _ = staging
+    writer = open_tier(timeout_s=0.5)  # overrun after 0.5 x MOONCAKE_OVERRUN_FACTOR + 1 s
+    assert MOONCAKE_OVERRUN_FACTOR == 3.0
+    keys = unique_keys("overrun", 4)
+    script(writer, puts={1: Answer(TRANSFER_FAIL, sleep=3.5)})
+    with caplog.at_level(logging.WARNING, logger="tiering.backends.mooncake_tier"):
+        done = store_rows(writer, keys, buf)
+    assert [c.ok for c in done] == [False] * 4
+    assert writer.stats["remote_errors:timeout"] == 4
+    down = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
+    assert len(down) == 1, down
+    assert "2.5 s" in down[0] and writer.cfg.master in down[0]
 
 
 # -- never more than once -----------------------------------------------------------------------------
