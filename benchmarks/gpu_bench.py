@@ -366,7 +366,7 @@ def with_switch_interval(kvt: dict | None, ms: float | None) -> dict | None:
 def with_io_threads(kvt: dict | None, n: int | None) -> dict | None:
     """``kvt`` with ``io_threads`` = ``n`` on each of our file tiers (None: the tier's default),
     for an A/B of how many reads a disk gets in flight (vLLM's fs tier runs 16 read-first and 16
-    write-first threads, ours 8 by default); vLLM's own tiers are left as they are."""
+    write-first threads, ours 16 by default); vLLM's own tiers are left as they are."""
     if kvt is None or n is None:
         return kvt
     if n < 1:

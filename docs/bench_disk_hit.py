@@ -260,7 +260,7 @@ def main() -> int:
     ap.add_argument("dir")
     ap.add_argument("--chunks", type=int, default=512)
     ap.add_argument("--row-mib", type=float, default=2)
-    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=16)  # the file tier's io_threads
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--systems", default="ours,vtier-ours")
     ap.add_argument("--promote", default="always", choices=("always", "auto"))

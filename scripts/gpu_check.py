@@ -188,7 +188,7 @@ def file_tier(folder: str) -> list[dict]:
     out = []
     for io in ("posix", "kvikio"):
         try:
-            r = bench(folder, 2 << 20, 2 << 30, 8, 3, "tier", io, 0)
+            r = bench(folder, 2 << 20, 2 << 30, 16, 3, "tier", io, 0)  # the tier's io_threads
             out.append({"io": io, **{k: r[k] for k in ("tier_write_GBps", "tier_read_GBps",
                                                         "tier_cpu_s_per_GB", "io_engine")},
                         "bad_rows": r.get("tier_bad_rows")})

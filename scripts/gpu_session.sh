@@ -141,7 +141,7 @@ if [ -z "$fio_bin" ] && [ -f .device/fio/fio.xz ]; then
 fi
 export TIERING_FIO=${fio_bin}
 # fio_disk NAME DIR: write, then read 4 GiB (a 32k prompt of the 8B shape; less if DIR's file
-# system has not twice that free) in DIR: 8 jobs (the file tier's io_threads), 2 MiB blocks
+# system has not twice that free) in DIR: 16 jobs (the file tier's io_threads), 2 MiB blocks
 # (its rows), O_DIRECT, psync; both reports in OUT/fio_NAME.json
 fio_disk() {
   local name=$1 dir=$2 rw per_job
@@ -149,21 +149,21 @@ fio_disk() {
     echo "[session] fio $name: no fio (\$FIO, PATH, .device/fio/fio, .device/fio/fio.xz)" | tee -a "$summary"
     return 0
   fi
-  per_job=$(( $(df --output=avail -m "$dir" | tail -1) / 16 / 2 * 2 ))
-  [ "$per_job" -gt 512 ] && per_job=512
+  per_job=$(( $(df --output=avail -m "$dir" | tail -1) / 32 / 2 * 2 ))
+  [ "$per_job" -gt 256 ] && per_job=256
   for rw in write read; do
     "$fio_bin" --name="$name-$rw" --filename="$dir/fio.dat" --rw=$rw --bs=2M --size=${per_job}M \
-      --offset_increment=${per_job}M --numjobs=8 --thread --group_reporting --direct=1 \
+      --offset_increment=${per_job}M --numjobs=16 --thread --group_reporting --direct=1 \
       --ioengine=psync --end_fsync=1 --output-format=json > "$OUT/.fio_$rw.json" \
       2> "$OUT/.fio_err" || { echo "[session] fio $name $rw failed: $(head -c 300 "$OUT/.fio_err")" \
         | tee -a "$summary"; rm -f "$dir/fio.dat" "$OUT/.fio_err"; return 0; }
   done
-  # the same reads with 16 in flight per job (io_uring): 8 x 16 buffers of 2 MiB, 256 MiB in
+  # the same reads with 8 in flight per job (io_uring): 16 x 8 buffers of 2 MiB, 256 MiB in
   # all, beyond the CPU's caches as KV rows are; psync's one buffer a job stays cache-hot, an
   # edge on a RAM disk (where the "device" is a memcpy) that no reader landing rows has
   "$fio_bin" --name="$name-read-deep" --filename="$dir/fio.dat" --rw=read --bs=2M \
-    --size=${per_job}M --offset_increment=${per_job}M --numjobs=8 --thread --group_reporting \
-    --direct=1 --ioengine=io_uring --iodepth=16 --output-format=json > "$OUT/.fio_read_deep.json" \
+    --size=${per_job}M --offset_increment=${per_job}M --numjobs=16 --thread --group_reporting \
+    --direct=1 --ioengine=io_uring --iodepth=8 --output-format=json > "$OUT/.fio_read_deep.json" \
     2> "$OUT/.fio_err" || { echo "[session] fio $name read (io_uring) failed:" \
       "$(head -c 300 "$OUT/.fio_err")" | tee -a "$summary"; rm -f "$OUT/.fio_read_deep.json"; }
   rm -f "$OUT/.fio_err"
@@ -175,10 +175,10 @@ runs = {rw: json.load(open(f"{out}/.fio_{rw}.json")) for rw in ("write", "read",
         if os.path.exists(f"{out}/.fio_{rw}.json")}
 json.dump(runs, open(f"{out}/fio_{name}.json", "w"), indent=1)
 gbps = {rw: r["jobs"][0][rw.split("_")[0]]["bw_bytes"] / 1e9 for rw, r in runs.items()}
-deep = (f", read {gbps['read_deep']:.2f} GB/s with 16 in flight a job (io_uring)"
+deep = (f", read {gbps['read_deep']:.2f} GB/s with 8 in flight a job (io_uring)"
         if "read_deep" in gbps else "")
 print(f"[session] fio {name}: write {gbps['write']:.2f} GB/s, read {gbps['read']:.2f} GB/s "
-      f"(8 jobs, 2 MiB blocks, O_DIRECT, psync){deep}")
+      f"(16 jobs, 2 MiB blocks, O_DIRECT, psync){deep}")
 PY
   rm -f "$OUT/.fio_write.json" "$OUT/.fio_read.json" "$OUT/.fio_read_deep.json"
 }
@@ -208,7 +208,7 @@ for step in "${STEPS[@]}"; do
         --sweep-shapes 1b,8b,32b --sweep-configs none,cpu,ours "${sweep_extra[@]}" "${extra[@]}" ;;
     disk-hit)
       hit=(python3 -P docs/bench_disk_hit.py --chunks "${DISKHIT_CHUNKS:-2048}" --row-mib 2
-           --threads 8 --rounds "${DISKHIT_ROUNDS:-2}")
+           --threads 16 --rounds "${DISKHIT_ROUNDS:-2}")
       run disk-hit-vdisk 60 "${DISKHIT_MAX_S:-150}" "${hit[@]}" \
         "${TIERING_BENCH_DIR:-/tmp}/tiering-disk-hit" --json "$OUT/disk_hit_vdisk.json"
       rm -rf "${TIERING_BENCH_DIR:-/tmp}/tiering-disk-hit"

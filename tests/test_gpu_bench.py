@@ -217,24 +217,26 @@ def test_io_threads_reach_our_file_tiers_only(tmp_path, monkeypatch, capsys):
     from tiering.backends.file_config import FileTierConfig
     from tiering.config import parse
 
+    assert FileTierConfig(path="x", capacity=1).io_threads != 12
+
     for c in gpu_bench.CONFIGS:
         kvt = gpu_bench.transfer_config(c, tmp_path, 1 << 30, 4.0)
         before = json.dumps(kvt, sort_keys=True)
         assert gpu_bench.with_io_threads(kvt, None) is kvt
         assert json.dumps(kvt, sort_keys=True) == before
-        kvt = gpu_bench.with_io_threads(kvt, 16)
+        kvt = gpu_bench.with_io_threads(kvt, 12)  # not the tier's default (16)
         if kvt is None:
             continue
         extra = kvt["kv_connector_extra_config"]
         if c in ("ours", "ours-wb"):
             cfg = parse({k: v for k, v in extra.items()
                          if k not in ("spec_name", "spec_module_path")})
-            assert [f.io_threads for f in cfg.files] == [16]
+            assert [f.io_threads for f in cfg.files] == [12]
             assert "io_threads" not in extra["tiers"][0]  # the CPU tier has none
         elif c == "vtier-ours":
             entry = dict(extra["secondary_tiers"][0])
             entry.pop("type"), entry.pop("module_path")
-            assert FileTierConfig.from_dict(entry).io_threads == 16
+            assert FileTierConfig.from_dict(entry).io_threads == 12
         else:
             assert '"io_threads"' not in json.dumps(kvt), c  # the key (tmp_path has the word)
     disk = gpu_bench.sweep_transfer_config("ours-disk", 1 << 30, None, 16, disk=(tmp_path, 1 << 30))

@@ -415,8 +415,8 @@ def add_bench_command(sub: argparse._SubParsersAction[cli_args.Parser]) -> None:
                    default="2MiB", help="row size, a multiple of 4096 (default 2MiB)")
     p.add_argument("--total", type=cli_args.size(4096, 1 << 44), default="4GiB",
                    help="bytes written and read per system (default 4GiB)")
-    p.add_argument("--threads", type=cli_args.integer(1, 1024), default=8,
-                   help="I/O threads = I/Os in flight")
+    p.add_argument("--threads", type=cli_args.integer(1, 1024), default=16,
+                   help="I/O threads = I/Os in flight (default 16, the file tier's io_threads)")
     p.add_argument("--repeat", type=cli_args.integer(1, 1000), default=3)
     p.add_argument("--io", default="auto", choices=["auto", "posix", "kvikio"],
                    help="the tier's slab I/O (auto, posix, kvikio)")
