@@ -160,8 +160,10 @@ def measure(a: argparse.Namespace) -> dict[str, dict]:
             t0, c0 = time.perf_counter(), time.process_time()
             h.run(max_steps=100_000)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            # --miss: the batch's stored blocks (every full block of every prompt)
-            blocks = n * (tokens // 16) if a.miss else sum(h.cached.values()) / 16
+            # --miss: the blocks of the batch's full chunks (what the connector stores)
+            chunk = a.chunk_tokens
+            blocks = (n * (tokens // chunk) * (chunk // 16) if a.miss
+                      else sum(h.cached.values()) / 16)
             if prof:
                 profiling.stop_profile(None, str(path))
                 text = profiling.summarize(str(path), blocks=max(blocks, 1.0))
@@ -255,7 +257,7 @@ def compare(a: argparse.Namespace) -> None:
             cmd = [sys.executable, __file__, "--json", "--prompts", str(a.prompts),
                    "--tokens", str(a.tokens), "--chunk-tokens", str(a.chunk_tokens),
                    "--configs", configs, "--repeat", str(a.repeat),
-                   "--sync-load-mib", str(a.sync_load_mib)]
+                   "--sync-load-mib", str(a.sync_load_mib)] + (["--miss"] if a.miss else [])
             out = subprocess.run(cmd, env=env, capture_output=True, text=True)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("JSON ")]
             if out.returncode or not lines:
