@@ -1054,6 +1054,8 @@ SCHEDULER_CLS = "tiering.vllm.scheduler.TieringScheduler"
 # every setup that runs our spec
 OURS_SWEEP_CONFIGS = ("ours", SWEEP_DISK_CONFIG, SWEEP_SCHED_CONFIG, SWEEP_HF_CONFIG,
                       SWEEP_VORDER_CONFIG)
+# every setup --sweep-configs takes
+ALL_SWEEP_CONFIGS = SWEEP_CONFIGS + OURS_SWEEP_CONFIGS[1:] + (SWEEP_NONE_SCHED_CONFIG,)
 # N per shape: all three of 1b, 8b, 32b with none, cpu and ours in ~7 minutes of an H200
 # (a cold batch: ~3.3 s at 1b, ~3.6 s at 8b, ~5.4 s at 32b at the no-offloading rates)
 SWEEP_PROMPTS = {"1b": 1024, "8b": 256, "32b": 96, "small": 64, "tiny": 8}
@@ -1165,14 +1167,12 @@ def check_sweep_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None
     a.sweep_chunk_tokens = (_numbers(ap, "--sweep-chunk-tokens", a.sweep_chunk_tokens, int)
                             if a.sweep_chunk_tokens else [])
     a.profile = [x for x in a.profile.split(",") if x]
-    bad = (sorted(set(a.sweep_shapes) - set(SHAPES)) + sorted(set(a.sweep_configs)
-                                                              - set(SWEEP_CONFIGS)
-                                                              - set(OURS_SWEEP_CONFIGS)
-                                                              - {SWEEP_NONE_SCHED_CONFIG})
+    bad = (sorted(set(a.sweep_shapes) - set(SHAPES))
+           + sorted(set(a.sweep_configs) - set(ALL_SWEEP_CONFIGS))
            + sorted(set(a.profile) - set(PROFILERS)))
     if bad:
         ap.error(f"prefill sweep: unknown shape/config/profiler {bad}; shapes {sorted(SHAPES)}, "
-                 f"configs {SWEEP_CONFIGS + OURS_SWEEP_CONFIGS[1:] + (SWEEP_NONE_SCHED_CONFIG,)}, "
+                 f"configs {ALL_SWEEP_CONFIGS}, "
                  f"profilers {PROFILERS}")
     if not 1 <= a.sweep_rounds <= 20:
         ap.error(f"--sweep-rounds: expected 1 to 20 batches per hit rate, got {a.sweep_rounds}")
