@@ -87,7 +87,8 @@ def test_the_summary_shows_each_step_and_the_totals():
     assert first[:8] == ["0.0", "200.0", "80.0", "0", "0", "4", "0", "0"]
     # submit ms and its CPU, load busy ms in [10.0, 10.7)
     assert first[8:11] == ["50.0", "4.0", "340.0"]
-    assert second[:4] == ["700.0", "10.0", "10.0", "4"] and second[-1] == "4"  # landed then
+    assert second[:4] == ["700.0", "10.0", "10.0", "4"] and second[12] == "4"  # landed then
+    assert first[13:15] == ["-", "0.0"] and len(first) == 15  # no adds counted, no gc, no samples
     assert second[8] == "0.0" and second[9] == "0.0"  # nothing submitted in that step
     assert "2 steps" in lines[-1] and "loads on the GPU 340.0 ms busy" in lines[-1]
     assert "schedule 210.0 ms (CPU 90.0 ms)" in lines[-1]
@@ -157,6 +158,80 @@ def test_under_tiering_scheduler_each_step_is_a_row(tmp_path, monkeypatch):
     assert sum(r["stores"] for r in sched) >= 1  # a's chunks
     assert sum(r["tokens"] for r in sched) >= 512 + 1  # a computed whole, b its last token
     assert sum(r.get("recv", 0) for r in rows if r["k"] == "update") == 1
+    # each request counted once, in the first traced schedule after it was added
+    assert sum(r["adds"] for r in sched) == 2 and all(r["add_s"] >= 0 for r in sched)
+    assert sum(r["add_s"] for r in sched) > 0
+
+
+def test_gc_rows_samples_and_added_requests_show_in_the_summary():
+    """The columns that explain a gap between two steps: requests added, the collector's time,
+    and where the scheduler's thread was; then the threads that had the CPU."""
+    rows = _rows()
+    rows[0]["adds"], rows[0]["add_s"] = 990, 0.25
+    rows += [{"k": "gc", "t": 10.3, "t0": 10.3, "t1": 10.33, "gen": 2, "collected": 5},
+             {"k": "gc", "t": 10.4, "t0": 10.4, "t1": 10.401, "gen": 0, "collected": 0}]
+    rows += [{"k": "sample", "t": 10.2 + i / 100, "core": "_process_input_queue",
+              "leaf": "scheduler.py:add_request"} for i in range(3)]
+    rows += [{"k": "sample", "t": 10.25, "core": "step_with_batch_queue", "leaf": "x.py:f"}]
+    rows += [{"k": "sample", "t": 10.21, "threads": {"main/1": 0, "in/2": 0}},
+             {"k": "sample", "t": 10.6, "threads": {"main/1": 20_000_000, "in/2": 300_000_000,
+                                                    "new/3": 1_000_000}}]
+    rows.sort(key=lambda r: r["t"])
+    lines = summarize(rows, 10.0, 11.0).splitlines()
+    first = lines[1].split()
+    assert first[13:15] == ["990", "31.0"]  # both collections began before the next step
+    # four samples of the scheduler's thread (thread readings are not counted among them)
+    assert lines[1].endswith("4: _process_input_queue 75% (scheduler.py:add_request), "
+                             "step_with_batch_queue 25% (x.py:f)")
+    assert lines[2].split()[13:15] == ["-", "0.0"]
+    assert lines[-2] == "garbage collections 2, 31.0 ms; full 1, longest 30.0 ms"
+    assert lines[-1] == "thread CPU ms in the window: in/2 300.0, main/1 20.0, new/3 1.0"
+
+
+def test_where_names_the_engine_loop_function_and_the_leaf():
+    """The sampler's two words for a stack: the innermost function of a file that is vLLM's
+    engine-core loop (here compiled under that name), and the innermost frame."""
+    import sys
+
+    ns: dict = {}
+    src = "def _process_input_queue(inner):\n    return inner()\n"
+    exec(compile(src, os.path.join("site", "vllm", "v1", "engine", "core.py"), "exec"), ns)
+
+    def add_request():
+        return sys._getframe()
+
+    frame = ns["_process_input_queue"](add_request)
+    assert step_trace._where(frame) == ("_process_input_queue>test_step_trace.py:add_request",
+                                        "test_step_trace.py:add_request")
+    ns["_process_input_queue"](lambda: None)
+    assert step_trace._where(ns["_process_input_queue"](sys._getframe)) == \
+        ("_process_input_queue", "core.py:_process_input_queue")  # the loop's own frame
+    assert step_trace._where(sys._getframe()) == ("-", "test_step_trace.py:" +
+                                                  sys._getframe().f_code.co_name)
+
+
+def test_thread_cpu_counts_a_busy_thread_by_its_name():
+    import threading
+
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=spin, name="spinner")
+    t.start()
+    try:
+        before = step_trace.thread_cpu_ns()
+        time.sleep(0.3)
+        after = step_trace.thread_cpu_ns()
+    finally:
+        stop.set()
+        t.join()
+    key = f"spinner/{t.native_id}"
+    assert key in before and key in after
+    assert after[key] - before[key] > 50_000_000  # it ran most of the 0.3 s
+    assert f"{threading.current_thread().name}/{threading.get_native_id()}" in after
 
 
 def test_load_jobs_slower_than_their_bytes_are_summed_as_late():

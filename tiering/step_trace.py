@@ -14,7 +14,19 @@ the same in every process of the machine):
 * ``submit`` — our worker handing a job to its copier: when, how long, the thread's CPU time in
   it, direction, blocks;
 * ``copy`` — a copy job seen finished: its span on the GPU (from its CUDA events, put on the host
-  clock through an event recorded when the copier started), direction and bytes.
+  clock through an event recorded when the copier started), direction and bytes;
+* ``gc`` — a collection of Python's garbage collector in the process: its span, generation and
+  objects freed (a full collection stops every thread, the scheduler's too);
+* ``sample`` — every ``SAMPLE_S`` what the scheduler's thread was running: the innermost function
+  of vLLM's engine core loop (``vllm/v1/engine/core.py``, e.g. ``_process_input_queue`` taking
+  requests in, ``step_with_batch_queue``) with the call it is in there, and the innermost frame
+  (``file:function``); every
+  ``THREAD_CPU_EVERY`` samples, every thread's CPU nanoseconds so far (``/proc/self/task``), so
+  that a gap between two steps shows which thread had the CPU (vLLM's input thread hashes each
+  request's blocks when a connector is loaded).
+
+``schedule`` rows under ``TieringScheduler`` also carry the requests added since the previous
+one (``adds``) and the scheduler thread's seconds in ``add_request`` (``add_s``).
 
 The rows are kept in memory and written by a daemon thread every half second (never by the
 thread that recorded them: vLLM's scheduler thread does no I/O) to ``PATH.<pid>.jsonl``; rows of
@@ -30,10 +42,13 @@ back) or in a blocking driver call. The summary prints both.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -41,6 +56,9 @@ from tiering.thread_names import name_os_thread
 
 ENV = "TIERING_STEP_TRACE"
 FLUSH_S = 0.5
+SAMPLE_S = 0.005  # how often the sampler looks at the scheduler's thread
+THREAD_CPU_EVERY = 4  # every this many samples, every thread's CPU time (a /proc read each)
+_ENGINE_LOOP_FILE = os.path.join("vllm", "v1", "engine", "core.py")
 
 
 class StepTrace:
@@ -55,6 +73,7 @@ class StepTrace:
         self._rows: list[dict[str, Any]] = []
         self._lock = threading.Lock()  # the swap in flush must not lose a row added meanwhile
         self._writer: threading.Thread | None = None
+        self.scheduler_ident: int | None = None  # the thread the sampler looks at
 
     def reopen_from_env(self) -> None:
         """A forked child starts a trace of its own, from the environment it has now: vLLM
@@ -76,6 +95,40 @@ class StepTrace:
                                         daemon=True)
         self._writer.start()
 
+    def watch_scheduler_thread(self) -> None:
+        """Called on vLLM's scheduler thread (each traced ``schedule``): the first call starts
+        the sampler and the garbage collector's rows in this process."""
+        if self.scheduler_ident is not None:
+            return
+        self.scheduler_ident = threading.get_ident()
+        gc.callbacks.append(self._on_gc)
+        threading.Thread(target=self._sample_loop, name="tiering-step-sample",
+                         daemon=True).start()
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif hasattr(self, "_gc_t0"):
+            t1 = time.perf_counter()
+            self.add("gc", t=self._gc_t0, t0=self._gc_t0, t1=t1, gen=info.get("generation"),
+                     collected=info.get("collected"))
+
+    def _sample_loop(self) -> None:
+        name_os_thread("tiering-sample")
+        n = 0
+        while self.on:
+            time.sleep(SAMPLE_S)
+            frame = sys._current_frames().get(self.scheduler_ident or 0)
+            row: dict[str, Any] = {"t": time.perf_counter()}
+            if frame is not None:
+                row["core"], row["leaf"] = _where(frame)
+            n += 1
+            if n % THREAD_CPU_EVERY == 0:
+                row["threads"] = thread_cpu_ns()
+            self.add("sample", **row)
+
     def _write_loop(self) -> None:
         name_os_thread("tiering-trace")
         while True:
@@ -94,6 +147,48 @@ class StepTrace:
 
 TRACE = StepTrace(os.environ.get(ENV) or None)
 os.register_at_fork(after_in_child=TRACE.reopen_from_env)
+
+
+def _where(frame: Any) -> tuple[str, str]:
+    """A thread's stack in two words: where it is in vLLM's engine-core loop (the innermost
+    function of that file, and ``>`` the function it called there, if any; "-" outside it) and
+    the innermost frame, both as ``file:function``."""
+    leaf = _name(frame)
+    core, callee, f = "-", None, frame
+    while f is not None:
+        if f.f_code.co_filename.endswith(_ENGINE_LOOP_FILE):
+            core = f.f_code.co_name + (f">{_name(callee)}" if callee is not None else "")
+            break
+        callee, f = f, f.f_back
+    return core, leaf
+
+
+def _name(frame: Any) -> str:
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+
+
+def thread_cpu_ns() -> dict[str, int]:
+    """Every thread of this process: ``name/tid`` -> CPU nanoseconds so far (the kernel's
+    schedstat); a Python thread by its ``threading`` name, any other by its OS name. A thread
+    gone between the listing and the read is left out."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, int] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            name = names.get(int(tid))
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        out[f"{name}/{tid}"] = ns
+    return out
 
 
 def load(paths: Iterable[str]) -> list[dict[str, Any]]:
@@ -156,8 +251,11 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
     submits = [r for r in rows if r["k"] == "submit" and t0 <= r["t"] <= t1]
     lines = [f"{'ms':>8} {'sched ms':>8} {'cpu':>6} {'tokens':>7} {'reqs':>5} {'loads':>5} "
              f"{'stores':>6} {'waiting':>7} {'submit ms':>9} {'sub cpu':>7} {'load busy':>9} "
-             f"{'store busy':>10} {'landed':>6}"]
+             f"{'store busy':>10} {'landed':>6} {'adds':>5} {'gc ms':>6}  scheduler thread until "
+             "the next step (samples)"]
     updates = [r for r in rows if r["k"] == "update" and t0 <= r["t0"] <= t1]
+    gcs = [r for r in rows if r["k"] == "gc" and t0 <= r["t0"] <= t1]
+    samples = [r for r in rows if r["k"] == "sample" and t0 <= r["t"] <= t1]
     for i, r in enumerate(sched):
         lo = r["t0"]
         hi = sched[i + 1]["t0"] if i + 1 < len(sched) else t1
@@ -168,7 +266,9 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
                      f"{_cpu_ms([r]):>6} {r['tokens']:7d} {r['reqs']:5d} {r['loads']:5d} "
                      f"{r['stores']:6d} {r['waiting']:7d} {sub * 1e3:9.1f} {sub_cpu:>7} "
                      f"{_busy(copies['load'] + copies['expedited'], lo, hi) * 1e3:9.1f} "
-                     f"{_busy(copies['store'], lo, hi) * 1e3:10.1f} {landed:6d}")
+                     f"{_busy(copies['store'], lo, hi) * 1e3:10.1f} {landed:6d} "
+                     f"{_adds(r):>5} {sum(g['t1'] - g['t0'] for g in gcs if lo <= g['t0'] < hi) * 1e3:6.1f}"
+                     f"  {_loop_shares([x for x in samples if lo <= x['t'] < hi])}")
     loads = copies["load"] + copies["expedited"]
     late_s, late_n = _late([r for r in rows if r["k"] == "copy" and r["dir"] == "load"
                             and r["g1"] >= t0 and r["g0"] <= t1])
@@ -183,7 +283,45 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
                  + f"; load jobs late {late_s * 1e3:.1f} ms ({late_n} of "
                  f"{len(copies['load'])} over 1 ms late)"
                  + f"; stores {_busy(copies['store'], t0, t1) * 1e3:.1f} ms busy")
+    if gcs:
+        full = [g for g in gcs if g.get("gen") == 2]
+        lines.append(f"garbage collections {len(gcs)}, {sum(g['t1'] - g['t0'] for g in gcs) * 1e3:.1f}"
+                     f" ms; full {len(full)}, longest "
+                     f"{max((g['t1'] - g['t0'] for g in gcs), default=0) * 1e3:.1f} ms")
+    busiest = _thread_cpu(samples)
+    if busiest:
+        lines.append("thread CPU ms in the window: " + ", ".join(
+            f"{name} {ms:.1f}" for name, ms in busiest))
     return "\n".join(lines)
+
+
+def _adds(row: dict[str, Any]) -> str:
+    return str(row["adds"]) if "adds" in row else "-"
+
+
+def _loop_shares(samples: Sequence[dict[str, Any]], top: int = 2) -> str:
+    """The scheduler thread's most sampled places in the engine-core loop, as shares of the
+    samples (with the innermost frame of the first), or "" without samples."""
+    places = Counter(s["core"] for s in samples if "core" in s)
+    n = sum(places.values())
+    if not n:
+        return ""
+    out = []
+    for core, k in places.most_common(top):
+        leaf = Counter(s["leaf"] for s in samples if s.get("core") == core).most_common(1)[0][0]
+        out.append(f"{core} {100 * k // n}% ({leaf})")
+    return f"{n}: " + ", ".join(out)
+
+
+def _thread_cpu(samples: Sequence[dict[str, Any]], top: int = 8) -> list[tuple[str, float]]:
+    """The threads with the most CPU time between the first and the last thread reading in
+    ``samples``: (name/tid, ms)."""
+    reads = [s["threads"] for s in samples if "threads" in s]
+    if len(reads) < 2:
+        return []
+    first, last = reads[0], reads[-1]
+    used = {k: (v - first.get(k, 0)) / 1e6 for k, v in last.items()}
+    return sorted(((k, v) for k, v in used.items() if v > 0), key=lambda kv: -kv[1])[:top]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -353,9 +353,23 @@ class _StepTimes:
     ``update_from_output`` call is a row of the step trace (``tiering/step_trace.py``); else
     one attribute read per call."""
 
+    _trace_adds = 0  # requests added since the last traced schedule, and the seconds it took
+    _trace_add_s = 0.0
+
+    def add_request(self, request: Any) -> Any:
+        if not TRACE.on:
+            return super().add_request(request)  # type: ignore[misc]
+        t0 = time.perf_counter()
+        try:
+            return super().add_request(request)  # type: ignore[misc]
+        finally:
+            self._trace_adds += 1
+            self._trace_add_s += time.perf_counter() - t0
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         if not TRACE.on:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        TRACE.watch_scheduler_thread()
         t0, c0 = time.perf_counter(), time.thread_time()
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         t1, cpu = time.perf_counter(), time.thread_time() - c0
@@ -365,7 +379,9 @@ class _StepTimes:
                   reqs=len(out.num_scheduled_tokens),
                   loads=len(getattr(meta, "load_jobs", None) or ()),
                   stores=len(getattr(meta, "store_jobs", None) or ()),
-                  waiting=len(self.waiting))  # type: ignore[attr-defined]
+                  waiting=len(self.waiting),  # type: ignore[attr-defined]
+                  adds=self._trace_adds, add_s=self._trace_add_s)
+        self._trace_adds, self._trace_add_s = 0, 0.0
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
