@@ -97,6 +97,11 @@ def parse() -> argparse.Namespace:
                          "cell spreads by tens of ms at 2k)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prefix-hash-algo", default="sha256",
+                    choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
+                    help="vLLM's prefix_caching_hash_algo for every engine: vLLM hashes each "
+                         "request's blocks on arrival, in its engine core's input thread, when "
+                         "prefix caching is on or any KV connector is loaded")
     ap.add_argument("--cpu-gib", type=float, default=0.0,
                     help="CPU tier of the phase engines (0: 1.125 x the longest prompt's KV, "
                          "so that one prompt fits and the disk phase's fillers stay few)")
@@ -394,7 +399,8 @@ class Engine:
         self.settle_max_s = getattr(a, "settle_max_s", 120.0)
         kw = dict(model=str(model), skip_tokenizer_init=True, load_format="dummy",
                   dtype=a.dtype, enforce_eager=True, seed=0, max_model_len=max_len,
-                  enable_prefix_caching=prefix_caching, prefix_caching_hash_algo="sha256",
+                  enable_prefix_caching=prefix_caching,
+                  prefix_caching_hash_algo=getattr(a, "prefix_hash_algo", "sha256"),
                   disable_log_stats=False, num_gpu_blocks_override=gpu_blocks,
                   max_num_seqs=max_num_seqs)
         if not a.cpu_platform:
@@ -1130,6 +1136,10 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
                    help="ours: load_queue_bytes in MiB (loads enqueued on the copy engine at "
                         "once, the rest fed as room frees; 0: all at once; -1: the spec's "
                         "default)")
+    g.add_argument("--sweep-prefix-caching", action="store_true",
+                   help="GPU prefix caching on (off by default, as in the source article): then "
+                        "vLLM hashes every request's blocks for every setup, no offloading "
+                        "included; only the 0%% rate stays free of GPU hits")
     g.add_argument("--sweep-trace", action="store_true",
                    help=f"{', '.join(SWEEP_SCHEDULER_CONFIGS)}: a step trace of the engine "
                         "(tiering/step_trace.py) and a table of each batch's steps in --out")
@@ -1530,7 +1540,8 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
         os.environ[TRACE_ENV] = str(trace)
     try:
         eng = SweepEngine(a, model, key, kvt, gpu_blocks, max_len, [tokens],
-                          max_num_seqs=a.sweep_max_num_seqs or None, prefix_caching=False,
+                          max_num_seqs=a.sweep_max_num_seqs or None,
+                          prefix_caching=a.sweep_prefix_caching,
                           engine_kw=engine_kw)
     finally:
         if trace is not None:
@@ -1566,6 +1577,7 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
                    "batch": kind, "hit_rate": rate,
                    "round": sum(1 for x in rows if (x["batch"], x["hit_rate"]) == (kind, rate)),
                    "prompts": n, "prompt_tokens": tokens,
+                   "prefix_caching": a.sweep_prefix_caching, "hash_algo": a.prefix_hash_algo,
                    "seen_prompts": seen, "tokens_per_s": n * tokens / res["wall_s"],
                    "blocks_loaded": res["from_cpu"] / block_tokens,
                    "blocks_per_s": res["from_cpu"] / block_tokens / res["wall_s"],
@@ -1670,8 +1682,11 @@ def sweep_table(rows: list[dict], rates: list[float]) -> str:
         base = statistics.mean(none) if none else None
         r0 = rs[0]
         lines.append(f"\nPrefill sweep, {shape}: {r0['prompts']} prompts of "
-                     f"{r0['prompt_tokens']} tokens a batch, max_tokens 1, prefix caching off; "
-                     f"tokens/s (x no offloading"
+                     f"{r0['prompt_tokens']} tokens a batch, max_tokens 1, prefix caching "
+                     f"{'on' if r0.get('prefix_caching') else 'off'}"
+                     + (f" (hash {r0['hash_algo']})" if r0.get("hash_algo", "sha256") != "sha256"
+                        else "") + "; "
+                     "tokens/s (x no offloading"
                      + (f", {base:.0f} tok/s" if base else "") + "); blocks/s loaded from CPU")
         lines.append("| setup | " + " | ".join(f"{x:g}%" for x in rates) + " |")
         lines.append("|---|" + "---|" * len(rates))

@@ -547,6 +547,39 @@ def test_none_sched_is_a_sweep_config_the_options_accept(monkeypatch):
     assert a.sweep_configs == ["ours-sched", "none-sched", "none"]
 
 
+def test_prefix_hash_algo_and_sweep_prefix_caching_reach_the_engine_and_the_table(monkeypatch):
+    """2026-12-07c, an H100's 1B 0% batch: vLLM's input thread hashed every arriving request's
+    blocks for ours (a connector is loaded) and not for no offloading. --sweep-prefix-caching
+    makes no offloading hash too, --prefix-hash-algo picks vLLM's hash; both reach the engine's
+    arguments, and the table's title says which ran."""
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "prefill-sweep",
+                                      "--sweep-prefix-caching", "--prefix-hash-algo", "xxhash"])
+    a = gpu_bench.parse()
+    assert a.sweep_prefix_caching and a.prefix_hash_algo == "xxhash"
+    seen: dict = {}
+
+    class LLM:
+        def __init__(self, **kw):
+            seen.update(kw)
+            raise RuntimeError("stop after the arguments")
+
+    import vllm
+    monkeypatch.setattr(vllm, "LLM", LLM)
+    with pytest.raises(RuntimeError, match="stop after"):
+        gpu_bench.Engine(a, Path("m"), "none", None, 64, 528, prefix_caching=True)
+    assert seen["prefix_caching_hash_algo"] == "xxhash" and seen["enable_prefix_caching"]
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "prefill-sweep",
+                                      "--prefix-hash-algo", "md5"])
+    with pytest.raises(SystemExit):
+        gpu_bench.parse()
+    row = {"shape": "1b", "config": "none", "chunk_tokens": 16, "batch": "hit", "hit_rate": 0,
+           "prompts": 4, "prompt_tokens": 512, "tokens_per_s": 1.0, "blocks_loaded": 0,
+           "blocks_per_s": 0}
+    assert "prefix caching off; " in gpu_bench.sweep_table([row], [0])
+    text = gpu_bench.sweep_table([{**row, "prefix_caching": True, "hash_algo": "xxhash"}], [0])
+    assert "max_tokens 1, prefix caching on (hash xxhash); tokens/s" in text
+
+
 def test_sweep_table_gives_the_speedup_over_no_offloading():
     rows = [{"shape": "8b", "config": c, "chunk_tokens": 16, "batch": "hit", "hit_rate": r,
              "prompts": 4, "prompt_tokens": 512, "tokens_per_s": t, "blocks_loaded": b,
