@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tiering import step_trace
-from tiering.step_trace import StepTrace, load, summarize
+from tiering.step_trace import THREAD_CPU_EVERY, StepTrace, load, summarize
 
 
 def test_off_without_the_variable(monkeypatch):
@@ -173,9 +173,10 @@ def test_gc_rows_samples_and_added_requests_show_in_the_summary():
     rows += [{"k": "sample", "t": 10.2 + i / 100, "core": "_process_input_queue",
               "leaf": "scheduler.py:add_request"} for i in range(3)]
     rows += [{"k": "sample", "t": 10.25, "core": "step_with_batch_queue", "leaf": "x.py:f"}]
-    rows += [{"k": "sample", "t": 10.21, "threads": {"main/1": 0, "in/2": 0}},
-             {"k": "sample", "t": 10.6, "threads": {"main/1": 20_000_000, "in/2": 300_000_000,
-                                                    "new/3": 1_000_000}}]
+    rows += [{"k": "sample", "t": 10.21, "threads": {"main/1": 5_000_000, "in/2": 100_000_000}},
+             {"k": "sample", "t": 10.6, "threads": {"main/1": 15_000_000, "in/2": 200_000_000,
+                                                    "new/3": 1_000_000}},
+             {"k": "sample", "t": 11.5, "threads": {"main/1": 99_000_000}}]  # after the window
     rows.sort(key=lambda r: r["t"])
     lines = summarize(rows, 10.0, 11.0).splitlines()
     first = lines[1].split()
@@ -250,3 +251,45 @@ def test_load_jobs_slower_than_their_bytes_are_summed_as_late():
     # one job is its own median: never late
     assert "load jobs late 0.0 ms (0 of 1 over 1 ms late)" in \
         summarize(_rows(), 10.0, 11.0).splitlines()[-1]
+
+
+def test_the_sampler_records_where_the_scheduler_thread_is_its_cpu_and_collections(tmp_path):
+    """A traced scheduler thread (here a spinning one): its first traced call starts the
+    sampler, whose rows name the function the thread is in and the CPU each thread used since
+    the reading before; a collection on any thread is a ``gc`` row."""
+    import gc
+    import threading
+
+    t = StepTrace(str(tmp_path / "tr"))
+    stop = threading.Event()
+
+    def spin_as_the_scheduler():
+        t.watch_scheduler_thread()
+        gc.collect()
+        while not stop.is_set():  # bursts of CPU, each followed by a wait that frees the GIL
+            end = time.thread_time() + 0.002
+            while time.thread_time() < end:
+                sum(range(1000))
+            time.sleep(0.001)
+
+    worker = threading.Thread(target=spin_as_the_scheduler, name="sched")
+    worker.start()
+    try:
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        worker.join()
+        t.on = False  # the sampler ends at its next wake-up
+        gc.callbacks.remove(t._on_gc)
+    t.path = str(tmp_path / "tr")  # flush writes only while a path is set
+    t.flush()  # what its writer thread has not written yet
+    rows = load([str(f) for f in tmp_path.glob("tr.*.jsonl")])
+    samples = [r for r in rows if r["k"] == "sample"]
+    assert len(samples) >= 4 * THREAD_CPU_EVERY  # about 0.5 s / SAMPLE_S of them
+    leaves = {r.get("leaf") for r in samples}
+    assert "test_step_trace.py:spin_as_the_scheduler" in leaves
+    assert all(r.get("core", "-") == "-" for r in samples)  # no vLLM engine loop here
+    spent = sum(r["threads"].get(f"sched/{worker.native_id}", 0)
+                for r in samples if "threads" in r)
+    assert spent > 100_000_000  # it spun two thirds of the 0.5 s
+    assert any(r["k"] == "gc" and r["gen"] == 2 and r["t1"] >= r["t0"] for r in rows)

@@ -21,7 +21,8 @@ the same in every process of the machine):
   of vLLM's engine core loop (``vllm/v1/engine/core.py``, e.g. ``_process_input_queue`` taking
   requests in, ``step_with_batch_queue``) with the call it is in there, and the innermost frame
   (``file:function``); every
-  ``THREAD_CPU_EVERY`` samples, every thread's CPU nanoseconds so far (``/proc/self/task``), so
+  ``THREAD_CPU_EVERY`` samples, the CPU nanoseconds each thread used since the previous reading
+  (``/proc/self/task``; threads that used none left out), so
   that a gap between two steps shows which thread had the CPU (vLLM's input thread hashes each
   request's blocks when a connector is loaded).
 
@@ -118,6 +119,7 @@ class StepTrace:
     def _sample_loop(self) -> None:
         name_os_thread("tiering-sample")
         n = 0
+        last = thread_cpu_ns()
         while self.on:
             time.sleep(SAMPLE_S)
             frame = sys._current_frames().get(self.scheduler_ident or 0)
@@ -126,7 +128,10 @@ class StepTrace:
                 row["core"], row["leaf"] = _where(frame)
             n += 1
             if n % THREAD_CPU_EVERY == 0:
-                row["threads"] = thread_cpu_ns()
+                now = thread_cpu_ns()
+                row["threads"] = {k: v - last.get(k, 0) for k, v in now.items()
+                                  if v != last.get(k, 0)}
+                last = now
             self.add("sample", **row)
 
     def _write_loop(self) -> None:
@@ -314,14 +319,12 @@ def _loop_shares(samples: Sequence[dict[str, Any]], top: int = 2) -> str:
 
 
 def _thread_cpu(samples: Sequence[dict[str, Any]], top: int = 8) -> list[tuple[str, float]]:
-    """The threads with the most CPU time between the first and the last thread reading in
-    ``samples``: (name/tid, ms)."""
-    reads = [s["threads"] for s in samples if "threads" in s]
-    if len(reads) < 2:
-        return []
-    first, last = reads[0], reads[-1]
-    used = {k: (v - first.get(k, 0)) / 1e6 for k, v in last.items()}
-    return sorted(((k, v) for k, v in used.items() if v > 0), key=lambda kv: -kv[1])[:top]
+    """The threads with the most CPU time in the thread readings of ``samples`` (each the
+    nanoseconds used since the reading before): (name/tid, ms)."""
+    used: Counter[str] = Counter()
+    for s in samples:
+        used.update(s.get("threads", {}))
+    return [(k, v / 1e6) for k, v in used.most_common(top) if v > 0]
 
 
 def main(argv: list[str] | None = None) -> None:
