@@ -261,25 +261,38 @@ def test_the_sampler_records_where_the_scheduler_thread_is_its_cpu_and_collectio
     import threading
 
     t = StepTrace(str(tmp_path / "tr"))
-    stop = threading.Event()
+    stop, release = threading.Event(), threading.Event()
+    own_cpu = []
 
     def spin_as_the_scheduler():
         t.watch_scheduler_thread()
+        # idle while the sampler starts and takes its first reading: under a spinning thread
+        # its /proc reads (each gives the GIL away) can take a few hundred ms
+        time.sleep(0.2)
+        c0 = time.thread_time()
         gc.collect()
         while not stop.is_set():  # bursts of CPU, each followed by a wait that frees the GIL
             end = time.thread_time() + 0.002
             while time.thread_time() < end:
                 sum(range(1000))
             time.sleep(0.001)
+        own_cpu.append(time.thread_time() - c0)
+        release.wait(10)  # alive, idle, while the sampler reads its CPU once more
 
     worker = threading.Thread(target=spin_as_the_scheduler, name="sched")
     worker.start()
     try:
         time.sleep(0.5)
+        stop.set()
+        deadline = time.monotonic() + 10
+        while not own_cpu and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # a few more thread readings while the worker idles
     finally:
         stop.set()
-        worker.join()
         t.on = False  # the sampler ends at its next wake-up
+        release.set()
+        worker.join()
         gc.callbacks.remove(t._on_gc)
     t.path = str(tmp_path / "tr")  # flush writes only while a path is set
     t.flush()  # what its writer thread has not written yet
@@ -291,5 +304,33 @@ def test_the_sampler_records_where_the_scheduler_thread_is_its_cpu_and_collectio
     assert all(r.get("core", "-") == "-" for r in samples)  # no vLLM engine loop here
     spent = sum(r["threads"].get(f"sched/{worker.native_id}", 0)
                 for r in samples if "threads" in r)
-    assert spent > 100_000_000  # it spun two thirds of the 0.5 s
+    # the readings add up to the thread's own CPU clock from its first reading on
+    assert own_cpu[0] > 0.05
+    assert abs(spent - own_cpu[0] * 1e9) < 20_000_000, (spent, own_cpu)
     assert any(r["k"] == "gc" and r["gen"] == 2 and r["t1"] >= r["t0"] for r in rows)
+
+
+def test_a_collection_while_a_row_is_being_added_does_not_deadlock(tmp_path):
+    """A garbage collection can start on any allocation, so also on a thread that holds the
+    trace's lock (adding a row, starting the writer thread, swapping the rows in ``flush``);
+    the collector's row must then be added on that same thread without waiting for itself."""
+    import gc
+    import threading
+
+    t = StepTrace(str(tmp_path / "tr"))
+    gc.callbacks.append(t._on_gc)
+    done = threading.Event()
+
+    def collect_under_the_lock():
+        with t._lock:
+            gc.collect()
+        done.set()
+
+    try:
+        worker = threading.Thread(target=collect_under_the_lock, daemon=True)
+        worker.start()
+        worker.join(10)
+        assert done.is_set(), "the gc row waited for the lock its own thread held"
+    finally:
+        gc.callbacks.remove(t._on_gc)
+    assert any(r["k"] == "gc" for r in t._rows)

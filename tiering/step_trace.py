@@ -72,7 +72,10 @@ class StepTrace:
         self.path = path
         self.on = bool(path)
         self._rows: list[dict[str, Any]] = []
-        self._lock = threading.Lock()  # the swap in flush must not lose a row added meanwhile
+        # the swap in flush must not lose a row added meanwhile; reentrant, because a garbage
+        # collection may start on an allocation made under it, and its row is added on the
+        # same thread (``_on_gc``)
+        self._lock = threading.RLock()
         self._writer: threading.Thread | None = None
         self.scheduler_ident: int | None = None  # the thread the sampler looks at
 
