@@ -8,6 +8,7 @@ import json
 import os
 import random
 import time
+from collections import deque
 
 import pytest
 
@@ -135,7 +136,8 @@ def test_under_tiering_scheduler_each_step_is_a_row(tmp_path, monkeypatch):
     trace = StepTrace(str(tmp_path / "tr"))
     monkeypatch.setattr(step_trace.TRACE, "on", True)
     monkeypatch.setattr(step_trace.TRACE, "path", trace.path)
-    monkeypatch.setattr(step_trace.TRACE, "_rows", [])
+    monkeypatch.setattr(step_trace.TRACE, "_rows", deque())
+    monkeypatch.setattr(step_trace.TRACE, "scheduler_ident", None)  # its sampler starts anew
     extra = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm",
              "block_size": 128, "cpu_bytes_to_use": 16 * (256 << 10),
              "tiers": [{"medium": "cpu", "policy": "lru"}]}
@@ -150,6 +152,9 @@ def test_under_tiering_scheduler_each_step_is_a_row(tmp_path, monkeypatch):
     step_trace.TRACE.flush()  # the rows its writer thread has not written yet
     rows = load([str(f) for f in tmp_path.glob("tr.*.jsonl")])
     h.manager.shutdown()
+    import gc
+
+    gc.callbacks.remove(step_trace.TRACE._on_gc)  # the global trace's, added by the first step
     sched = [r for r in rows if r["k"] == "schedule"]
     assert sched and all(r["t1"] >= r["t0"] for r in sched)
     # the thread's CPU time in each call, never more than its wall time (clock granularity aside)
@@ -310,27 +315,59 @@ def test_the_sampler_records_where_the_scheduler_thread_is_its_cpu_and_collectio
     assert any(r["k"] == "gc" and r["gen"] == 2 and r["t1"] >= r["t0"] for r in rows)
 
 
-def test_a_collection_while_a_row_is_being_added_does_not_deadlock(tmp_path):
-    """A garbage collection can start on any allocation, so also on a thread that holds the
-    trace's lock (adding a row, starting the writer thread, swapping the rows in ``flush``);
-    the collector's row must then be added on that same thread without waiting for itself."""
+def test_a_collection_at_any_point_of_the_first_row_never_stalls_it(tmp_path):
+    """A garbage collection can start on any allocation of any thread: while a row is being
+    added, while the writer thread is being created or is starting up. Its row must be added
+    right there without waiting for anything. With a lock around the rows, the first ``add``
+    hung at about 3% of the points a collection can fall on (the collection inside the
+    writer's creation waited for the lock its own thread held; with a reentrant lock, the one
+    in the new writer's start-up waited for its creator): here each point is tried in turn."""
     import gc
     import threading
 
+    class Filler:
+        pass
+
+    threshold = gc.get_threshold()[0]
+    stalled = []
+    for ahead in range(40):  # the first add starts this many allocations before a collection
+        t = StepTrace(str(tmp_path / f"tr{ahead}"))
+        done = threading.Event()
+
+        def first_row(t=t, done=done, ahead=ahead):
+            keep = []
+            while gc.get_count()[0] < threshold - ahead:
+                keep.append(Filler())
+            t.add("x", ahead=ahead)
+            done.set()
+
+        gc.callbacks.append(t._on_gc)
+        try:
+            worker = threading.Thread(target=first_row, daemon=True)
+            worker.start()
+            if not done.wait(5):
+                stalled.append(ahead)
+        finally:
+            gc.callbacks.remove(t._on_gc)
+        if ahead not in stalled:  # (a stalled trace's rows are left alone: its lock is held)
+            t.flush()
+            rows = load([str(f) for f in tmp_path.glob(f"tr{ahead}.*.jsonl")])
+            assert [r["ahead"] for r in rows if r["k"] == "x"] == [ahead]
+    assert not stalled, f"the first row stalled with a collection {stalled} allocations ahead"
+
+
+def test_the_collector_callback_is_registered_once_per_process(tmp_path):
+    """A forked engine core inherits the parent's callback list and starts its own sampler
+    (``scheduler_ident`` reset): one callback, not two rows per collection."""
+    import gc
+
     t = StepTrace(str(tmp_path / "tr"))
-    gc.callbacks.append(t._on_gc)
-    done = threading.Event()
-
-    def collect_under_the_lock():
-        with t._lock:
-            gc.collect()
-        done.set()
-
     try:
-        worker = threading.Thread(target=collect_under_the_lock, daemon=True)
-        worker.start()
-        worker.join(10)
-        assert done.is_set(), "the gc row waited for the lock its own thread held"
+        t.watch_scheduler_thread()
+        t.scheduler_ident = None  # as after reopen_from_env in a forked child
+        t.watch_scheduler_thread()
+        assert gc.callbacks.count(t._on_gc) == 1
     finally:
-        gc.callbacks.remove(t._on_gc)
-    assert any(r["k"] == "gc" for r in t._rows)
+        t.on = False
+        while t._on_gc in gc.callbacks:
+            gc.callbacks.remove(t._on_gc)

@@ -22,7 +22,7 @@ the same in every process of the machine):
   requests in, ``step_with_batch_queue``) with the call it is in there, and the innermost frame
   (``file:function``); every
   ``THREAD_CPU_EVERY`` samples, the CPU nanoseconds each thread used since the previous reading
-  (``/proc/self/task``; threads that used none left out), so
+  (the kernel's per-thread CPU clocks; threads that used none left out), so
   that a gap between two steps shows which thread had the CPU (vLLM's input thread hashes each
   request's blocks when a connector is loaded).
 
@@ -49,7 +49,8 @@ import os
 import sys
 import threading
 import time
-from collections import Counter
+from bisect import bisect_left
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -58,7 +59,7 @@ from tiering.thread_names import name_os_thread
 ENV = "TIERING_STEP_TRACE"
 FLUSH_S = 0.5
 SAMPLE_S = 0.005  # how often the sampler looks at the scheduler's thread
-THREAD_CPU_EVERY = 4  # every this many samples, every thread's CPU time (a /proc read each)
+THREAD_CPU_EVERY = 4  # every this many samples, every thread's CPU time
 _ENGINE_LOOP_FILE = os.path.join("vllm", "v1", "engine", "core.py")
 
 
@@ -71,53 +72,61 @@ class StepTrace:
     def _open(self, path: str | None) -> None:
         self.path = path
         self.on = bool(path)
-        self._rows: list[dict[str, Any]] = []
-        # the swap in flush must not lose a row added meanwhile; reentrant, because a garbage
-        # collection may start on an allocation made under it, and its row is added on the
-        # same thread (``_on_gc``)
-        self._lock = threading.RLock()
+        # rows wait here for the writer thread: append and popleft are atomic, so no lock is
+        # held while a row is added. A garbage collection can start on any allocation, on any
+        # thread, even while another row is being added or the writer thread is starting, and
+        # its row (``_on_gc``) is added right there: a lock would make it wait for itself.
+        self._rows: deque[dict[str, Any]] = deque()
+        self._start_lock = threading.Lock()  # one writer thread; never held by ``_on_gc``
         self._writer: threading.Thread | None = None
         self.scheduler_ident: int | None = None  # the thread the sampler looks at
+        self._gc_t0: float | None = None
 
     def reopen_from_env(self) -> None:
         """A forked child starts a trace of its own, from the environment it has now: vLLM
         forks its engine core from a process that imported this module before the variable
-        was set (gpu-bench), and the parent's writer thread, lock and rows are not the
-        child's."""
+        was set (gpu-bench), and the parent's writer thread and rows are not the child's."""
         self._open(os.environ.get(ENV) or None)
 
     def add(self, kind: str, **fields: Any) -> None:
         fields["k"] = kind
         fields.setdefault("t", time.perf_counter())
-        with self._lock:
-            self._rows.append(fields)
-            if self._writer is None:
-                self._start_writer()
+        self._rows.append(fields)
+        if self._writer is None:
+            self._start_writer()
 
     def _start_writer(self) -> None:
-        self._writer = threading.Thread(target=self._write_loop, name="tiering-step-trace",
-                                        daemon=True)
-        self._writer.start()
+        with self._start_lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop,
+                                                name="tiering-step-trace", daemon=True)
+                self._writer.start()
 
     def watch_scheduler_thread(self) -> None:
         """Called on vLLM's scheduler thread (each traced ``schedule``): the first call starts
-        the sampler and the garbage collector's rows in this process."""
+        the sampler and the garbage collector's rows in this process (once, also in a forked
+        child that inherited the parent's callback list)."""
         if self.scheduler_ident is not None:
             return
         self.scheduler_ident = threading.get_ident()
-        gc.callbacks.append(self._on_gc)
+        self._start_writer()  # before the callback, which only appends
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
         threading.Thread(target=self._sample_loop, name="tiering-step-sample",
                          daemon=True).start()
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        """Python's collector, on whichever thread it runs: a row per collection, appended
+        and nothing else (no lock, no thread started; see ``_open``)."""
         if not self.on:
             return
         if phase == "start":
             self._gc_t0 = time.perf_counter()
-        elif hasattr(self, "_gc_t0"):
-            t1 = time.perf_counter()
-            self.add("gc", t=self._gc_t0, t0=self._gc_t0, t1=t1, gen=info.get("generation"),
-                     collected=info.get("collected"))
+        elif self._gc_t0 is not None:
+            t0, self._gc_t0 = self._gc_t0, None
+            self._rows.append({"k": "gc", "t": t0, "t0": t0, "t1": time.perf_counter(),
+                               "gen": info.get("generation"),
+                               "collected": info.get("collected")})
 
     def _sample_loop(self) -> None:
         name_os_thread("tiering-sample")
@@ -145,8 +154,8 @@ class StepTrace:
 
     def flush(self) -> None:
         """Write the rows recorded so far (the writer thread does this every FLUSH_S)."""
-        with self._lock:
-            rows, self._rows = self._rows, []
+        q = self._rows
+        rows = [q.popleft() for _ in range(len(q))]  # a row added meanwhile waits its turn
         if not rows or not self.path:
             return
         with open(f"{self.path}.{os.getpid()}.jsonl", "a") as f:
@@ -175,28 +184,50 @@ def _name(frame: Any) -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
 
 
+_thread_names: dict[int, str] = {}  # tid -> the name its readings go under, fixed at first sight
+
+
 def thread_cpu_ns() -> dict[str, int]:
-    """Every thread of this process: ``name/tid`` -> CPU nanoseconds so far (the kernel's
-    schedstat); a Python thread by its ``threading`` name, any other by its OS name. A thread
-    gone between the listing and the read is left out."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, int] = {}
+    """Every thread of this process: ``name/tid`` -> CPU nanoseconds so far. A Python thread
+    goes by its ``threading`` name, any other by its OS name; a thread keeps the name it had at
+    its first reading. The clock is the kernel's per-thread CPU clock read by its clock id
+    (Linux's encoding of a thread id), which keeps the GIL: one read of ``/proc`` per call and
+    one per new thread, where reading every thread's ``/proc`` file gave the GIL away each time
+    (hundreds of ms under a busy scheduler thread). A thread gone meanwhile is left out."""
     try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-            name = names.get(int(tid))
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, int] = {}
+    for gone in set(_thread_names).difference(tids):  # a later thread may reuse the id
+        del _thread_names[gone]
+    new = [tid for tid in tids if tid not in _thread_names]
+    if new:
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        for tid in new:
+            name = names.get(tid)
             if name is None:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    name = f.read().strip()
-        except (OSError, ValueError, IndexError):
+                try:
+                    with open(f"/proc/self/task/{tid}/comm") as f:
+                        name = f.read().strip()
+                except OSError:
+                    continue
+            _thread_names[tid] = name
+    for tid in tids:
+        name = _thread_names.get(tid)
+        if name is None:
             continue
-        out[f"{name}/{tid}"] = ns
+        try:
+            out[f"{name}/{tid}"] = time.clock_gettime_ns(_thread_clock(tid))
+        except OSError:  # gone since the listing
+            continue
     return out
+
+
+def _thread_clock(tid: int) -> int:
+    """The clock id of thread ``tid``'s CPU time (Linux: ``MAKE_THREAD_CPUCLOCK(tid,
+    CPUCLOCK_SCHED)``, the id ``pthread_getcpuclockid`` returns for it)."""
+    return ((~tid) << 3) | 6
 
 
 def load(paths: Iterable[str]) -> list[dict[str, Any]]:
@@ -262,8 +293,12 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
              f"{'store busy':>10} {'landed':>6} {'adds':>5} {'gc ms':>6}  scheduler thread until "
              "the next step (samples)"]
     updates = [r for r in rows if r["k"] == "update" and t0 <= r["t0"] <= t1]
-    gcs = [r for r in rows if r["k"] == "gc" and t0 <= r["t0"] <= t1]
-    samples = [r for r in rows if r["k"] == "sample" and t0 <= r["t"] <= t1]
+    gcs = sorted((r for r in rows if r["k"] == "gc" and t0 <= r["t0"] <= t1),
+                 key=lambda r: r["t0"])
+    samples = sorted((r for r in rows if r["k"] == "sample" and t0 <= r["t"] <= t1),
+                     key=lambda r: r["t"])
+    gc_t = [g["t0"] for g in gcs]  # each step's share found by bisection: a long trace has
+    sample_t = [x["t"] for x in samples]  # tens of thousands of samples
     for i, r in enumerate(sched):
         lo = r["t0"]
         hi = sched[i + 1]["t0"] if i + 1 < len(sched) else t1
@@ -275,8 +310,8 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
                      f"{r['stores']:6d} {r['waiting']:7d} {sub * 1e3:9.1f} {sub_cpu:>7} "
                      f"{_busy(copies['load'] + copies['expedited'], lo, hi) * 1e3:9.1f} "
                      f"{_busy(copies['store'], lo, hi) * 1e3:10.1f} {landed:6d} "
-                     f"{_adds(r):>5} {sum(g['t1'] - g['t0'] for g in gcs if lo <= g['t0'] < hi) * 1e3:6.1f}"
-                     f"  {_loop_shares([x for x in samples if lo <= x['t'] < hi])}")
+                     f"{_adds(r):>5} {_gc_ms(gcs[bisect_left(gc_t, lo):bisect_left(gc_t, hi)]):6.1f}"
+                     f"  {_loop_shares(samples[bisect_left(sample_t, lo):bisect_left(sample_t, hi)])}")
     loads = copies["load"] + copies["expedited"]
     late_s, late_n = _late([r for r in rows if r["k"] == "copy" and r["dir"] == "load"
                             and r["g1"] >= t0 and r["g0"] <= t1])
@@ -301,6 +336,10 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
         lines.append("thread CPU ms in the window: " + ", ".join(
             f"{name} {ms:.1f}" for name, ms in busiest))
     return "\n".join(lines)
+
+
+def _gc_ms(gcs: Sequence[dict[str, Any]]) -> float:
+    return float(sum(g["t1"] - g["t0"] for g in gcs)) * 1e3
 
 
 def _adds(row: dict[str, Any]) -> str:
