@@ -371,3 +371,39 @@ def test_the_collector_callback_is_registered_once_per_process(tmp_path):
         t.on = False
         while t._on_gc in gc.callbacks:
             gc.callbacks.remove(t._on_gc)
+
+
+def test_flushes_from_two_threads_write_every_row_once_and_whole(tmp_path):
+    """The writer thread flushes every FLUSH_S and a process may flush at its end: rows added
+    while both run land once each, every line whole."""
+    import sys
+    import threading
+
+    t = StepTrace(str(tmp_path / "tr"))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def flush_often():
+        try:
+            while not stop.is_set():
+                t.flush()
+        except BaseException as e:  # a flusher that dies loses the rows it had taken
+            errors.append(e)
+
+    flushers = [threading.Thread(target=flush_often) for _ in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between nearly any two bytecodes
+    for f in flushers:
+        f.start()
+    try:
+        for i in range(60000):
+            t.add("x", i=i, pad="p" * 100)
+    finally:
+        stop.set()
+        for f in flushers:
+            f.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    t.flush()
+    rows = load([str(f) for f in tmp_path.glob("tr.*.jsonl")])  # a torn line fails to parse
+    assert sorted(r["i"] for r in rows) == list(range(60000))

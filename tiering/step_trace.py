@@ -78,6 +78,7 @@ class StepTrace:
         # its row (``_on_gc``) is added right there: a lock would make it wait for itself.
         self._rows: deque[dict[str, Any]] = deque()
         self._start_lock = threading.Lock()  # one writer thread; never held by ``_on_gc``
+        self._flush_lock = threading.Lock()  # one flush at a time; never taken by ``_on_gc``
         self._writer: threading.Thread | None = None
         self.scheduler_ident: int | None = None  # the thread the sampler looks at
         self._gc_t0: float | None = None
@@ -154,12 +155,13 @@ class StepTrace:
 
     def flush(self) -> None:
         """Write the rows recorded so far (the writer thread does this every FLUSH_S)."""
-        q = self._rows
-        rows = [q.popleft() for _ in range(len(q))]  # a row added meanwhile waits its turn
-        if not rows or not self.path:
-            return
-        with open(f"{self.path}.{os.getpid()}.jsonl", "a") as f:
-            f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in rows)
+        with self._flush_lock:  # one writer of the file at a time: lines never interleave
+            q = self._rows
+            rows = [q.popleft() for _ in range(len(q))]  # a row added meanwhile waits its turn
+            if not rows or not self.path:
+                return
+            with open(f"{self.path}.{os.getpid()}.jsonl", "a") as f:
+                f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in rows)
 
 
 TRACE = StepTrace(os.environ.get(ENV) or None)
