@@ -12,18 +12,17 @@ under load and is left out when there are more)."""
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+from tiering.step_trace import load  # noqa: E402
+
 
 def rows(path: str) -> list[dict[str, Any]]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        out = [json.loads(line) for line in f if line.strip()]
-    return sorted((r for r in out if r["k"] == "schedule"), key=lambda r: r["t0"])
+    return [r for r in load([path]) if r["k"] == "schedule"]
 
 
 def batches(sched: list[dict[str, Any]], full_tokens: int) -> list[list[tuple[float, int]]]:

@@ -407,3 +407,59 @@ def test_flushes_from_two_threads_write_every_row_once_and_whole(tmp_path):
     t.flush()
     rows = load([str(f) for f in tmp_path.glob("tr.*.jsonl")])  # a torn line fails to parse
     assert sorted(r["i"] for r in rows) == list(range(60000))
+
+
+def test_load_reads_gzipped_traces_beside_plain_ones(tmp_path):
+    """Results keep their traces gzipped (docs/results); both forms load, by time."""
+    import gzip
+
+    with gzip.open(tmp_path / "x.1.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"k": "submit", "t": 2.0, "dt": 0}) + "\n")
+    (tmp_path / "x.2.jsonl").write_text(json.dumps({"k": "schedule", "t": 1.0, "t0": 1.0}) + "\n")
+    rows = load([str(tmp_path / "x.1.jsonl.gz"), str(tmp_path / "x.2.jsonl")])
+    assert [r["k"] for r in rows] == ["schedule", "submit"]
+
+
+def test_a_sampler_that_fails_logs_once_and_stops(tmp_path, monkeypatch, caplog):
+    """The sampler is a diagnostic: an error in it is one log line and the end of the samples,
+    never an exception out of a thread of the engine."""
+    import gc
+    import logging
+    import threading
+
+    def broken(_frame):
+        raise RuntimeError("bad frame")
+
+    monkeypatch.setattr(step_trace, "_where", broken)
+    t = StepTrace(str(tmp_path / "tr"))
+    caplog.set_level(logging.ERROR, logger="tiering.step_trace")
+    before = {th.ident for th in threading.enumerate()}
+    try:
+        t.watch_scheduler_thread()  # this thread is the "scheduler": it has a frame to sample
+        sampler = next(th for th in threading.enumerate()
+                       if th.name == "tiering-step-sample" and th.ident not in before)
+        sampler.join(5)
+        assert not sampler.is_alive()
+    finally:
+        t.on = False
+        gc.callbacks.remove(t._on_gc)
+    assert [r.getMessage() for r in caplog.records] == ["step trace: the sampler stopped"]
+
+
+def test_a_trace_it_cannot_write_turns_itself_off_with_one_line(tmp_path, caplog):
+    """TIERING_STEP_TRACE naming a folder that does not exist (or a full disk): the writer
+    thread says so once and the trace stops, instead of rows piling up in the engine's memory
+    at the sampler's 200 a second."""
+    import logging
+
+    caplog.set_level(logging.ERROR, logger="tiering.step_trace")
+    t = StepTrace(str(tmp_path / "missing" / "tr"))
+    t.add("schedule", t0=1.0, t1=1.0)
+    deadline = time.monotonic() + 10 * step_trace.FLUSH_S
+    while t.on and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not t.on and len(t._rows) == 0
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "missing" in msgs[0] and "the trace is off" in msgs[0]
+    t.add("schedule", t0=2.0, t1=2.0)  # a hook still running adds to a trace nobody writes
+    assert not (tmp_path / "missing").exists()

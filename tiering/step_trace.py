@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
+import logging
 import os
 import sys
 import threading
@@ -55,6 +57,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tiering.thread_names import name_os_thread
+
+log = logging.getLogger(__name__)
 
 ENV = "TIERING_STEP_TRACE"
 FLUSH_S = 0.5
@@ -131,6 +135,12 @@ class StepTrace:
 
     def _sample_loop(self) -> None:
         name_os_thread("tiering-sample")
+        try:
+            self._sample()
+        except Exception:  # a diagnostic: it stops, the engine goes on
+            log.exception("step trace: the sampler stopped")
+
+    def _sample(self) -> None:
         n = 0
         last = thread_cpu_ns()
         while self.on:
@@ -151,7 +161,14 @@ class StepTrace:
         name_os_thread("tiering-trace")
         while True:
             time.sleep(FLUSH_S)
-            self.flush()
+            try:
+                self.flush()
+            except OSError as e:  # rows would pile up in memory with nobody writing them
+                self.on = False
+                self._rows.clear()
+                log.error("step trace: cannot write %s.%d.jsonl (%s); the trace is off",
+                          self.path, os.getpid(), e)
+                return
 
     def flush(self) -> None:
         """Write the rows recorded so far (the writer thread does this every FLUSH_S)."""
@@ -202,7 +219,7 @@ def thread_cpu_ns() -> dict[str, int]:
         return {}
     out: dict[str, int] = {}
     for gone in set(_thread_names).difference(tids):  # a later thread may reuse the id
-        del _thread_names[gone]
+        _thread_names.pop(gone, None)  # (another trace's sampler may have dropped it first)
     new = [tid for tid in tids if tid not in _thread_names]
     if new:
         names = {t.native_id: t.name for t in threading.enumerate()}
@@ -233,10 +250,11 @@ def _thread_clock(tid: int) -> int:
 
 
 def load(paths: Iterable[str]) -> list[dict[str, Any]]:
-    """Every row of the trace files, by time."""
+    """Every row of the trace files, by time; a file ending in ``.gz`` is read gzipped (the
+    form results are kept in, docs/results)."""
     rows: list[dict[str, Any]] = []
     for p in paths:
-        with open(p) as f:
+        with (gzip.open(p, "rt") if str(p).endswith(".gz") else open(p)) as f:
             rows.extend(json.loads(line) for line in f if line.strip())
     return sorted(rows, key=lambda r: float(r.get("t0", r["t"])))
 
