@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import json
 import math
@@ -102,6 +103,13 @@ def parse() -> argparse.Namespace:
                     help="vLLM's prefix_caching_hash_algo for every engine: vLLM hashes each "
                          "request's blocks on arrival, in its engine core's input thread, when "
                          "prefix caching is on or any KV connector is loaded")
+    ap.add_argument("--cuda-graphs", default="eager", choices=sorted(CUDA_GRAPH_MODES),
+                    help="how every engine of the run launches its forward passes: eager (each "
+                         "kernel launched from Python, the runs recorded before 2026-12-07d), "
+                         "decode (CUDA graphs for steps where every request computes one "
+                         "token, the rest eager, no torch.compile: a hit's last-token step and "
+                         "a 100%% batch's steps are such steps), compiled (vLLM's serving "
+                         "default: torch.compile, full and piecewise graphs)")
     ap.add_argument("--cpu-gib", type=float, default=0.0,
                     help="CPU tier of the phase engines (0: 1.125 x the longest prompt's KV, "
                          "so that one prompt fits and the disk phase's fillers stay few)")
@@ -368,6 +376,28 @@ def with_switch_interval(kvt: dict | None, ms: float | None) -> dict | None:
     return kvt
 
 
+# --cuda-graphs: what each mode sets on vLLM's engine (enforce_eager, compilation_config). Our
+# connector adds no per-layer hooks (vLLM's OffloadingConnector keeps full graphs), so full CUDA
+# graphs apply with it as without it. custom_ops "none" because the carried vLLM runs its
+# layers' PyTorch versions (docs/gpu.md); torch.compile fuses those anyway.
+CUDA_GRAPH_MODES: dict[str, dict] = {
+    "eager": {"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]}},
+    "decode": {"enforce_eager": False,
+               "compilation_config": {"custom_ops": ["none"], "mode": 0,
+                                      "cudagraph_mode": "FULL_DECODE_ONLY"}},
+    "compiled": {"enforce_eager": False,
+                 "compilation_config": {"custom_ops": ["none"],
+                                        "cudagraph_mode": "FULL_AND_PIECEWISE"}},
+}
+
+
+def engine_launch_kw(mode: str) -> dict:
+    """``LLM`` keyword arguments for ``--cuda-graphs`` ``mode`` (a fresh copy each call)."""
+    if mode not in CUDA_GRAPH_MODES:
+        raise ValueError(f"--cuda-graphs: expected one of {sorted(CUDA_GRAPH_MODES)}, got {mode!r}")
+    return copy.deepcopy(CUDA_GRAPH_MODES[mode])
+
+
 def with_io_threads(kvt: dict | None, n: int | None) -> dict | None:
     """``kvt`` with ``io_threads`` = ``n`` on each of our file tiers (None: the tier's default),
     for an A/B of how many reads a disk gets in flight (vLLM's fs tier runs 16 read-first and 16
@@ -405,7 +435,7 @@ class Engine:
                   max_num_seqs=max_num_seqs)
         if not a.cpu_platform:
             kw.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=a.gpu_mem,
-                      compilation_config={"custom_ops": ["none"]})
+                      **engine_launch_kw(getattr(a, "cuda_graphs", "eager")))
         if kvt is not None:
             kw["kv_transfer_config"] = kvt
         kw.update(engine_kw or {})
@@ -1578,7 +1608,7 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
                    "round": sum(1 for x in rows if (x["batch"], x["hit_rate"]) == (kind, rate)),
                    "prompts": n, "prompt_tokens": tokens,
                    "prefix_caching": a.sweep_prefix_caching, "hash_algo": a.prefix_hash_algo,
-                   "seen_prompts": seen, "tokens_per_s": n * tokens / res["wall_s"],
+                   "cuda_graphs": a.cuda_graphs, "seen_prompts": seen, "tokens_per_s": n * tokens / res["wall_s"],
                    "blocks_loaded": res["from_cpu"] / block_tokens,
                    "blocks_per_s": res["from_cpu"] / block_tokens / res["wall_s"],
                    "kv_bytes_per_block": kvb * block_tokens, **res}
@@ -1685,7 +1715,8 @@ def sweep_table(rows: list[dict], rates: list[float]) -> str:
                      f"{r0['prompt_tokens']} tokens a batch, max_tokens 1, prefix caching "
                      f"{'on' if r0.get('prefix_caching') else 'off'}"
                      + (f" (hash {r0['hash_algo']})" if r0.get("hash_algo", "sha256") != "sha256"
-                        else "") + "; "
+                        else "")
+                     + f", {r0.get('cuda_graphs', 'eager')} launches; "
                      "tokens/s (x no offloading"
                      + (f", {base:.0f} tok/s" if base else "") + "); blocks/s loaded from CPU")
         lines.append("| setup | " + " | ".join(f"{x:g}%" for x in rates) + " |")
@@ -1776,7 +1807,7 @@ def sweep_main(a: argparse.Namespace, t0: float) -> None:
             "rounds": a.sweep_rounds,
             "chunk_tokens": [c or "default" for c in chunks], "prompt_tokens": tokens,
             "gpu_block_tokens": block_tokens,
-            "kv_layout": kv_layout_label()}
+            "kv_layout": kv_layout_label(), "cuda_graphs": a.cuda_graphs}
     rows: list[dict] = []
     timings: dict = {}
     budget = StepBudget(a.budget_s, t0)
@@ -1860,7 +1891,7 @@ def main() -> None:
             "cpu_gib": cpu_bytes / 2**30, "gpu_kv_tokens": gpu_blocks * block_size,
             "gpu_kv_bytes": gpu_blocks * block_size * kvb, "tp_cpu_fraction": a.tp_cpu_fraction,
             "max_tokens": a.max_tokens, "argv": sys.argv[1:],
-            "kv_layout": kv_layout_label()}
+            "kv_layout": kv_layout_label(), "cuda_graphs": a.cuda_graphs}
     print(f"[bench] {a.shape}: {sizes['params'] / 1e9:.2f}e9 parameters = "
           f"{sizes['weight_bytes'] / 2**30:.1f} GiB of weights, {kvb // 1024} KiB of KV per "
           f"token; phase engines: GPU KV cache {gpu_blocks * block_size} tokens = "
@@ -1891,7 +1922,8 @@ def main() -> None:
         info["total_s"] = time.perf_counter() - t0
         (out / f"{stem}.json").write_text(json.dumps(
             {"info": info, "timings": timings, "phases": rows, "throughput": tp_rows}, indent=1))
-        (out / f"{stem}.md").write_text(table(rows, tp_rows, a.configs) + "\n")
+        (out / f"{stem}.md").write_text(f"Engines: {a.cuda_graphs} launches (--cuda-graphs)\n"
+                                        + table(rows, tp_rows, a.configs) + "\n")
 
     budget = StepBudget.for_phases(a.budget_s, t0, a.phases)
 

@@ -575,9 +575,58 @@ def test_prefix_hash_algo_and_sweep_prefix_caching_reach_the_engine_and_the_tabl
     row = {"shape": "1b", "config": "none", "chunk_tokens": 16, "batch": "hit", "hit_rate": 0,
            "prompts": 4, "prompt_tokens": 512, "tokens_per_s": 1.0, "blocks_loaded": 0,
            "blocks_per_s": 0}
-    assert "prefix caching off; " in gpu_bench.sweep_table([row], [0])
+    assert "prefix caching off, eager launches; " in gpu_bench.sweep_table([row], [0])
     text = gpu_bench.sweep_table([{**row, "prefix_caching": True, "hash_algo": "xxhash"}], [0])
-    assert "max_tokens 1, prefix caching on (hash xxhash); tokens/s" in text
+    assert "max_tokens 1, prefix caching on (hash xxhash), eager launches; tokens/s" in text
+
+
+@pytest.mark.parametrize("mode, eager, graphs", [("eager", True, None),
+                                                 ("decode", False, "FULL_DECODE_ONLY"),
+                                                 ("compiled", False, "FULL_AND_PIECEWISE")])
+def test_cuda_graphs_reach_the_engine_and_the_table(monkeypatch, mode, eager, graphs):
+    """--cuda-graphs: the runs before 2026-12-07d were all eager, where a 100% batch's one-token
+    steps cost a launch of every kernel from Python (57-190 ms a step on H100s); vLLM serves
+    with CUDA graphs by default. The mode reaches the engine's arguments, GPU engines only, and
+    the sweep's table and rows say which ran."""
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "prefill-sweep",
+                                      "--cuda-graphs", mode])
+    a = gpu_bench.parse()
+    seen: dict = {}
+
+    class LLM:
+        def __init__(self, **kw):
+            seen.update(kw)
+            raise RuntimeError("stop after the arguments")
+
+    import vllm
+    monkeypatch.setattr(vllm, "LLM", LLM)
+    a.cpu_platform = False
+    with pytest.raises(RuntimeError, match="stop after"):
+        gpu_bench.Engine(a, Path("m"), "none", None, 64, 528)
+    assert seen["enforce_eager"] is eager
+    assert seen["compilation_config"].get("cudagraph_mode") == graphs
+    assert seen["compilation_config"]["custom_ops"] == ["none"]
+    # each engine gets its own copy: vLLM may write into the dict it is given
+    seen["compilation_config"]["custom_ops"].append("+rms_norm")
+    assert gpu_bench.engine_launch_kw(mode)["compilation_config"]["custom_ops"] == ["none"]
+    row = {"shape": "1b", "config": "none", "chunk_tokens": 16, "batch": "hit", "hit_rate": 0,
+           "prompts": 4, "prompt_tokens": 512, "tokens_per_s": 1.0, "blocks_loaded": 0,
+           "blocks_per_s": 0, "cuda_graphs": mode}
+    assert f"prefix caching off, {mode} launches; " in gpu_bench.sweep_table([row], [0])
+    # the CPU platform has no CUDA graphs: its engines stay eager whatever the option says
+    seen.clear()
+    a.cpu_platform = True
+    with pytest.raises(RuntimeError, match="stop after"):
+        gpu_bench.Engine(a, Path("m"), "none", None, 64, 528)
+    assert seen["enforce_eager"] is True and "compilation_config" not in seen
+
+
+def test_an_unknown_cuda_graph_mode_is_refused(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--cuda-graphs", "full"])
+    with pytest.raises(SystemExit):
+        gpu_bench.parse()
+    with pytest.raises(ValueError, match="--cuda-graphs: expected one of"):
+        gpu_bench.engine_launch_kw("full")
 
 
 def test_sweep_table_gives_the_speedup_over_no_offloading():

@@ -124,3 +124,15 @@ def test_our_connector_hands_our_workers_failed_loads_to_vllm():
 def test_the_printed_config_recomputes_failed_loads():
     kvt = KVTransferConfig(**CONNECTOR_FIELDS)
     assert kvt.kv_load_failure_policy == "recompute"
+
+
+def test_our_connector_keeps_full_cuda_graphs():
+    """vLLM turns full CUDA graphs off for a connector whose per-layer hooks cannot be captured
+    (``requires_piecewise_for_cudagraph``). Ours copies whole steps from its own streams and has
+    no such hooks, so a server keeps the graphs of a one-token step, the step a CPU hit's first
+    token comes from (gpu-bench ``--cuda-graphs decode``)."""
+    cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**CONNECTOR_FIELDS))
+    extra = {"spec_name": "TieredOffloadingSpec", "spec_module_path": "tiering.vllm"}
+    assert cls.requires_piecewise_for_cudagraph(extra) is False
+    assert cls.wait_for_layer_load is OffloadingConnector.wait_for_layer_load
+    assert cls.save_kv_layer is OffloadingConnector.save_kv_layer
