@@ -110,6 +110,10 @@ def parse() -> argparse.Namespace:
                          "token, the rest eager, no torch.compile: a hit's last-token step and "
                          "a 100%% batch's steps are such steps), compiled (vLLM's serving "
                          "default: torch.compile, full and piecewise graphs)")
+    ap.add_argument("--cuda-graph-max-batch", type=int, default=0,
+                    help="with --cuda-graphs decode or compiled: the largest batch captured "
+                         "(vLLM's max_cudagraph_capture_size; 0: vLLM's default, 512). A 1B "
+                         "100%% batch has steps of up to ~1000 one-token requests")
     ap.add_argument("--cpu-gib", type=float, default=0.0,
                     help="CPU tier of the phase engines (0: 1.125 x the longest prompt's KV, "
                          "so that one prompt fits and the disk phase's fillers stay few)")
@@ -391,11 +395,17 @@ CUDA_GRAPH_MODES: dict[str, dict] = {
 }
 
 
-def engine_launch_kw(mode: str) -> dict:
-    """``LLM`` keyword arguments for ``--cuda-graphs`` ``mode`` (a fresh copy each call)."""
+def engine_launch_kw(mode: str, max_batch: int = 0) -> dict:
+    """``LLM`` keyword arguments for ``--cuda-graphs`` ``mode`` (a fresh copy each call), with
+    graphs captured up to ``max_batch`` requests (0: vLLM's default)."""
     if mode not in CUDA_GRAPH_MODES:
         raise ValueError(f"--cuda-graphs: expected one of {sorted(CUDA_GRAPH_MODES)}, got {mode!r}")
-    return copy.deepcopy(CUDA_GRAPH_MODES[mode])
+    if max_batch < 0:
+        raise ValueError(f"--cuda-graph-max-batch: expected 0 or more, got {max_batch}")
+    kw = copy.deepcopy(CUDA_GRAPH_MODES[mode])
+    if max_batch and not kw["enforce_eager"]:
+        kw["compilation_config"]["max_cudagraph_capture_size"] = max_batch
+    return kw
 
 
 def with_io_threads(kvt: dict | None, n: int | None) -> dict | None:
@@ -435,7 +445,8 @@ class Engine:
                   max_num_seqs=max_num_seqs)
         if not a.cpu_platform:
             kw.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=a.gpu_mem,
-                      **engine_launch_kw(getattr(a, "cuda_graphs", "eager")))
+                      **engine_launch_kw(getattr(a, "cuda_graphs", "eager"),
+                                         getattr(a, "cuda_graph_max_batch", 0)))
         if kvt is not None:
             kw["kv_transfer_config"] = kvt
         kw.update(engine_kw or {})

@@ -627,6 +627,12 @@ def test_an_unknown_cuda_graph_mode_is_refused(monkeypatch):
         gpu_bench.parse()
     with pytest.raises(ValueError, match="--cuda-graphs: expected one of"):
         gpu_bench.engine_launch_kw("full")
+    with pytest.raises(ValueError, match="--cuda-graph-max-batch: expected 0 or more, got -1"):
+        gpu_bench.engine_launch_kw("decode", -1)
+    cc = gpu_bench.engine_launch_kw("decode", 1024)["compilation_config"]
+    assert cc["max_cudagraph_capture_size"] == 1024
+    assert "max_cudagraph_capture_size" not in gpu_bench.engine_launch_kw("eager", 1024)[
+        "compilation_config"]
 
 
 def test_sweep_table_gives_the_speedup_over_no_offloading():
