@@ -53,19 +53,23 @@ def main() -> None:
     ap.add_argument("tables", nargs="+", help="LABEL=STEPS.txt")
     ap.add_argument("--rate", type=int, default=100)
     a = ap.parse_args()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, spec in enumerate(a.tables):
+    # every table read and checked before matplotlib is imported: bad input fails first
+    drawn: list[tuple[str, list[tuple[int, list[tuple[float, int]]]]]] = []
+    for spec in a.tables:
         label, _, path = spec.partition("=")
         if not path:
             raise SystemExit(f"{spec!r}: expected LABEL=STEPS.txt")
         found = batches(Path(path), a.rate)
         if not found:
             raise SystemExit(f"{path}: no batch at {a.rate}% in this step table")
+        drawn.append((label, found))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (label, found) in enumerate(drawn):
         for j, (tps, steps) in enumerate(found):
             xs = [ms for ms, _ in steps]
             ys = [n for _, n in steps]
