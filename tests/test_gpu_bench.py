@@ -547,15 +547,9 @@ def test_none_sched_is_a_sweep_config_the_options_accept(monkeypatch):
     assert a.sweep_configs == ["ours-sched", "none-sched", "none"]
 
 
-def test_prefix_hash_algo_and_sweep_prefix_caching_reach_the_engine_and_the_table(monkeypatch):
-    """2026-12-07c, an H100's 1B 0% batch: vLLM's input thread hashed every arriving request's
-    blocks for ours (a connector is loaded) and not for no offloading. --sweep-prefix-caching
-    makes no offloading hash too, --prefix-hash-algo picks vLLM's hash; both reach the engine's
-    arguments, and the table's title says which ran."""
-    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "prefill-sweep",
-                                      "--sweep-prefix-caching", "--prefix-hash-algo", "xxhash"])
-    a = gpu_bench.parse()
-    assert a.sweep_prefix_caching and a.prefix_hash_algo == "xxhash"
+def _llm_arguments(monkeypatch) -> dict:
+    """vLLM's ``LLM`` replaced by one that keeps the keyword arguments an ``Engine`` gives it in
+    the dict returned, then stops the engine's start with a RuntimeError."""
     seen: dict = {}
 
     class LLM:
@@ -565,6 +559,19 @@ def test_prefix_hash_algo_and_sweep_prefix_caching_reach_the_engine_and_the_tabl
 
     import vllm
     monkeypatch.setattr(vllm, "LLM", LLM)
+    return seen
+
+
+def test_prefix_hash_algo_and_sweep_prefix_caching_reach_the_engine_and_the_table(monkeypatch):
+    """2026-12-07c, an H100's 1B 0% batch: vLLM's input thread hashed every arriving request's
+    blocks for ours (a connector is loaded) and not for no offloading. --sweep-prefix-caching
+    makes no offloading hash too, --prefix-hash-algo picks vLLM's hash; both reach the engine's
+    arguments, and the table's title says which ran."""
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "prefill-sweep",
+                                      "--sweep-prefix-caching", "--prefix-hash-algo", "xxhash"])
+    a = gpu_bench.parse()
+    assert a.sweep_prefix_caching and a.prefix_hash_algo == "xxhash"
+    seen = _llm_arguments(monkeypatch)
     with pytest.raises(RuntimeError, match="stop after"):
         gpu_bench.Engine(a, Path("m"), "none", None, 64, 528, prefix_caching=True)
     assert seen["prefix_caching_hash_algo"] == "xxhash" and seen["enable_prefix_caching"]
@@ -591,15 +598,7 @@ def test_cuda_graphs_reach_the_engine_and_the_table(monkeypatch, mode, eager, gr
     monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "prefill-sweep",
                                       "--cuda-graphs", mode])
     a = gpu_bench.parse()
-    seen: dict = {}
-
-    class LLM:
-        def __init__(self, **kw):
-            seen.update(kw)
-            raise RuntimeError("stop after the arguments")
-
-    import vllm
-    monkeypatch.setattr(vllm, "LLM", LLM)
+    seen = _llm_arguments(monkeypatch)
     a.cpu_platform = False
     with pytest.raises(RuntimeError, match="stop after"):
         gpu_bench.Engine(a, Path("m"), "none", None, 64, 528)
