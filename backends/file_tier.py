@@ -210,6 +210,17 @@ class FileTier(StoreTier):
         """Every key held (writing, ready or being read), oldest loaded first."""
         return list(self._slot_of)
 
+    def calibration_keys(self, limit: int) -> list[bytes]:
+        """The most recently loaded readable keys, at most ``limit`` (a restarted engine's
+        calibration read at start)."""
+        out: list[bytes] = []
+        for key in reversed(self.keys()):
+            if len(out) >= limit:
+                break
+            if self.contains(key):
+                out.append(key)
+        return out[::-1]
+
     def entry(self, key: bytes) -> Entry | None:
         return self.slots.entry(key)
 

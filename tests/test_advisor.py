@@ -257,7 +257,8 @@ def test_a_run_that_cannot_pay_to_the_prompts_end_is_recomputed_without_a_survey
     c.close()
 
 
-def test_a_run_on_an_unmeasured_tier_is_surveyed_so_that_its_rows_calibrate_it(tmp_path):
+def test_a_run_on_an_unmeasured_tier_is_surveyed_so_that_its_rows_calibrate_it(tmp_path,
+                                                                                monkeypatch):
     """The prompt's end known, the tier's read rate not: the run is surveyed as before, and its
     decision (recompute while the tier is measured) calibrates the tier with the run's rows,
     not with its first chunk alone. The tier was written by an earlier engine: this one has
@@ -268,6 +269,9 @@ def test_a_run_on_an_unmeasured_tier_is_surveyed_so_that_its_rows_calibrate_it(t
     writer.wait_idle()
     writer.close()
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e12)
+    # a tier that cannot list what it holds for a calibration at engine start (the default of
+    # StoreTier.calibration_keys; a file tier can: the test after this one)
+    monkeypatch.setattr(FileTier, "calibration_keys", lambda self, limit: [])
     c = make_chain(tmp_path, rows=8, advisor=adv)
     assert adv.read_rate(1) is None
     req = RequestScan(c, "r")
@@ -277,6 +281,59 @@ def test_a_run_on_an_unmeasured_tier_is_surveyed_so_that_its_rows_calibrate_it(t
     assert c.file_tiers[0].stats["disk_runs_recomputed:unmeasured"] == 1
     c.wait_idle()
     assert c.file_tiers[0].stats["calibration_reads"] == 6
+    c.close()
+
+
+def test_a_restarted_engine_measures_an_unmeasured_tier_at_start_so_its_first_hit_is_priced(
+        tmp_path):
+    """CI, 2026-12-07d (tests/test_vllm_small_disk.py, one run in two clean-clone runs): the
+    first server stored a prompt and stopped before an idle step could calibrate its disk (a
+    calibration waits for the tier's writes, and is issued at a step's end); the restarted one
+    had no read rate, recomputed the prompt as "unmeasured" and served 0 of its 1,024 tokens
+    from the disk. A file tier that holds rows and has no rate is now read once when the chain
+    is built; the first request's lookups apply that read, and its run is priced."""
+    ks = [key(i) for i in range(6)]
+    writer = make_chain(tmp_path, rows=8, advisor=None)
+    fill(writer, ks)
+    writer.wait_idle()
+    writer.close()
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e3)
+    c = make_chain(tmp_path, rows=8, advisor=adv)
+    tier = c.file_tiers[0]
+    assert tier.stats["calibration_reads"] == 6  # every row it holds, read into scratch
+    deadline = time.monotonic() + 10
+    while adv.read_rate(1) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        c.poll()
+    assert adv.read_rate(1) is not None
+    req = RequestScan(c, "r")
+    for _ in range(20):  # steps until the run is decided and loaded
+        if scan(c, req, ks, end=16 * len(ks)) is not None:
+            break
+        c.on_schedule_end()
+        time.sleep(0.01)
+    assert tier.stats["disk_runs_recomputed:unmeasured"] == 0
+    assert tier.stats["disk_runs_loaded:faster"] == 1  # 96 tokens at 1k tokens/s: loading pays
+    # the CPU tier holds nothing but what the request promoted: the calibration read into
+    # scratch memory, not into rows
+    c.wait_idle()
+    assert all(c.cpu.contains(k) for k in ks)
+    c.close()
+
+
+def test_a_tier_with_a_kept_rate_or_no_rows_is_not_read_at_start(tmp_path):
+    empty = make_chain(tmp_path / "a", rows=8, advisor=PromotionAdvisor(1, ROW, chunk_tokens=16))
+    assert empty.file_tiers[0].stats["calibration_reads"] == 0  # nothing to read
+    empty.close()
+    writer = make_chain(tmp_path / "b", rows=8, advisor=None)
+    fill(writer, [key(i) for i in range(6)])
+    writer.wait_idle()
+    writer.close()
+    adv = measured_advisor()
+    adv.observe_read_batch(1, 4096 * ROW, 4096 * ROW / 2.5e9)  # a rate from a full batch
+    assert not adv.needs_measuring(1)
+    c = make_chain(tmp_path / "b", rows=8, advisor=adv)
+    assert c.file_tiers[0].stats["calibration_reads"] == 0
     c.close()
 
 

@@ -144,6 +144,7 @@ class TierChain:
             for i in range(1, len(self.file_tiers) + 1):
                 self._scratch(i)  # allocated now, at engine start, not in a scheduler step
             self._restore_advisor()
+            self._calibrate_at_start()
 
     def _restore_advisor(self) -> None:
         """Start the advisor from what each file tier kept at the last engine's shutdown (a
@@ -162,6 +163,21 @@ class TierChain:
                             label, exc)
                 continue
             log.info("tier %s: promotion advisor restored: %s", label, self.advisor.describe())
+
+    def _calibrate_at_start(self) -> None:
+        """A file tier that holds rows but has no read rate (the engine before stopped before
+        its idle steps could measure one: a calibration waits for the tier's writes to end and
+        is issued at a step's end) is read once now, at engine start: otherwise the first disk
+        hits after a restart would be recomputed as unmeasured. The reads land before the first
+        request's lookups poll them, which is when the rate is applied."""
+        assert self.advisor is not None
+        for i, tier in enumerate(self.file_tiers, start=1):
+            if not self.advisor.needs_measuring(i):
+                continue
+            keys = tier.calibration_keys(len(self._scratch(i)) // self.row_bytes)
+            if keys and self.calibrate(i, keys):
+                log.info("tier %s: no read rate kept; %d of its rows read at start to measure "
+                         "one", tier_label(i, tier.medium), len(keys))
 
     def _removed(self, medium: str, keys: Iterable[bytes]) -> None:
         self._event(list(keys), medium, True)

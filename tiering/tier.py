@@ -371,6 +371,13 @@ class StoreTier(Tier):
         faults included. O(entries): never on the scheduler's path."""
 
     # -- the promotion advisor's measurements across restarts ----------------------------
+    def calibration_keys(self, limit: int) -> list[bytes]:
+        """Up to ``limit`` readable keys the tier held when the chain was built (rows an
+        earlier engine wrote), for a calibration read of its rate before the first request
+        is decided. Called once, on the owner thread, at engine start. Default: a tier that
+        cannot list its keys (the first disk hits are then decided unmeasured)."""
+        return []
+
     def load_advisor_state(self) -> dict[str, Any] | None:
         """What ``save_advisor_state`` kept at the last engine's shutdown, or None (nothing
         kept, or not readable as ours: logged). Called once, when the chain is built, before
