@@ -186,6 +186,17 @@ def fill(chain: TierChain, keys) -> None:
     chain.complete_store(stored)
 
 
+def written_by_an_earlier_engine(tmp_path, n: int) -> list[bytes]:
+    """``n`` rows written to the file tier under ``tmp_path`` by an engine without an advisor,
+    which then stopped (so no read rate is kept); their keys."""
+    ks = [key(i) for i in range(n)]
+    writer = make_chain(tmp_path, rows=8, advisor=None)
+    fill(writer, ks)
+    writer.wait_idle()
+    writer.close()
+    return ks
+
+
 def scan(c: TierChain, req: RequestScan, keys: list[bytes], end: int | None = None
          ) -> int | None:
     """One scheduler step of vLLM: ask in order until a miss; None (ask again next step) if
@@ -263,11 +274,7 @@ def test_a_run_on_an_unmeasured_tier_is_surveyed_so_that_its_rows_calibrate_it(t
     decision (recompute while the tier is measured) calibrates the tier with the run's rows,
     not with its first chunk alone. The tier was written by an earlier engine: this one has
     written nothing it could calibrate with at a step's end (which would race the decision)."""
-    ks = [key(i) for i in range(6)]
-    writer = make_chain(tmp_path, rows=8, advisor=None)
-    fill(writer, ks)
-    writer.wait_idle()
-    writer.close()
+    ks = written_by_an_earlier_engine(tmp_path, 6)
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e12)
     # a tier that cannot list what it holds for a calibration at engine start (the default of
     # StoreTier.calibration_keys; a file tier can: the test after this one)
@@ -292,11 +299,7 @@ def test_a_restarted_engine_measures_an_unmeasured_tier_at_start_so_its_first_hi
     had no read rate, recomputed the prompt as "unmeasured" and served 0 of its 1,024 tokens
     from the disk. A file tier that holds rows and has no rate is now read once when the chain
     is built; the first request's lookups apply that read, and its run is priced."""
-    ks = [key(i) for i in range(6)]
-    writer = make_chain(tmp_path, rows=8, advisor=None)
-    fill(writer, ks)
-    writer.wait_idle()
-    writer.close()
+    ks = written_by_an_earlier_engine(tmp_path, 6)
     adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e3)
     c = make_chain(tmp_path, rows=8, advisor=adv)
     tier = c.file_tiers[0]
@@ -321,14 +324,34 @@ def test_a_restarted_engine_measures_an_unmeasured_tier_at_start_so_its_first_hi
     c.close()
 
 
+def test_a_calibration_at_start_over_damaged_rows_drops_them_and_serves_on(tmp_path):
+    """Every byte of the tier's slabs flipped between the engines: the reads at start fail
+    their checksums, the rows are dropped (counted), never served, the chain stays usable."""
+    ks = written_by_an_earlier_engine(tmp_path, 6)
+    for slab in (tmp_path / "disk").rglob("slab-*.dat"):
+        data = bytearray(slab.read_bytes())
+        slab.write_bytes(bytes(b ^ 0xFF for b in data))
+    adv = PromotionAdvisor(1, ROW, chunk_tokens=16, prefill_tokens_per_s=1e3)
+    c = make_chain(tmp_path, rows=8, advisor=adv)
+    tier = c.file_tiers[0]
+    assert tier.stats["calibration_reads"] == 6
+    c.wait_idle()
+    c.poll()
+    assert tier.stats["checksum_failures"] == 6
+    assert not any(tier.contains(k) for k in ks)
+    assert all(c.lookup(k) is Lookup.MISS for k in ks)
+    fill(c, [key(100)])  # and it stores again
+    c.wait_idle()
+    assert tier.contains(key(100))
+    tier.check()
+    c.close()
+
+
 def test_a_tier_with_a_kept_rate_or_no_rows_is_not_read_at_start(tmp_path):
     empty = make_chain(tmp_path / "a", rows=8, advisor=PromotionAdvisor(1, ROW, chunk_tokens=16))
     assert empty.file_tiers[0].stats["calibration_reads"] == 0  # nothing to read
     empty.close()
-    writer = make_chain(tmp_path / "b", rows=8, advisor=None)
-    fill(writer, [key(i) for i in range(6)])
-    writer.wait_idle()
-    writer.close()
+    written_by_an_earlier_engine(tmp_path / "b", 6)
     adv = measured_advisor()
     adv.observe_read_batch(1, 4096 * ROW, 4096 * ROW / 2.5e9)  # a rate from a full batch
     assert not adv.needs_measuring(1)
