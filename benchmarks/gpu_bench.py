@@ -1588,19 +1588,22 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
         if trace is not None:
             os.environ.pop(TRACE_ENV, None)
     eng.gpu_block_tokens = block_tokens
-    if kvt is not None and a.sweep_warm_hits:
-        timings.update(eng.warm_hits(tokens, vocab))
-        print(f"[sweep] {shape} {key}: kernels warmed by hit rounds of "
-              f"{timings['warm_hit_sizes']} prompts ({timings['warm_hit_requests']} hits, "
-              f"{timings['warm_hit_s']:.1f} s)", flush=True)
-    timings["init_s"], timings["weights_s"] = eng.init_s, eng.weights_s
     rows: list[dict] = []
     timeline = None
-    if a.sweep_timeline_s > 0 and kvt is not None:
-        tl_path = out / f"prefill_sweep_{tag}_{shape}_{key.replace('@', '_')}.timeline.jsonl.gz"
-        timeline = StackTimeline(tl_path, a.sweep_timeline_s)
-        timings["timeline"] = {"file": tl_path.name, "error": timeline.error}
+    # the engine is closed whatever stops the setup (its warm-up included): an engine process
+    # left holding the GPU's memory keeps every later setup from starting
     try:
+        if kvt is not None and a.sweep_warm_hits:
+            timings.update(eng.warm_hits(tokens, vocab))
+            print(f"[sweep] {shape} {key}: kernels warmed by hit rounds of "
+                  f"{timings['warm_hit_sizes']} prompts ({timings['warm_hit_requests']} hits, "
+                  f"{timings['warm_hit_s']:.1f} s)", flush=True)
+        timings["init_s"], timings["weights_s"] = eng.init_s, eng.weights_s
+        if a.sweep_timeline_s > 0 and kvt is not None:
+            tl_path = out / (f"prefill_sweep_{tag}_{shape}_{key.replace('@', '_')}"
+                             ".timeline.jsonl.gz")
+            timeline = StackTimeline(tl_path, a.sweep_timeline_s)
+            timings["timeline"] = {"file": tl_path.name, "error": timeline.error}
         for bi, (kind, rate, batch) in enumerate(plan):
             if timeline is not None:
                 timeline.start(f"{bi}:{kind}:{rate:g}")
