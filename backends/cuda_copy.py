@@ -200,6 +200,8 @@ class CudaCopier:
         # the step trace (tiering/step_trace.py) puts job spans on the host clock through an
         # event recorded now: (host seconds, event)
         self._trace_base: tuple[float, torch.cuda.Event] | None = None
+        # trace only: (host seconds, event on the compute stream), one a step (get_finished)
+        self._marks: deque[tuple[float, torch.cuda.Event]] = deque()
         # loads: at most load_queue_bytes enqueued on the copy engine at once, the rest fed by
         # a thread as room frees (backends/copy_feeder.py says why); 0: all enqueued at once
         self._feeder: CopyFeeder | None = None
@@ -504,6 +506,8 @@ class CudaCopier:
                 raise CopyFailed(f"CUDA copy for job {job_id} failed: {err}")
 
     def get_finished(self) -> list[Finished]:
+        if self._trace_base is not None:
+            self._mark_compute_stream()
         done = []
         if self._feeder is not None:
             done += [Finished(job_id, 0, 0.0, ok=False) for job_id in self._feeder.take_failed()]
@@ -517,6 +521,21 @@ class CudaCopier:
                               g0=t + base.elapsed_time(job[2]) / 1000,
                               g1=t + base.elapsed_time(job[3]) / 1000)
         return done
+
+    def _mark_compute_stream(self) -> None:
+        """Trace only: vLLM asks for finished jobs once a step, on its worker thread, after it
+        enqueued the step's forward pass. An event recorded now on the compute stream lands
+        when the GPU has run that pass; the ``mark`` rows (tiering/step_trace.py) then tell a
+        step whose forward ran late (behind other work the compute stream waited for) from one
+        the host waited for in vain. Marks reached are reported in order, at a later step."""
+        assert self._trace_base is not None
+        t, base = self._trace_base
+        while self._marks and self._marks[0][1].query():
+            host_t, event = self._marks.popleft()
+            TRACE.add("mark", t=host_t, g=t + base.elapsed_time(event) / 1000)
+        event = self.torch.cuda.Event(enable_timing=True)
+        event.record(self.torch.cuda.current_stream(self.device))
+        self._marks.append((time.perf_counter(), event))
 
     def wait(self, job_ids: set[int]) -> None:
         if self._feeder is not None:

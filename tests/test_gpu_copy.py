@@ -330,3 +330,38 @@ def test_a_run_across_rows_in_two_registrations_is_copied_in_two():
         assert torch.equal(s.tensors[0][torch.as_tensor(dst, device="cuda")], before)
     finally:
         s.close()
+
+
+def test_a_traced_copier_marks_when_the_gpu_ran_each_steps_forward(monkeypatch, tmp_path):
+    """Traced (tiering/step_trace.py), each ``get_finished`` (once a vLLM step, after its
+    forward pass was enqueued) records an event on the compute stream; a later call reports it
+    as a ``mark`` row whose GPU time is past the host time by the work queued ahead of it: here
+    a ~50 ms kernel chain enqueued just before the first call."""
+    from tiering import step_trace
+
+    rows: list[dict] = []
+    monkeypatch.setattr(step_trace.TRACE, "on", True)
+    monkeypatch.setattr(step_trace.TRACE, "add",
+                        lambda kind, **f: rows.append({"k": kind, **f}))
+    s = Setup("dma", [16384] * 4)
+    try:
+        a = torch.randn(4096, 4096, device="cuda")
+        torch.cuda.synchronize()
+        t = torch.cuda.Event(enable_timing=True)
+        u = torch.cuda.Event(enable_timing=True)
+        t.record()
+        for _ in range(4):
+            a = a @ a / 64
+        u.record()
+        u.synchronize()
+        one = t.elapsed_time(u) / 1000
+        for _ in range(int(0.05 / max(one, 1e-4)) * 4):  # ~50 ms of compute queued
+            a = a @ a / 64
+        s.copier.get_finished()
+        torch.cuda.synchronize()
+        s.copier.get_finished()
+        marks = [r for r in rows if r["k"] == "mark"]
+        assert len(marks) == 1
+        assert 0.02 < marks[0]["g"] - marks[0]["t"] < 5.0
+    finally:
+        s.close()

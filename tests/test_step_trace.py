@@ -97,6 +97,26 @@ def test_the_summary_shows_each_step_and_the_totals():
     assert "first from 260.0 to 600.0 ms" in lines[-1]
 
 
+def test_steps_whose_forward_the_gpu_ran_late_are_named_in_the_summary():
+    """2026-12-07e, an H100: one step of each 8B 100%-hit batch waited 60-270 ms for its result
+    while the last loads streamed in. ``mark`` rows (the copier's event on the compute stream
+    at each step's end) say when the GPU got there: the summary names the steps it reached over
+    20 ms late, the latest first, and counts those on time; marks outside the window are left
+    out."""
+    rows = _rows() + [
+        {"k": "mark", "t": 10.100, "g": 10.108},  # on time
+        {"k": "mark", "t": 10.200, "g": 10.470},  # 270 ms late
+        {"k": "mark", "t": 10.300, "g": 10.330},  # 30 ms late
+        {"k": "mark", "t": 12.000, "g": 13.000},  # outside [10, 11]
+    ]
+    line = [x for x in summarize(rows, 10.0, 11.0).splitlines()
+            if x.startswith("forward passes")]
+    assert line == ["forward passes on the GPU: 3 steps, 2 ended over 20 ms after they were "
+                    "enqueued (200.0 ms +270.0, 300.0 ms +30.0)"]
+    assert not any(x.startswith("forward passes") for x in summarize(_rows(), 10.0, 11.0)
+                   .splitlines())
+
+
 def test_a_trace_without_cpu_times_shows_a_dash():
     """Traces taken before the CPU time was recorded still summarize, with "-" for it."""
     rows = [{k: v for k, v in r.items() if k != "cpu"} for r in _rows()]

@@ -15,6 +15,10 @@ the same in every process of the machine):
   it, direction, blocks;
 * ``copy`` — a copy job seen finished: its span on the GPU (from its CUDA events, put on the host
   clock through an event recorded when the copier started), direction and bytes;
+* ``mark`` — once a step, when our worker is asked for finished jobs (vLLM asks after it
+  enqueued the step's forward pass): the host time (``t``) and, from a CUDA event recorded then
+  on the compute stream, when the GPU got there (``g``); a step whose ``g`` is far past its
+  ``t`` had its forward pass run late or long on the GPU;
 * ``gc`` — a collection of Python's garbage collector in the process: its span, generation and
   objects freed (a full collection stops every thread, the scheduler's too);
 * ``sample`` — every ``SAMPLE_S`` what the scheduler's thread was running: the innermost function
@@ -346,6 +350,9 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
                  + f"; load jobs late {late_s * 1e3:.1f} ms ({late_n} of "
                  f"{len(copies['load'])} over 1 ms late)"
                  + f"; stores {_busy(copies['store'], t0, t1) * 1e3:.1f} ms busy")
+    marks = [r for r in rows if r["k"] == "mark" and t0 <= r["t"] <= t1]
+    if marks:
+        lines.append(_late_forwards(marks, t0))
     if gcs:
         full = [g for g in gcs if g.get("gen") == 2]
         lines.append(f"garbage collections {len(gcs)}, {sum(g['t1'] - g['t0'] for g in gcs) * 1e3:.1f}"
@@ -356,6 +363,18 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
         lines.append("thread CPU ms in the window: " + ", ".join(
             f"{name} {ms:.1f}" for name, ms in busiest))
     return "\n".join(lines)
+
+
+def _late_forwards(marks: Sequence[dict[str, Any]], t0: float, top: int = 3,
+                   late_s: float = 0.02) -> str:
+    """The steps whose forward pass the GPU finished more than ``late_s`` after the worker
+    thread had enqueued it (``mark`` rows), the latest ``top`` of them: when it was enqueued (ms
+    from t0) and how much later the GPU got there."""
+    lags = sorted(((m["g"] - m["t"], m["t"]) for m in marks), reverse=True)
+    late = [(lag, t) for lag, t in lags if lag > late_s]
+    text = ", ".join(f"{(t - t0) * 1e3:.1f} ms +{lag * 1e3:.1f}" for lag, t in late[:top])
+    return (f"forward passes on the GPU: {len(marks)} steps, {len(late)} ended over "
+            f"{late_s * 1e3:.0f} ms after they were enqueued" + (f" ({text})" if text else ""))
 
 
 def _gc_ms(gcs: Sequence[dict[str, Any]]) -> float:
