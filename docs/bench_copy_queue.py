@@ -19,7 +19,17 @@ What it measures, on one GPU, with pinned host memory as the CPU tier's rows are
 * ``high-priority``: as ``queued``, with the small copy on a stream of the highest priority.
 * ``waves``: the bulk enqueued ``wave`` MiB at a time by a host thread that waits for each wave
   to finish before it enqueues the next (a paced feeder): the small copy's wait and the bulk's
-  rate, against ``queued``.
+  rate, against ``queued``. The queue empties between waves.
+* ``fed``: the bulk in jobs of ``job`` MiB (one per request, as ours: 64 MiB at 8B) by a host
+  thread that keeps at most ``wave`` MiB enqueued and enqueues the next job as soon as the
+  oldest one ends (``backends/copy_feeder.py``'s pattern: the queue never empties while jobs
+  wait). Meanwhile the main thread probes every ``probe`` ms, as vLLM's steps come: a small
+  input copy, a kernel, and the result copied back to pinned memory on another stream (a
+  step's sampled tokens), waited for on that stream's event. Reported: the probes' median and
+  longest wait, when the longest began (ms after the bulk) and when the bulk ended. Why: on the
+  H100 of 2026-12-07e one vLLM step a 100%-hit batch was held 62-272 ms, until ~10 ms after the
+  last fed load landed, while steps before it, every 10-15 ms, were not
+  (docs/benchmarks.md, "An H100, 2026-12-07e").
 
 Output: one line per case and bulk size, and a JSON record with ``--json``.
 """
@@ -38,6 +48,8 @@ def main() -> int:
     ap.add_argument("--bulk-gib", default="0,1,4,8")
     ap.add_argument("--piece-mib", type=float, default=2.0)
     ap.add_argument("--wave-mib", type=float, default=256.0)
+    ap.add_argument("--job-mib", type=float, default=64.0, help="fed: bytes a job")
+    ap.add_argument("--probe-ms", type=float, default=10.0, help="fed: a probe this often")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
@@ -95,20 +107,92 @@ def main() -> int:
 
         return threading.Thread(target=feed), end
 
+    out_stream = torch.cuda.Stream(dev)
+    small_out = torch.empty(16384, dtype=torch.float32, pin_memory=True)
+
+    def step() -> float:
+        """Wall seconds of a step's copies: a small input copy and a kernel on the current
+        stream, the result copied back on another stream (vLLM's output copy), waited for."""
+        t0 = time.perf_counter()
+        small_gpu.copy_(small_host, non_blocking=True)
+        small_gpu.add_(1.0)
+        out_stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(out_stream):
+            small_out.copy_(small_gpu, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(out_stream)
+        ev.synchronize()
+        return time.perf_counter() - t0
+
+    def fed(nbytes: int) -> tuple[threading.Thread, list[float]]:
+        job = max(piece, int(a.job_mib * 2**20) // piece * piece)
+        limit = max(job, int(a.wave_mib * 2**20))
+        end: list[float] = []
+
+        def feed() -> None:
+            inflight: list[tuple[int, Any]] = []
+            queued = 0
+            for off in range(0, nbytes, job):
+                n = min(job, nbytes - off)
+                while inflight and queued + n > limit:
+                    size, ev = inflight.pop(0)
+                    ev.synchronize()  # releases the GIL while the queued jobs copy
+                    queued -= size
+                with torch.cuda.stream(bulk_stream):
+                    for o in range(off, off + n, piece):
+                        gpu[o:o + piece].copy_(host[o:o + piece], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(bulk_stream)
+                inflight.append((n, ev))
+                queued += n
+            for _, ev in inflight:
+                ev.synchronize()
+            end.append(time.perf_counter())
+
+        return threading.Thread(target=feed), end
+
     small(None)  # warm the kernels and the copy path
+    step()
     enqueue(piece, bulk_stream).synchronize()
     rows: list[dict[str, Any]] = []
     for gib in sizes:
         nbytes = int(gib * 2**30) // piece * piece
-        for case in ("idle", "queued", "high-priority", "waves"):
+        for case in ("idle", "queued", "high-priority", "waves", "fed"):
             if case != "idle" and nbytes == 0:
                 continue
             if case == "idle" and gib != sizes[0]:
                 continue
             for _ in range(a.repeat):
+                if case == "fed":
+                    torch.cuda.synchronize(dev)
+                    feeder, end = fed(nbytes)
+                    t0 = time.perf_counter()
+                    feeder.start()
+                    probes: list[tuple[float, float]] = []  # (began, seconds), from t0
+                    while feeder.is_alive():
+                        began = time.perf_counter()
+                        probes.append((began - t0, step()))
+                        time.sleep(max(0.0, a.probe_ms / 1e3 - (time.perf_counter() - began)))
+                    feeder.join()
+                    bulk_s = end[0] - t0
+                    waits = sorted(w for _, w in probes)
+                    worst = max(probes, key=lambda p: p[1])
+                    rows.append({"case": case, "bulk_gib": gib, "job_mib": a.job_mib,
+                                 "probes": len(probes),
+                                 "probe_ms_median": round(waits[len(waits) // 2] * 1e3, 3),
+                                 "probe_ms_max": round(worst[1] * 1e3, 3),
+                                 "probe_max_began_ms": round(worst[0] * 1e3, 1),
+                                 "bulk_ms": round(bulk_s * 1e3, 3),
+                                 "bulk_gbps": round(nbytes / bulk_s / 1e9, 2)})
+                    r = rows[-1]
+                    print(f"{case:<14} bulk {gib:5.1f} GiB  {r['probes']} steps: median "
+                          f"{r['probe_ms_median']:.3f} ms, longest {r['probe_ms_max']:.1f} ms "
+                          f"from {r['probe_max_began_ms']:.0f} ms; bulk {r['bulk_ms']:.1f} ms "
+                          f"{r['bulk_gbps']:.1f} GB/s", flush=True)
+                    continue
                 torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()
-                thread = None
+                thread: threading.Thread | None = None
                 done = None
                 if case in ("queued", "high-priority"):
                     done = enqueue(nbytes, bulk_stream)
@@ -138,7 +222,8 @@ def main() -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(dev), "piece_mib": a.piece_mib,
-                       "wave_mib": a.wave_mib, "rows": rows}, f, indent=1)
+                       "wave_mib": a.wave_mib, "job_mib": a.job_mib, "probe_ms": a.probe_ms,
+                       "rows": rows}, f, indent=1)
     return 0
 
 
