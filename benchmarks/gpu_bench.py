@@ -458,10 +458,16 @@ class Engine:
         # engine's worker processes)
         from benchmarks.gpu_bench import randomize_weights as by_reference
 
-        t = time.perf_counter()
-        self.llm.apply_model(by_reference)
-        self.weights_s = time.perf_counter() - t
-        self.warm_up(warm_tokens, warm_base)
+        try:
+            t = time.perf_counter()
+            self.llm.apply_model(by_reference)
+            self.weights_s = time.perf_counter() - t
+            self.warm_up(warm_tokens, warm_base)
+        except BaseException:
+            # the caller never gets this engine to close: its process would keep the GPU's
+            # memory and no later engine could start
+            self.close()
+            raise
 
     def warm_up(self, n_tokens: int | list[int], base: int = WARM_BASE) -> None:
         """Build the kernels before anything is timed: a short prompt and one of each measured
@@ -1647,11 +1653,18 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
             print(f"[sweep] {shape} {key} profiled batch: {n * tokens / res['wall_s']:.0f} "
                   f"tok/s under the profilers; files {res['profile']}", flush=True)
     finally:
-        if timeline is not None:
-            timings["timeline"].update(samples=timeline.samples, error=timeline.error)
-        eng.close()
-        if disk is not None:
-            shutil.rmtree(disk[0], ignore_errors=True)
+        try:
+            if timeline is not None:
+                timings["timeline"].update(samples=timeline.samples, error=timeline.error)
+            eng.close()
+        except Exception:  # said, not raised: it would hide why the setup stopped
+            import traceback
+
+            print(f"[sweep] {shape} {key}: closing the engine failed", flush=True)
+            traceback.print_exc()
+        finally:
+            if disk is not None:
+                shutil.rmtree(disk[0], ignore_errors=True)
     if trace is not None:
         timings["trace"] = write_trace_summaries(trace, rows)
     return rows, timings

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -948,3 +949,56 @@ def test_an_engine_whose_warm_up_fails_is_closed_so_the_next_setup_can_start(mon
         gpu_bench.sweep_setup(a, tmp_path / "m", "8b", "ours-sched", None, 4, 512, 16,
                               tmp_path, "t")
     assert closed == [True]
+
+
+def test_an_engine_whose_start_up_warm_up_fails_is_closed_before_the_error_leaves(monkeypatch):
+    """The warm-up and the random weights run inside ``Engine``'s constructor, after vLLM's
+    engine started: if either fails, the caller has no engine to close, so the constructor
+    closes it (its process would keep the GPU's memory)."""
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "prefill-sweep"])
+    a = gpu_bench.parse()
+    shut = []
+
+    class Core:
+        def shutdown(self):
+            shut.append(True)
+
+    class LLM:
+        def __init__(self, **kw):
+            self.llm_engine = types.SimpleNamespace(engine_core=Core())
+
+        def apply_model(self, fn):
+            return None
+
+        def generate(self, *args, **kw):
+            raise RuntimeError("CUDA out of memory in the warm-up")
+
+    import vllm
+    monkeypatch.setattr(vllm, "LLM", LLM)
+    monkeypatch.setattr(gpu_bench.time, "sleep", lambda s: None)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        gpu_bench.Engine(a, Path("m"), "none", None, 64, 528)
+    assert shut == [True]
+
+
+def test_a_close_that_fails_does_not_hide_why_the_setup_stopped(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "prefill-sweep", "--out",
+                                      str(tmp_path), "--sweep-shapes", "8b",
+                                      "--sweep-configs", "ours-sched"])
+    a = gpu_bench.parse()
+
+    class Engine:
+        def __init__(self, *args, **kw):
+            self.init_s = self.weights_s = 0.0
+
+        def warm_hits(self, tokens, vocab):
+            raise RuntimeError("CUDA out of memory in a warm-up step")
+
+        def close(self):
+            raise ValueError("close failed")
+
+    monkeypatch.setattr(gpu_bench, "SweepEngine", Engine)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        gpu_bench.sweep_setup(a, tmp_path / "m", "8b", "ours-sched", None, 4, 512, 16,
+                              tmp_path, "t")
+    assert "closing the engine failed" in capsys.readouterr().out
