@@ -202,6 +202,7 @@ class CudaCopier:
         self._trace_base: tuple[float, torch.cuda.Event] | None = None
         # trace only: (host seconds, event on the compute stream), one a step (get_finished)
         self._marks: deque[tuple[float, torch.cuda.Event]] = deque()
+        self._marking = True
         # loads: at most load_queue_bytes enqueued on the copy engine at once, the rest fed by
         # a thread as room frees (backends/copy_feeder.py says why); 0: all enqueued at once
         self._feeder: CopyFeeder | None = None
@@ -506,8 +507,13 @@ class CudaCopier:
                 raise CopyFailed(f"CUDA copy for job {job_id} failed: {err}")
 
     def get_finished(self) -> list[Finished]:
-        if self._trace_base is not None:
-            self._mark_compute_stream()
+        if self._trace_base is not None and self._marking:
+            try:
+                self._mark_compute_stream()
+            except Exception:  # a trace never raises into vLLM's worker: its marks stop
+                self._marking = False
+                self._marks.clear()
+                log.exception("step trace: cannot mark the compute stream; marks are off")
         done = []
         if self._feeder is not None:
             done += [Finished(job_id, 0, 0.0, ok=False) for job_id in self._feeder.take_failed()]

@@ -1,7 +1,7 @@
 """Does a queue of bulk host-to-GPU loads hold up the model's own small input copies? (issue 15)
 
     python3 docs/bench_copy_queue.py [--bulk-gib 0,1,4,8] [--piece-mib 2] [--wave-mib 256]
-        [--json OUT.json]
+        [--job-mib 64] [--fed-limit-mib 1024] [--probe-ms 10] [--json OUT.json]
 
 Why: the 8B step trace of a 100%-hit batch (docs/results/2026-12-05c) shows steps of a few
 dozen tokens lasting as long as the loads in flight (a 29-token step took 243 ms while the copy
@@ -21,7 +21,8 @@ What it measures, on one GPU, with pinned host memory as the CPU tier's rows are
   to finish before it enqueues the next (a paced feeder): the small copy's wait and the bulk's
   rate, against ``queued``. The queue empties between waves.
 * ``fed``: the bulk in jobs of ``job`` MiB (one per request, as ours: 64 MiB at 8B) by a host
-  thread that keeps at most ``wave`` MiB enqueued and enqueues the next job as soon as the
+  thread that keeps at most ``fed-limit`` MiB enqueued (1024: where our feeder's limit grows
+  to) and enqueues the next job as soon as the
   oldest one ends (``backends/copy_feeder.py``'s pattern: the queue never empties while jobs
   wait). Meanwhile the main thread probes every ``probe`` ms, as vLLM's steps come: a small
   input copy, a kernel, and the result copied back to pinned memory on another stream (a
@@ -49,6 +50,8 @@ def main() -> int:
     ap.add_argument("--piece-mib", type=float, default=2.0)
     ap.add_argument("--wave-mib", type=float, default=256.0)
     ap.add_argument("--job-mib", type=float, default=64.0, help="fed: bytes a job")
+    ap.add_argument("--fed-limit-mib", type=float, default=1024.0,
+                    help="fed: the most bytes enqueued (our feeder grows to 1 GiB)")
     ap.add_argument("--probe-ms", type=float, default=10.0, help="fed: a probe this often")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="")
@@ -126,7 +129,7 @@ def main() -> int:
 
     def fed(nbytes: int) -> tuple[threading.Thread, list[float]]:
         job = max(piece, int(a.job_mib * 2**20) // piece * piece)
-        limit = max(job, int(a.wave_mib * 2**20))
+        limit = max(job, int(a.fed_limit_mib * 2**20))
         end: list[float] = []
 
         def feed() -> None:
@@ -169,11 +172,13 @@ def main() -> int:
                     t0 = time.perf_counter()
                     feeder.start()
                     probes: list[tuple[float, float]] = []  # (began, seconds), from t0
-                    while feeder.is_alive():
+                    while not probes or feeder.is_alive():  # one probe at least
                         began = time.perf_counter()
                         probes.append((began - t0, step()))
                         time.sleep(max(0.0, a.probe_ms / 1e3 - (time.perf_counter() - began)))
                     feeder.join()
+                    if not end:
+                        raise RuntimeError("the feeder thread stopped before the bulk ended")
                     bulk_s = end[0] - t0
                     waits = sorted(w for _, w in probes)
                     worst = max(probes, key=lambda p: p[1])
@@ -222,7 +227,8 @@ def main() -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(dev), "piece_mib": a.piece_mib,
-                       "wave_mib": a.wave_mib, "job_mib": a.job_mib, "probe_ms": a.probe_ms,
+                       "wave_mib": a.wave_mib, "job_mib": a.job_mib,
+                       "fed_limit_mib": a.fed_limit_mib, "probe_ms": a.probe_ms,
                        "rows": rows}, f, indent=1)
     return 0
 

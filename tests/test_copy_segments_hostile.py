@@ -805,3 +805,37 @@ def test_a_jobs_rows_must_match_its_blocks_and_empty_groups_take_none():
     for rows in ([9, 4], [9, 4, 6, 1]):
         with pytest.raises(ValueError):
             lay.descriptors(blocks, gs, bi, np.array(rows))
+
+
+def test_a_traced_copier_marks_each_step_and_a_mark_that_fails_never_reaches_vllm(
+        fake_cuda, monkeypatch, caplog):
+    """Traced, each ``get_finished`` (once a vLLM step) records an event on the compute stream
+    and reports the one before as a ``mark`` row; if marking fails (any CUDA error), the worker
+    still gets its finished jobs, marks stop, and one line says so: a trace never raises into
+    vLLM's worker."""
+    import logging
+
+    from tiering import step_trace
+
+    rows: list[dict] = []
+    monkeypatch.setattr(step_trace.TRACE, "on", True)
+    monkeypatch.setattr(step_trace.TRACE, "add", lambda kind, **f: rows.append({"k": kind, **f}))
+    copier, _ = fake_cuda(1 << 20, 1 << 20, "memcpy")
+    try:
+        for _ in range(3):
+            assert copier.get_finished() == []
+        assert [r["k"] for r in rows] == ["mark", "mark"]
+        assert all(r["g"] >= 0 and r["t"] > 0 for r in rows)
+
+        class Broken(_Event):
+            def record(self, stream=None) -> None:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(copier.torch.cuda, "Event", Broken)
+        caplog.set_level(logging.ERROR, logger="tiering.backends.cuda_copy")
+        for _ in range(3):
+            assert copier.get_finished() == []
+        assert len([r for r in caplog.records if "marks are off" in r.getMessage()]) == 1
+        assert not copier._marks
+    finally:
+        copier.shutdown()

@@ -17,8 +17,9 @@ the same in every process of the machine):
   clock through an event recorded when the copier started), direction and bytes;
 * ``mark`` — once a step, when our worker is asked for finished jobs (vLLM asks after it
   enqueued the step's forward pass): the host time (``t``) and, from a CUDA event recorded then
-  on the compute stream, when the GPU got there (``g``); a step whose ``g`` is far past its
-  ``t`` had its forward pass run late or long on the GPU;
+  on the compute stream, when the GPU got there (``g``); the summary times each pass from the
+  later of its ``t`` and the pass before's ``g`` (a one-token step's pass held for tens of ms
+  waited on the GPU for something else);
 * ``gc`` — a collection of Python's garbage collector in the process: its span, generation and
   objects freed (a full collection stops every thread, the scheduler's too);
 * ``sample`` — every ``SAMPLE_S`` what the scheduler's thread was running: the innermost function
@@ -98,6 +99,8 @@ class StepTrace:
         self._open(os.environ.get(ENV) or None)
 
     def add(self, kind: str, **fields: Any) -> None:
+        if not self.on:  # off, or turned off by a writer that failed: nothing writes rows
+            return
         fields["k"] = kind
         fields.setdefault("t", time.perf_counter())
         self._rows.append(fields)
@@ -352,7 +355,7 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
                  + f"; stores {_busy(copies['store'], t0, t1) * 1e3:.1f} ms busy")
     marks = [r for r in rows if r["k"] == "mark" and t0 <= r["t"] <= t1]
     if marks:
-        lines.append(_late_forwards(marks, t0))
+        lines.append(_late_forwards(marks, sched, t0))
     if gcs:
         full = [g for g in gcs if g.get("gen") == 2]
         lines.append(f"garbage collections {len(gcs)}, {sum(g['t1'] - g['t0'] for g in gcs) * 1e3:.1f}"
@@ -365,16 +368,28 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
     return "\n".join(lines)
 
 
-def _late_forwards(marks: Sequence[dict[str, Any]], t0: float, top: int = 3,
-                   late_s: float = 0.02) -> str:
-    """The steps whose forward pass the GPU finished more than ``late_s`` after the worker
-    thread had enqueued it (``mark`` rows), the latest ``top`` of them: when it was enqueued (ms
-    from t0) and how much later the GPU got there."""
-    lags = sorted(((m["g"] - m["t"], m["t"]) for m in marks), reverse=True)
-    late = [(lag, t) for lag, t in lags if lag > late_s]
-    text = ", ".join(f"{(t - t0) * 1e3:.1f} ms +{lag * 1e3:.1f}" for lag, t in late[:top])
-    return (f"forward passes on the GPU: {len(marks)} steps, {len(late)} ended over "
-            f"{late_s * 1e3:.0f} ms after they were enqueued" + (f" ({text})" if text else ""))
+def _late_forwards(marks: Sequence[dict[str, Any]], sched: Sequence[dict[str, Any]],
+                   t0: float, top: int = 3) -> str:
+    """Each step's forward pass on the GPU (``mark`` rows), timed from the later of when the
+    worker had enqueued it and when the GPU ended the pass before, to its end: what the GPU
+    spent on that step, its own work and any wait it had for work on other streams. The median,
+    and the ``top`` longest with when they were enqueued (ms from t0) and the tokens their step
+    scheduled (a prefill step's pass is long by itself; a one-token step's is not)."""
+    marks = sorted(marks, key=lambda m: m["t"])
+    starts = [r["t0"] for r in sched]
+    spans = []
+    prev_g = None
+    for m in marks:
+        begin = m["t"] if prev_g is None else max(m["t"], prev_g)
+        i = bisect_left(starts, m["t"]) - 1  # the step this pass belongs to
+        spans.append((m["g"] - begin, m["t"], sched[i]["tokens"] if i >= 0 else None))
+        prev_g = m["g"]
+    times = sorted(x for x, _, _ in spans)
+    longest = ", ".join(f"{x * 1e3:.1f} ms at {(t - t0) * 1e3:.1f}"
+                        + ("" if n is None else f" ({n} tokens)")
+                        for x, t, n in sorted(spans, key=lambda s: s[0], reverse=True)[:top])
+    return (f"forward passes on the GPU: {len(spans)}, median {times[len(times) // 2] * 1e3:.1f}"
+            f" ms; longest {longest}")
 
 
 def _gc_ms(gcs: Sequence[dict[str, Any]]) -> float:
