@@ -923,16 +923,13 @@ def test_file_tier_gib_fits_the_scratch_disk_or_says_so(tmp_path, monkeypatch):
         file_tier_gib(0.0, int(23.7 * 2**30), scratch)
 
 
-def test_an_engine_whose_warm_up_fails_is_closed_so_the_next_setup_can_start(monkeypatch, tmp_path):
-    """2026-12-07e, an H100: the 32B ours-sched engine ran out of GPU memory in its warm-up hit
-    rounds; the engine was never closed, its process kept 78 GiB, and the next setup (vLLM's
-    spec) could not start ("Free memory on device cuda:0 (1.05/79.18 GiB) on startup"). Every
-    engine a setup opens is closed whatever stops the setup."""
+def _sweep_setup_whose_warm_up_runs_out_of_memory(monkeypatch, tmp_path, close) -> None:
+    """``sweep_setup`` over a stand-in engine whose warm-up hits raise CUDA out of memory and
+    whose ``close`` is ``close``; the error must come out of the setup."""
     monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "prefill-sweep", "--out",
                                       str(tmp_path), "--sweep-shapes", "8b",
                                       "--sweep-configs", "ours-sched"])
     a = gpu_bench.parse()
-    closed = []
 
     class Engine:
         def __init__(self, *args, **kw):
@@ -942,12 +939,22 @@ def test_an_engine_whose_warm_up_fails_is_closed_so_the_next_setup_can_start(mon
             raise RuntimeError("CUDA out of memory in a warm-up step")
 
         def close(self):
-            closed.append(True)
+            close()
 
     monkeypatch.setattr(gpu_bench, "SweepEngine", Engine)
     with pytest.raises(RuntimeError, match="out of memory"):
         gpu_bench.sweep_setup(a, tmp_path / "m", "8b", "ours-sched", None, 4, 512, 16,
                               tmp_path, "t")
+
+
+def test_an_engine_whose_warm_up_fails_is_closed_so_the_next_setup_can_start(monkeypatch, tmp_path):
+    """2026-12-07e, an H100: the 32B ours-sched engine ran out of GPU memory in its warm-up hit
+    rounds; the engine was never closed, its process kept 78 GiB, and the next setup (vLLM's
+    spec) could not start ("Free memory on device cuda:0 (1.05/79.18 GiB) on startup"). Every
+    engine a setup opens is closed whatever stops the setup."""
+    closed: list[bool] = []
+    _sweep_setup_whose_warm_up_runs_out_of_memory(monkeypatch, tmp_path,
+                                                  lambda: closed.append(True))
     assert closed == [True]
 
 
@@ -982,23 +989,8 @@ def test_an_engine_whose_start_up_warm_up_fails_is_closed_before_the_error_leave
 
 
 def test_a_close_that_fails_does_not_hide_why_the_setup_stopped(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "prefill-sweep", "--out",
-                                      str(tmp_path), "--sweep-shapes", "8b",
-                                      "--sweep-configs", "ours-sched"])
-    a = gpu_bench.parse()
+    def close():
+        raise ValueError("close failed")
 
-    class Engine:
-        def __init__(self, *args, **kw):
-            self.init_s = self.weights_s = 0.0
-
-        def warm_hits(self, tokens, vocab):
-            raise RuntimeError("CUDA out of memory in a warm-up step")
-
-        def close(self):
-            raise ValueError("close failed")
-
-    monkeypatch.setattr(gpu_bench, "SweepEngine", Engine)
-    with pytest.raises(RuntimeError, match="out of memory"):
-        gpu_bench.sweep_setup(a, tmp_path / "m", "8b", "ours-sched", None, 4, 512, 16,
-                              tmp_path, "t")
+    _sweep_setup_whose_warm_up_runs_out_of_memory(monkeypatch, tmp_path, close)
     assert "closing the engine failed" in capsys.readouterr().out
