@@ -37,7 +37,10 @@
 # fio: $FIO, else fio on PATH, else .device/fio/fio (scripts/build_fio.sh).
 # Every step writes into OUT as it goes (a log per step, JUnit XML, gpu-bench's JSON after each
 # config), so a run cut short still returns what it measured. A step starts only if the budget
-# left covers its minimum (printed otherwise); gpu-bench gets the rest of the budget and skips
+# left covers its minimum (printed otherwise; STEP_MIN_S replaces every step's minimum, for a
+# short call whose step is known to fit: 2026-12-07e's last call had 242 s, the sweep's minimum
+# is 90 s a step, and a bare `timeout` around gpu-bench instead left its engine process holding
+# the GPU's memory); gpu-bench gets the rest of the budget and skips
 # the configs that would not fit; each step is killed (with its engine processes) when the
 # budget runs out. BENCH_ARGS adds options to every gpu-bench step, after the step's own (the
 # last wins: BENCH_ARGS="--promote always"; a CPU smoke run of the script itself:
@@ -73,7 +76,7 @@ left() { echo $((BUDGET_S - SECONDS)); }
 # run STEP MIN_S MAX_S CMD...: run CMD if at least MIN_S seconds are left, killed (the whole
 # process group: vLLM's engine processes too) after MAX_S seconds or when the budget runs out
 run() {
-  local step=$1 min_s=$2 max_s=$3
+  local step=$1 min_s=${STEP_MIN_S:-$2} max_s=$3
   shift 3
   local remaining
   remaining=$(left)

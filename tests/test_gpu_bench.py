@@ -994,3 +994,35 @@ def test_a_close_that_fails_does_not_hide_why_the_setup_stopped(monkeypatch, tmp
 
     _sweep_setup_whose_warm_up_runs_out_of_memory(monkeypatch, tmp_path, close)
     assert "closing the engine failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("step_min_s, starts", [(None, False), ("20", True)])
+def test_step_min_s_lets_a_short_session_run_a_step_its_own_minimum_would_skip(
+        tmp_path, step_min_s, starts):
+    """gpu_session.sh starts a step only if the budget left covers the step's minimum (a sweep:
+    90 s). A short call whose step is known to fit sets STEP_MIN_S instead of running gpu-bench
+    under a bare ``timeout``, which left its engine process holding the GPU's memory
+    (2026-12-07e). gpu-bench and nvidia-smi are stand-ins here."""
+    root = Path(__file__).resolve().parent.parent
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python3").write_text("#!/bin/sh\necho \"$@\" >> \"$SHIM_LOG\"\n")
+    (shim / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    for f in shim.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "BUDGET_S": "60",
+           "SHIM_LOG": str(tmp_path / "calls.txt"), "TIERING_WHL_SITE": str(tmp_path / "whl")}
+    env.pop("STEP_MIN_S", None)
+    if step_min_s:
+        env["STEP_MIN_S"] = step_min_s
+    out = tmp_path / "out"
+    subprocess.run(["bash", str(root / "scripts" / "gpu_session.sh"), str(out), "sweep"],
+                   cwd=root, env=env, check=True, capture_output=True, timeout=120)
+    session = (out / "session.txt").read_text()
+    calls = tmp_path / "calls.txt"
+    if starts:
+        assert "sweep: start" in session and "sweep: exit 0" in session
+        assert "benchmarks.gpu_bench" in calls.read_text()
+    else:
+        assert "sweep skipped" in session and "at least 90s" in session
+        assert not calls.exists() or "benchmarks.gpu_bench" not in calls.read_text()
