@@ -355,7 +355,7 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
                  + f"; stores {_busy(copies['store'], t0, t1) * 1e3:.1f} ms busy")
     marks = [r for r in rows if r["k"] == "mark" and t0 <= r["t"] <= t1]
     if marks:
-        lines.append(_late_forwards(marks, sched, t0))
+        lines.append(_forward_passes(marks, sched, t0))
     if gcs:
         full = [g for g in gcs if g.get("gen") == 2]
         lines.append(f"garbage collections {len(gcs)}, {sum(g['t1'] - g['t0'] for g in gcs) * 1e3:.1f}"
@@ -368,7 +368,7 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
     return "\n".join(lines)
 
 
-def _late_forwards(marks: Sequence[dict[str, Any]], sched: Sequence[dict[str, Any]],
+def _forward_passes(marks: Sequence[dict[str, Any]], sched: Sequence[dict[str, Any]],
                    t0: float, top: int = 3) -> str:
     """Each step's forward pass on the GPU (``mark`` rows), timed from the later of when the
     worker had enqueued it and when the GPU ended the pass before, to its end: what the GPU
