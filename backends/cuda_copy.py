@@ -55,7 +55,7 @@ from tiering.backends.block_copy import (
 from tiering.backends.copy_feeder import CopyFeeder, FeedJob
 from tiering.backends.staged_plan import plan_staged
 from tiering.settings import CUDA_BATCH_MAX, LOAD_QUEUE_MAX_BYTES
-from tiering.step_trace import TRACE
+from tiering.step_trace import ALLOCATOR_CALLS, TRACE
 
 if TYPE_CHECKING:  # never at run time: torch comes with the copier (see above)
     import torch
@@ -67,6 +67,20 @@ COPY_MODES = ("auto", "dma", "staged", "direct")
 # cudaMemcpySrcAccessOrder values (CUDA 12.8+ runtime API)
 ACCESS_ORDERS = {"stream": 1, "during_api_call": 2, "any": 3}
 KERNEL_ALIGN = 16  # gpu_kernels.ALIGN, repeated here so that choosing a path needs no Triton
+
+
+def allocator_calls(torch: Any, device: Any) -> dict[str, int]:
+    """Trace only: the running totals of the allocator calls a ``mark`` row carries
+    (``ALLOCATOR_CALLS`` in tiering/step_trace.py; those this PyTorch counts). Reads the
+    allocators' own nested statistics: flattening them costs more."""
+    stats: dict[str, dict[str, Any]] = {"device": {}, "host": {}}
+    try:
+        stats["device"] = torch.cuda.memory_stats_as_nested_dict(device)
+        stats["host"] = torch.cuda.memory.host_memory_stats_as_nested_dict()
+    except Exception:  # an older PyTorch (no host statistics): what it has is counted
+        pass
+    return {field: int(stats[which][key]) for field, _, which, key in ALLOCATOR_CALLS
+            if isinstance(stats[which].get(key), int)}
 
 
 class _KernelUnavailable(RuntimeError):
@@ -200,8 +214,9 @@ class CudaCopier:
         # the step trace (tiering/step_trace.py) puts job spans on the host clock through an
         # event recorded now: (host seconds, event)
         self._trace_base: tuple[float, torch.cuda.Event] | None = None
-        # trace only: (host seconds, event on the compute stream), one a step (get_finished)
-        self._marks: deque[tuple[float, torch.cuda.Event]] = deque()
+        # trace only: (host seconds, event on the compute stream, allocator_calls), one a step
+        # (get_finished)
+        self._marks: deque[tuple[float, torch.cuda.Event, dict[str, int]]] = deque()
         self._marking = True
         # loads: at most load_queue_bytes enqueued on the copy engine at once, the rest fed by
         # a thread as room frees (backends/copy_feeder.py says why); 0: all enqueued at once
@@ -537,11 +552,13 @@ class CudaCopier:
         assert self._trace_base is not None
         t, base = self._trace_base
         while self._marks and self._marks[0][1].query():
-            host_t, event = self._marks.popleft()
-            TRACE.add("mark", t=host_t, g=t + base.elapsed_time(event) / 1000)
+            host_t, event, calls = self._marks.popleft()
+            TRACE.add("mark", t=host_t, g=t + base.elapsed_time(event) / 1000, **calls)
         event = self.torch.cuda.Event(enable_timing=True)
         event.record(self.torch.cuda.current_stream(self.device))
-        self._marks.append((time.perf_counter(), event))
+        # the allocators' CUDA calls so far: a step whose pass waited on the GPU for other
+        # streams' work, right after one of them, was held by that call's implicit sync
+        self._marks.append((time.perf_counter(), event, allocator_calls(self.torch, self.device)))
 
     def wait(self, job_ids: set[int]) -> None:
         if self._feeder is not None:

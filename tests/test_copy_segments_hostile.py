@@ -807,6 +807,40 @@ def test_a_jobs_rows_must_match_its_blocks_and_empty_groups_take_none():
             lay.descriptors(blocks, gs, bi, np.array(rows))
 
 
+def test_each_mark_carries_the_allocators_running_counts(fake_cuda, monkeypatch):
+    """Each mark row carries PyTorch's running counts of its allocators' CUDA calls as they were
+    when the mark's event was recorded (the step trace names the calls made between two marks);
+    a PyTorch with device statistics but none for the host carries the device's alone."""
+    from tiering import step_trace
+
+    rows: list[dict] = []
+    monkeypatch.setattr(step_trace.TRACE, "on", True)
+    monkeypatch.setattr(step_trace.TRACE, "add", lambda kind, **f: rows.append({"k": kind, **f}))
+    copier, _ = fake_cuda(1 << 20, 1 << 20, "memcpy")
+    device = {"num_device_alloc": 3, "num_device_free": 1, "num_sync_all_streams": 0,
+              "num_alloc_retries": 0, "allocated_bytes": {"all": {"current": 1}}}
+    host = {"num_host_alloc": 7, "num_host_free": 0}
+    cuda = copier.torch.cuda
+    monkeypatch.setattr(cuda, "memory_stats_as_nested_dict", lambda d=None: dict(device),
+                        raising=False)
+    monkeypatch.setattr(cuda, "memory", types.SimpleNamespace(
+        host_memory_stats_as_nested_dict=lambda: dict(host)), raising=False)
+    try:
+        copier.get_finished()
+        device["num_device_alloc"], host["num_host_alloc"] = 5, 8
+        copier.get_finished()
+        monkeypatch.delattr(cuda, "memory")
+        copier.get_finished()
+        copier.get_finished()
+    finally:
+        copier.shutdown()
+    marks = [{k: v for k, v in r.items() if k not in ("k", "t", "g")} for r in rows]
+    assert marks == [
+        {"malloc": 3, "free": 1, "sync_all": 0, "retries": 0, "host_alloc": 7},
+        {"malloc": 5, "free": 1, "sync_all": 0, "retries": 0, "host_alloc": 8},
+        {"malloc": 5, "free": 1, "sync_all": 0, "retries": 0}]
+
+
 def test_a_traced_copier_marks_each_step_and_a_mark_that_fails_never_reaches_vllm(
         fake_cuda, monkeypatch, caplog):
     """Traced, each ``get_finished`` (once a vLLM step) records an event on the compute stream
@@ -830,6 +864,9 @@ def test_a_traced_copier_marks_each_step_and_a_mark_that_fails_never_reaches_vll
         class Broken(_Event):
             def record(self, stream=None) -> None:
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        # no allocator statistics in this stand-in: marks carry no counts
+        assert not set(rows[0]) & {"malloc", "free", "sync_all", "retries", "host_alloc"}
 
         monkeypatch.setattr(copier.torch.cuda, "Event", Broken)
         caplog.set_level(logging.ERROR, logger="tiering.backends.cuda_copy")

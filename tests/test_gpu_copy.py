@@ -357,3 +357,31 @@ def test_a_traced_copier_marks_when_the_gpu_ran_each_steps_forward(monkeypatch, 
         assert 0.05 < marks[0]["g"] - marks[0]["t"] < 5.0
     finally:
         s.close()
+
+
+def test_marks_count_the_allocators_cuda_calls_between_steps(monkeypatch):
+    """Each mark carries PyTorch's running counts of its allocators' CUDA calls (the step
+    trace names those made before a held pass): a device block of a size not cached before
+    (cudaMalloc) and a page-locked host block (cudaHostAlloc) made between two steps show up
+    in the second mark's counts."""
+    from tiering import step_trace
+
+    rows: list[dict] = []
+    monkeypatch.setattr(step_trace.TRACE, "on", True)
+    monkeypatch.setattr(step_trace.TRACE, "add",
+                        lambda kind, **f: rows.append({"k": kind, **f}))
+    s = Setup("dma", [16384] * 4)
+    try:
+        s.copier.get_finished()
+        dev = torch.empty((1 << 30) + 4096 * 7, dtype=torch.uint8, device="cuda")
+        host = torch.empty((1 << 26) + 4096 * 3, dtype=torch.uint8, pin_memory=True)
+        s.copier.get_finished()
+        torch.cuda.synchronize()
+        s.copier.get_finished()
+        del dev, host
+    finally:
+        s.close()
+    first, second = [r for r in rows if r["k"] == "mark"][:2]
+    assert second["malloc"] >= first["malloc"] + 1
+    assert second["host_alloc"] >= first["host_alloc"] + 1
+    assert {"free", "sync_all", "retries"} <= set(second)

@@ -119,6 +119,34 @@ def test_the_summary_times_each_forward_pass_on_the_gpu_and_names_the_longest():
                    .splitlines())
 
 
+def test_the_summary_names_the_allocator_calls_before_each_pass():
+    """A pass held on the GPU right after one of PyTorch's allocators called cudaMalloc,
+    cudaFree or cudaHostAlloc (each an implicit synchronization: the pass then waits for every
+    stream's queued work, the loads' too) says so: ``mark`` rows carry the allocators' running
+    counts, and the summary names the calls made since the mark before, for the longest passes
+    and in a line of their own. Marks without counts (traces before them) print no such line."""
+    counts = {"malloc": 10, "free": 2, "sync_all": 1, "retries": 0, "host_alloc": 5}
+    rows = _rows() + [
+        {"k": "mark", "t": 10.100, "g": 10.108, **counts},
+        {"k": "mark", "t": 10.150, "g": 10.470, **{**counts, "malloc": 12, "host_alloc": 6}},
+        {"k": "mark", "t": 10.200, "g": 10.480, **{**counts, "malloc": 12, "host_alloc": 6}},
+        {"k": "mark", "t": 10.750, "g": 10.780, **{**counts, "malloc": 12, "host_alloc": 6,
+                                                   "free": 3, "sync_all": 2}},
+    ]
+    lines = summarize(rows, 10.0, 11.0).splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("forward passes"))
+    assert lines[at] == ("forward passes on the GPU: 4, median 30.0 ms; longest 320.0 ms at "
+                         "150.0 (0 tokens, after cudaMalloc 2, cudaHostAlloc 1), 30.0 ms at "
+                         "750.0 (4 tokens, after cudaFree 1, allocator syncs 1), 10.0 ms at "
+                         "200.0 (0 tokens)")
+    assert lines[at + 1] == ("allocator CUDA calls (PyTorch's counts) before a pass: "
+                             "cudaMalloc 2, cudaHostAlloc 1 at 150.0, cudaFree 1, "
+                             "allocator syncs 1 at 750.0")
+    quiet = [{**r, **counts} if r["k"] == "mark" else r for r in rows]
+    assert [x for x in summarize(quiet, 10.0, 11.0).splitlines() if x.startswith("allocator")] \
+        == ["allocator CUDA calls (PyTorch's counts) before a pass: none"]
+
+
 def test_a_trace_without_cpu_times_shows_a_dash():
     """Traces taken before the CPU time was recorded still summarize, with "-" for it."""
     rows = [{k: v for k, v in r.items() if k != "cpu"} for r in _rows()]

@@ -19,7 +19,9 @@ the same in every process of the machine):
   enqueued the step's forward pass): the host time (``t``) and, from a CUDA event recorded then
   on the compute stream, when the GPU got there (``g``); the summary times each pass from the
   later of its ``t`` and the pass before's ``g`` (a one-token step's pass held for tens of ms
-  waited on the GPU for something else);
+  waited on the GPU for something else); and PyTorch's running counts of the CUDA calls its
+  allocators made (``malloc``, ``free``, ``host_alloc``, ``sync_all``, ``retries``), each an
+  implicit synchronization that can hold a pass behind every stream's queued work, loads too;
 * ``gc`` — a collection of Python's garbage collector in the process: its span, generation and
   objects freed (a full collection stops every thread, the scheduler's too);
 * ``sample`` — every ``SAMPLE_S`` what the scheduler's thread was running: the innermost function
@@ -378,18 +380,52 @@ def _forward_passes(marks: Sequence[dict[str, Any]], sched: Sequence[dict[str, A
     marks = sorted(marks, key=lambda m: m["t"])
     starts = [r["t0"] for r in sched]
     spans = []
-    prev_g = None
+    prev: dict[str, Any] | None = None
     for m in marks:
-        begin = m["t"] if prev_g is None else max(m["t"], prev_g)
+        begin = m["t"] if prev is None else max(m["t"], prev["g"])
         i = bisect_left(starts, m["t"]) - 1  # the step this pass belongs to
-        spans.append((m["g"] - begin, m["t"], sched[i]["tokens"] if i >= 0 else None))
-        prev_g = m["g"]
-    times = sorted(x for x, _, _ in spans)
+        calls = _allocator_calls(prev, m)
+        notes = ([] if i < 0 else [f"{sched[i]['tokens']} tokens"]) + (
+            [f"after {calls}"] if calls else [])
+        spans.append((m["g"] - begin, m["t"], notes, calls))
+        prev = m
+    times = sorted(x for x, _, _, _ in spans)
     longest = ", ".join(f"{x * 1e3:.1f} ms at {(t - t0) * 1e3:.1f}"
-                        + ("" if n is None else f" ({n} tokens)")
-                        for x, t, n in sorted(spans, key=lambda s: s[0], reverse=True)[:top])
-    return (f"forward passes on the GPU: {len(spans)}, median {times[len(times) // 2] * 1e3:.1f}"
+                        + (f" ({', '.join(notes)})" if notes else "")
+                        for x, t, notes, _ in sorted(spans, key=lambda s: s[0],
+                                                     reverse=True)[:top])
+    line = (f"forward passes on the GPU: {len(spans)}, median {times[len(times) // 2] * 1e3:.1f}"
             f" ms; longest {longest}")
+    if any(f in m for m in marks for f in ALLOCATOR_FIELDS):
+        after = [(t, calls) for _, t, _, calls in spans if calls]
+        line += ("\nallocator CUDA calls (PyTorch's counts) before a pass: "
+                 + (", ".join(f"{c} at {(t - t0) * 1e3:.1f}" for t, c in after[:top])
+                    + (f", and before {len(after) - top} more passes" if len(after) > top
+                       else "") if after else "none"))
+    return line
+
+
+# The fields of ``mark`` rows that count PyTorch's allocators' CUDA calls, each able to hold a
+# step's forward pass behind the work queued on every stream (cudaMalloc, cudaFree and a
+# page-locked host allocation synchronize implicitly: CUDA C Programming Guide, "Implicit
+# Synchronization"): (field, name in the summary, allocator, PyTorch's statistic). The copier
+# reads them (tiering/backends/cuda_copy.py, ``allocator_calls``).
+ALLOCATOR_CALLS = (("malloc", "cudaMalloc", "device", "num_device_alloc"),
+                   ("free", "cudaFree", "device", "num_device_free"),
+                   ("sync_all", "allocator syncs", "device", "num_sync_all_streams"),
+                   ("retries", "allocation retries", "device", "num_alloc_retries"),
+                   ("host_alloc", "cudaHostAlloc", "host", "num_host_alloc"))
+ALLOCATOR_FIELDS = {field: name for field, name, _, _ in ALLOCATOR_CALLS}
+
+
+def _allocator_calls(prev: dict[str, Any] | None, mark: dict[str, Any]) -> str:
+    """The allocators' CUDA calls between two marks (from the pass before's enqueue to this
+    one's), e.g. "cudaMalloc 2, cudaHostAlloc 1"; "" where none, or not counted."""
+    if prev is None:
+        return ""
+    made = [(name, int(mark[f]) - int(prev[f])) for f, name in ALLOCATOR_FIELDS.items()
+            if f in mark and f in prev]
+    return ", ".join(f"{name} {n}" for name, n in made if n > 0)
 
 
 def _gc_ms(gcs: Sequence[dict[str, Any]]) -> float:
