@@ -1,7 +1,8 @@
 """Does a queue of bulk host-to-GPU loads hold up the model's own small input copies? (issue 15)
 
     python3 docs/bench_copy_queue.py [--bulk-gib 0,1,4,8] [--piece-mib 2] [--wave-mib 256]
-        [--job-mib 64] [--fed-limit-mib 1024] [--probe-ms 10] [--json OUT.json]
+        [--job-mib 64] [--fed-limit-mib 1024] [--probe-ms 10] [--alloc-after-ms 40]
+        [--json OUT.json]
 
 Why: the 8B step trace of a 100%-hit batch (docs/results/2026-12-05c) shows steps of a few
 dozen tokens lasting as long as the loads in flight (a 29-token step took 243 ms while the copy
@@ -31,6 +32,14 @@ What it measures, on one GPU, with pinned host memory as the CPU tier's rows are
   H100 of 2026-12-07e one vLLM step a 100%-hit batch was held 62-272 ms, until ~10 ms after the
   last fed load landed, while steps before it, every 10-15 ms, were not
   (docs/benchmarks.md, "An H100, 2026-12-07e").
+* ``fed+host-alloc``, ``fed+malloc`` (the largest bulk only): as ``fed``, but the step probe
+  that begins after ``--alloc-after-ms`` first makes PyTorch allocate memory of a size its caches
+  do not hold, page-locked host memory (``cudaHostAlloc``, as vLLM's output copy does when the
+  host cache has no free block of that size) or GPU memory (``cudaMalloc``), both implicit
+  synchronizations. Reported: whether the call was made (PyTorch's counts), how long it took,
+  and when that step's copies ended against the bulk's end: a step that ends only with the
+  bulk, although the feeder kept enqueuing after the call, is the held step of
+  2026-12-07e's traces (docs/benchmarks.md, "Call O's trace read again").
 
 Output: one line per case and bulk size, and a JSON record with ``--json``.
 """
@@ -53,6 +62,8 @@ def main() -> int:
     ap.add_argument("--fed-limit-mib", type=float, default=1024.0,
                     help="fed: the most bytes enqueued (our feeder grows to 1 GiB)")
     ap.add_argument("--probe-ms", type=float, default=10.0, help="fed: a probe this often")
+    ap.add_argument("--alloc-after-ms", type=float, default=40.0,
+                    help="fed+host-alloc, fed+malloc: the probe that allocates begins then")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
@@ -154,27 +165,62 @@ def main() -> int:
 
         return threading.Thread(target=feed), end
 
+    kept: list[Any] = []  # what the alloc cases allocated: never freed (a free may sync too)
+
+    def allocate(case: str) -> tuple[float, int]:
+        """Allocate memory of a size the allocator's caches do not hold and keep it: seconds
+        the call took, and the CUDA allocations PyTorch counted meanwhile (1: it was made)."""
+        host_case = case == "fed+host-alloc"
+
+        def calls() -> int:
+            if host_case:
+                stats = torch.cuda.memory.host_memory_stats_as_nested_dict()
+                return int(stats.get("num_host_alloc", -1))
+            return int(torch.cuda.memory_stats_as_nested_dict(dev).get("num_device_alloc", -1))
+
+        before = calls()
+        # each a power of two larger than the last (the host cache keeps blocks by power of two)
+        nbytes = (2 ** (25 + len(kept))) + 4096
+        t = time.perf_counter()
+        kept.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if host_case
+                    else torch.empty(nbytes, dtype=torch.uint8, device=dev))
+        took = time.perf_counter() - t
+        return took, calls() - before
+
     small(None)  # warm the kernels and the copy path
     step()
     enqueue(piece, bulk_stream).synchronize()
     rows: list[dict[str, Any]] = []
     for gib in sizes:
         nbytes = int(gib * 2**30) // piece * piece
-        for case in ("idle", "queued", "high-priority", "waves", "fed"):
+        for case in ("idle", "queued", "high-priority", "waves", "fed", "fed+host-alloc",
+                     "fed+malloc"):
             if case != "idle" and nbytes == 0:
                 continue
             if case == "idle" and gib != sizes[0]:
                 continue
+            if case.startswith("fed+") and gib != top:
+                continue
             for _ in range(a.repeat):
-                if case == "fed":
+                if case.startswith("fed"):
                     torch.cuda.synchronize(dev)
                     feeder, end = fed(nbytes)
                     t0 = time.perf_counter()
                     feeder.start()
                     probes: list[tuple[float, float]] = []  # (began, seconds), from t0
+                    alloc: dict[str, Any] = {}
                     while not probes or feeder.is_alive():  # one probe at least
                         began = time.perf_counter()
-                        probes.append((began - t0, step()))
+                        if case != "fed" and not alloc and began - t0 >= a.alloc_after_ms / 1e3:
+                            took, made = allocate(case)
+                            alloc = {"alloc_began_ms": round((began - t0) * 1e3, 1),
+                                     "alloc_ms": round(took * 1e3, 3), "alloc_calls": made}
+                            wait = step()
+                            alloc["alloc_step_ms"] = round(wait * 1e3, 3)
+                            alloc["alloc_step_end_s"] = time.perf_counter() - t0
+                            probes.append((began - t0, took + wait))
+                        else:
+                            probes.append((began - t0, step()))
                         time.sleep(max(0.0, a.probe_ms / 1e3 - (time.perf_counter() - began)))
                     feeder.join()
                     if not end:
@@ -190,10 +236,24 @@ def main() -> int:
                                  "bulk_ms": round(bulk_s * 1e3, 3),
                                  "bulk_gbps": round(nbytes / bulk_s / 1e9, 2)})
                     r = rows[-1]
-                    print(f"{case:<14} bulk {gib:5.1f} GiB  {r['probes']} steps: median "
-                          f"{r['probe_ms_median']:.3f} ms, longest {r['probe_ms_max']:.1f} ms "
-                          f"from {r['probe_max_began_ms']:.0f} ms; bulk {r['bulk_ms']:.1f} ms "
-                          f"{r['bulk_gbps']:.1f} GB/s", flush=True)
+                    line = (f"{case:<14} bulk {gib:5.1f} GiB  {r['probes']} steps: median "
+                            f"{r['probe_ms_median']:.3f} ms, longest {r['probe_ms_max']:.1f} ms "
+                            f"from {r['probe_max_began_ms']:.0f} ms; bulk {r['bulk_ms']:.1f} ms "
+                            f"{r['bulk_gbps']:.1f} GB/s")
+                    if alloc:
+                        # > 0: that step's copies ended after the bulk (the feeder went on
+                        # enqueuing after the call, and the step waited for all of it)
+                        after = alloc.pop("alloc_step_end_s") - bulk_s
+                        alloc["alloc_step_end_after_bulk_ms"] = round(after * 1e3, 3)
+                        r.update(alloc)
+                        line += (f"; at {alloc['alloc_began_ms']:.0f} ms the allocation "
+                                 f"(CUDA allocations counted: {alloc['alloc_calls']}) took "
+                                 f"{alloc['alloc_ms']:.2f} ms and its step "
+                                 f"{alloc['alloc_step_ms']:.1f} ms, ending "
+                                 f"{after * 1e3:+.1f} ms from the bulk's end")
+                    elif case != "fed":
+                        line += "; the bulk ended before the allocation was due"
+                    print(line, flush=True)
                     continue
                 torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()
@@ -229,6 +289,7 @@ def main() -> int:
             json.dump({"device": torch.cuda.get_device_name(dev), "piece_mib": a.piece_mib,
                        "wave_mib": a.wave_mib, "job_mib": a.job_mib,
                        "fed_limit_mib": a.fed_limit_mib, "probe_ms": a.probe_ms,
+                       "alloc_after_ms": a.alloc_after_ms,
                        "rows": rows}, f, indent=1)
     return 0
 
