@@ -15,18 +15,28 @@ another waited (``ran_dry``), the limit doubles, up to ``grow_to`` (``LOAD_QUEUE
 
 How: ``CudaCopier`` builds a load's descriptors on vLLM's worker thread and records there an
 event on the compute stream (the work the load must come after: the blocks it overwrites may
-have been read by the step before); it hands both to ``put``. One feeder thread enqueues jobs
-in submission order: a job's copies, between a start and an end event, on the load stream,
-after the job's event. Before it enqueues a job it waits (``Event.synchronize``, without the
-GIL) until the bytes enqueued and not yet copied leave room for it; a job larger than
-``limit`` is enqueued alone. An enqueued job is handed to the copier (``started``), which
-reports it finished by its end event, as any other job.
+have been read by the step before); it hands both to ``put``. Jobs are enqueued in submission
+order: a job's copies, between a start and an end event, on the load stream, after the job's
+event. One feeder thread enqueues them; before it enqueues a job it waits
+(``Event.synchronize``, without the GIL) until the bytes enqueued and not yet copied leave room
+for it; a job larger than ``limit`` is enqueued alone. An enqueued job is handed to the copier
+(``started``), which reports it finished by its end event, as any other job.
 
-Contract: ``put`` never blocks. A job whose copy API call failed (``CopyFailed``), or that met
-any other error of the CUDA calls around it (a wait, an event), is waited for until nothing of
-it is in flight and listed by ``take_failed`` (the copier reports it as a failed job; the vLLM
-worker turns that into a miss); the thread goes on with the next job, so no waiter hangs. ``wait_fed(ids)`` returns once none of
-``ids`` is still waiting here. ``close`` enqueues what is queued, then stops the thread.
+``direct``: a job that finds no job waiting before it and room in the queue is enqueued by the
+caller, in ``put``, as vLLM's own spec enqueues its loads. Why: the hop to the feeder thread
+costs the GIL each time the thread takes it back (about six times a job), and while a request
+loads, vLLM's engine loop runs Python without a pause, so each take waits up to the switch
+interval: a single request's load started 1-3 ms late (docs/benchmarks.md,
+"The hop to the feeder"). Only one thread enqueues at a time (``_enqueuing``), so the order on
+the stream is the order of ``started``, and both paths count the same queue (``_inflight``).
+
+Contract: ``put`` never waits for room or for the feeder thread; with ``direct`` it may make the
+job's CUDA calls itself (tens of microseconds). A job whose copy API call failed
+(``CopyFailed``), or that met any other error of the CUDA calls around it (a wait, an event),
+is waited for, on the feeder thread, until nothing of it is in flight, and listed by
+``take_failed`` (the copier reports it as a failed job; the vLLM worker turns that into a miss);
+the thread goes on with the next job, so no waiter hangs. ``wait_fed(ids)`` returns once none
+of ``ids`` is still waiting here. ``close`` enqueues what is queued, then stops the thread.
 """
 
 from __future__ import annotations
@@ -59,24 +69,36 @@ class FeedJob:
     size: np.ndarray
     nbytes: int
     after: Any  # a torch.cuda.Event on the submitting thread's stream
+    # its enqueue by the caller (direct) failed: the feeder thread waits until nothing of it
+    # is in flight and lists it, as it does for a job of its own
+    enqueue_failed: bool = False
 
 
 class CopyFeeder:
     def __init__(self, torch: Any, device: Any, stream: Any, limit: int, copy: CopyFn,
-                 started: StartedFn, name: str = "load", grow_to: int = 0) -> None:
+                 started: StartedFn, name: str = "load", grow_to: int = 0,
+                 direct: bool = False) -> None:
         if limit <= 0:
             raise ValueError(f"limit: expected a positive byte count, got {limit}")
         self.torch, self.device, self.stream, self.limit = torch, device, stream, limit
         # the limit doubles, up to grow_to, each time the queue ran dry while loads waited
         # (the feeder came back later than the queued loads lasted); 0: a fixed limit
         self.grow_to = grow_to
+        self.direct = direct  # a job with room and none before it is enqueued in put
         self.ran_dry = 0  # times the copy engine had done every enqueued load while one waited
+        self.waits = 0  # times the feeder waited for room (a measure of the limit binding)
+        self.enqueued_direct = 0  # jobs enqueued by put's caller
         self._copy, self._started = copy, started
+        self._cond = threading.Condition()
+        # under _cond: jobs not yet enqueued; failed job ids; (bytes, end event) of the jobs
+        # enqueued and maybe still copying, in enqueue order, and their bytes; whether a
+        # thread is enqueuing a job now (the feeder, or put's caller)
         self._pending: deque[FeedJob] = deque()
         self._failed: list[int] = []
-        self._cond = threading.Condition()
+        self._inflight: deque[tuple[int, Any]] = deque()
+        self._queued = 0
+        self._enqueuing = False
         self._stop = False
-        self.waits = 0  # times the feeder waited for room (a measure of the limit binding)
         self._thread = threading.Thread(target=self._run, name=f"tier-feed-{name}",
                                         daemon=True)
         self._thread.start()
@@ -85,7 +107,29 @@ class CopyFeeder:
         with self._cond:
             if self._stop:
                 raise RuntimeError("the copy feeder is closed")
-            self._pending.append(job)
+            if not (self.direct and not self._pending and not self._enqueuing
+                    and self._room_for(job.nbytes)):
+                self._pending.append(job)
+                self._cond.notify_all()
+                return
+            self._enqueuing = True
+        try:
+            start, end = self._enqueue(job)
+        except Exception as exc:  # the feeder thread makes it a failed job, as one of its own
+            if not isinstance(exc, CopyFailed):
+                log.exception("copy feeder: job %d failed", job.job_id)
+            job.enqueue_failed = True
+            with self._cond:
+                self._enqueuing = False
+                self._pending.append(job)
+                self._cond.notify_all()
+            return
+        self._started(job.job_id, job.nbytes, start, end)  # before another job is enqueued
+        with self._cond:
+            self._inflight.append((job.nbytes, end))
+            self._queued += job.nbytes
+            self._enqueuing = False
+            self.enqueued_direct += 1
             self._cond.notify_all()
 
     def pending(self) -> int:
@@ -108,6 +152,29 @@ class CopyFeeder:
             self._cond.notify_all()
         self._thread.join()
 
+    # -- under _cond ------------------------------------------------------------------------
+    def _forget_done(self) -> None:
+        """Drop the enqueued jobs the copy engine has finished (they end in order)."""
+        while self._inflight and self._inflight[0][1].query():
+            self._queued -= self._inflight.popleft()[0]
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether a job of ``nbytes`` may be enqueued now: the queue is empty, or it fits."""
+        self._forget_done()
+        return not self._inflight or self._queued + nbytes <= self.limit
+
+    # -- both paths ---------------------------------------------------------------------------
+    def _enqueue(self, job: FeedJob) -> tuple[Any, Any]:
+        """The job's copies between a start and an end event, on the load stream, after the
+        work it waits for. The caller holds ``_enqueuing``."""
+        start = self.torch.cuda.Event(enable_timing=True)
+        end = self.torch.cuda.Event(enable_timing=True, blocking=True)
+        self.stream.wait_event(job.after)
+        start.record(self.stream)
+        self._copy(job.job_id, job.src, job.dst, job.size, self.stream.cuda_stream)
+        end.record(self.stream)
+        return start, end
+
     # -- the feeder thread -------------------------------------------------------------------
     def _run(self) -> None:
         name_os_thread(threading.current_thread().name)
@@ -116,43 +183,33 @@ class CopyFeeder:
             torch.cuda.set_device(self.device)
         except Exception:  # the copies below then fail, job by job, and are listed
             log.exception("copy feeder: cannot use %s", self.device)
-        inflight: deque[tuple[int, Any]] = deque()  # (bytes, end event), in enqueue order
-        queued = 0
         waited_behind = False  # another load waited when the last one was enqueued
         while True:
             with self._cond:
                 if not self._pending:
                     waited_behind = False  # the burst ended: an idle engine is not a late feeder
-                while not self._pending and not self._stop:
+                while (not self._pending or self._enqueuing) and not self._stop:
+                    self._cond.wait()
+                while self._enqueuing:  # closing: put's caller is still enqueuing its job
                     self._cond.wait()
                 if not self._pending:
                     return
                 job = self._pending[0]
+                self._enqueuing = True
             try:
-                while inflight and inflight[0][1].query():
-                    queued -= inflight.popleft()[0]
-                waited, behind = False, 0
-                while inflight and queued + job.nbytes > self.limit:
-                    self.waits += 1
-                    nbytes, end = inflight.popleft()
-                    behind = len(inflight)  # loads still queued behind the one waited for
-                    end.synchronize()  # the GIL is released while the copy engine works
-                    queued -= nbytes
-                    waited = True
-                    while inflight and inflight[0][1].query():
-                        queued -= inflight.popleft()[0]
+                if job.enqueue_failed:
+                    raise CopyFailed(f"job {job.job_id}: its enqueue by put's caller failed")
+                waited, behind = self._wait_for_room(job.nbytes)
                 # the engine ran dry if loads it still had when this thread last left it were
                 # all done when it came back: behind the load it waited for, or, without a
                 # wait, behind the last one it enqueued. Waiting for the last load in flight
                 # (a job that needs all the room) empties the queue on purpose: not late.
-                if not inflight and (behind if waited else waited_behind):
+                with self._cond:
+                    self._forget_done()
+                    dry = not self._inflight and bool(behind if waited else waited_behind)
+                if dry:
                     self._ran_dry()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True, blocking=True)
-                self.stream.wait_event(job.after)
-                start.record(self.stream)
-                self._copy(job.job_id, job.src, job.dst, job.size, self.stream.cuda_stream)
-                end.record(self.stream)
+                start, end = self._enqueue(job)
             except Exception as exc:  # CopyFailed, or any CUDA error: this job is a miss
                 if not isinstance(exc, CopyFailed):
                     log.exception("copy feeder: job %d failed", job.job_id)
@@ -160,23 +217,40 @@ class CopyFeeder:
                     self.stream.synchronize()  # nothing of the job in flight any more
                 except Exception:  # a broken stream: what was enqueued is not waited for
                     log.exception("copy feeder: the load stream cannot be synchronized")
-                inflight.clear()  # their events are the copier's to report; room is not
-                queued = 0        # counted against a stream that was drained or is broken
                 waited_behind = False  # drained on purpose: not a queue that ran dry
                 with self._cond:
+                    # their events are the copier's to report; room is not counted against a
+                    # stream that was drained or is broken
+                    self._inflight.clear()
+                    self._queued = 0
                     self._pending.popleft()
                     self._failed.append(job.job_id)
+                    self._enqueuing = False
                     self._cond.notify_all()
                 continue
             # handed to the copier before it leaves the queue: wait_fed then finds it there
             self._started(job.job_id, job.nbytes, start, end)
-            inflight.append((job.nbytes, end))
-            queued += job.nbytes
             with self._cond:
+                self._inflight.append((job.nbytes, end))
+                self._queued += job.nbytes
                 self._pending.popleft()
                 waited_behind = bool(self._pending)
+                self._enqueuing = False
                 self._cond.notify_all()
 
+    def _wait_for_room(self, nbytes: int) -> tuple[bool, int]:
+        """Wait (without the GIL) for the oldest enqueued jobs until ``nbytes`` fit; whether
+        it waited, and how many loads were queued behind the last one it waited for."""
+        waited, behind = False, 0
+        while True:
+            with self._cond:
+                if self._room_for(nbytes):
+                    return waited, behind
+                end = self._inflight[0][1]
+                behind = len(self._inflight) - 1  # loads still queued behind the one waited for
+            self.waits += 1
+            end.synchronize()  # the GIL is released while the copy engine works
+            waited = True
     def _ran_dry(self) -> None:
         """Every enqueued load was done while the next one waited here: the copy engine idled
         for as long as this thread was late (waiting for the GIL: on the H100 of 2026-12-06b up

@@ -127,8 +127,9 @@ class CudaCopier:
     Called from one thread (vLLM's worker thread): ``submit``/``submit_job`` enqueue and
     return, ``get_finished`` polls events, ``wait`` blocks on the named jobs' end events. With
     ``load_queue_bytes``, loads are enqueued by a feeder thread instead (``CopyFeeder``), which
-    appends them to the load direction's job queue as it enqueues them; a load it could not
-    enqueue comes out of ``get_finished`` with ``ok`` False.
+    appends them to the load direction's job queue as it enqueues them (``load_direct``: a load
+    with room in the queue and none waiting before it is enqueued at once, on the calling
+    thread); a load it could not enqueue comes out of ``get_finished`` with ``ok`` False.
     """
 
     name = "cuda"
@@ -138,7 +139,8 @@ class CudaCopier:
                  copy: str = "auto", staging_bytes: int = 128 << 20,
                  small_page_bytes: int = 256 << 10, access_order: str = "stream",
                  copy_flags: int = 0, streams_per_direction: int = 1,
-                 register_segment: int = 0, load_queue_bytes: int = 0) -> None:
+                 register_segment: int = 0, load_queue_bytes: int = 0,
+                 load_direct: bool = False) -> None:
         import torch
         from cuda.bindings import runtime as rt
 
@@ -224,7 +226,8 @@ class CudaCopier:
         if load_queue_bytes:
             self._feeder = CopyFeeder(torch, self.device, self.streams["load"], load_queue_bytes,
                                       self._copy, self._load_started,
-                                      grow_to=max(load_queue_bytes, LOAD_QUEUE_MAX_BYTES))
+                                      grow_to=max(load_queue_bytes, LOAD_QUEUE_MAX_BYTES),
+                                      direct=load_direct)
         if TRACE.on:
             base = torch.cuda.Event(enable_timing=True)
             base.record(self.streams["store"])

@@ -5,7 +5,9 @@ Setups (``--configs``): ``none`` (no offloading), ``cpu`` (vLLM's CPUOffloadingS
 ``vtier-fs`` (vLLM's TieringOffloadingSpec with its ``fs`` tier), ``vtier-ours`` (vLLM's
 TieringOffloadingSpec with our FileTier as secondary tier), ``ours`` (our TieredOffloadingSpec:
 CPU tier + file tier, the file tier write-through: ``demote: on_store``), ``ours-wb`` (the same, the
-file tier write-back: ``demote: on_evict``).
+file tier write-back: ``demote: on_evict``). Named only, never in the default list: ``ours-fed``
+(``ours`` with ``load_direct`` false: every load through the feeder thread, the A/B of a single
+CPU hit's load enqueued by vLLM's worker thread).
 
 Phases per prompt length (``--phases``): ``cold`` (first sight), ``gpu`` (same prompt again:
 GPU prefix cache), ``cpu`` (after ``reset_prefix_cache``: served from the CPU tier), ``disk``
@@ -59,6 +61,8 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 CONFIGS = ("none", "cpu", "vtier-fs", "vtier-ours", "ours", "ours-wb")
+# setups run only where --configs names them (A/Bs of one setting of ours)
+EXTRA_CONFIGS = ("ours-fed",)
 PHASES = ("cold", "gpu", "cpu", "recompute", "disk", "restart", "throughput")
 # the warm-up prompts' lowest token (Engine.warm_up): the first engine's, and a restarted
 # engine's under --restart-warmup fresh; both below the measured prompts' tokens (``prompt``)
@@ -72,7 +76,7 @@ SHAPES = {  # Llama-style shapes: layers, hidden, heads, kv heads, intermediate,
     "small": (4, 1024, 8, 8, 2048, 32000),     # 64 KiB per-layer pages like 8b (GPU tests)
     "tiny": (2, 256, 4, 4, 512, 4096),         # for a CPU smoke run of this script
 }
-HAS_DISK = {"vtier-fs", "vtier-ours", "ours", "ours-wb"}
+HAS_DISK = {"vtier-fs", "vtier-ours", "ours", "ours-wb", "ours-fed"}
 
 
 def _numbers(ap: argparse.ArgumentParser, option: str, text: str, kind: type) -> list:
@@ -89,7 +93,8 @@ def _numbers(ap: argparse.ArgumentParser, option: str, text: str, kind: type) ->
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help=f"comma-separated, of {', '.join(CONFIGS)} (default: all)")
+                    help=f"comma-separated, of {', '.join(CONFIGS + EXTRA_CONFIGS)} "
+                         f"(default: {', '.join(CONFIGS)})")
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--lengths", default="2048,8192,32768", help="prompt tokens, comma-separated")
     ap.add_argument("--repeats", type=int, default=1,
@@ -205,12 +210,13 @@ def parse() -> argparse.Namespace:
     if a.io_threads is not None and not 1 <= a.io_threads <= 1024:
         ap.error(f"--io-threads: expected 1 to 1024 threads a file tier, got {a.io_threads}")
     a.tp_cpu_fraction = _numbers(ap, "--tp-cpu-fraction", a.tp_cpu_fraction, float)
-    bad = sorted(set(a.configs) - set(CONFIGS)) + sorted(set(a.phases) - set(PHASES)
-                                                         - {SWEEP_PHASE})
+    bad = (sorted(set(a.configs) - set(CONFIGS + EXTRA_CONFIGS))
+           + sorted(set(a.phases) - set(PHASES) - {SWEEP_PHASE}))
     if SWEEP_PHASE in a.phases:
         check_sweep_args(ap, a)
     if bad:
-        ap.error(f"unknown config/phase {bad}; configs {CONFIGS}, phases {PHASES}")
+        ap.error(f"unknown config/phase {bad}; configs {CONFIGS + EXTRA_CONFIGS}, "
+                 f"phases {PHASES}")
     return a
 
 
@@ -340,11 +346,13 @@ def transfer_config(name: str, scratch: Path, cpu_bytes: int, disk_gib: float,
                      secondary_tiers=[{"type": "FileTier", "module_path": "tiering.vllm",
                                        "path": str(disk), "capacity": f"{disk_gib:.3f}GiB",
                                        "policy": "lru", "io": "posix"}])
-    else:  # ours, ours-wb: the file tier write-through (vLLM's default) or write-back
+    else:  # ours, ours-wb, ours-fed: the file tier write-through (vLLM's default) or write-back
         file_tier = {"medium": "file", "path": str(disk), "capacity": f"{disk_gib:.3f}GiB",
                      "policy": "lru", "io": "posix"}
         if name == "ours-wb":
             file_tier["demote"] = "on_evict"
+        if name == "ours-fed":
+            extra["load_direct"] = False
         extra.update(spec_name="TieredOffloadingSpec", spec_module_path="tiering.vllm",
                      gpu_copy=gpu_copy,
                      tiers=[{"medium": "cpu", "policy": "lru",
@@ -1183,6 +1191,10 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
                    help="ours: load_queue_bytes in MiB (loads enqueued on the copy engine at "
                         "once, the rest fed as room frees; 0: all at once; -1: the spec's "
                         "default)")
+    g.add_argument("--sweep-load-direct", choices=("on", "off"), default=None,
+                   help="ours: load_direct (a load with room in the queue and none waiting "
+                        "enqueued by vLLM's worker thread; off: every load through the feeder "
+                        "thread; default: the spec's)")
     g.add_argument("--sweep-prefix-caching", action="store_true",
                    help="GPU prefix caching on (off by default, as in the source article): then "
                         "vLLM hashes every request's blocks for every setup, no offloading "
@@ -1249,7 +1261,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
                           promote: str = "auto",
                           promotion_reserve: float | None = None,
                           max_load_starts_per_step: int | None = None,
-                          load_queue_bytes: int | None = None) -> dict | None:
+                          load_queue_bytes: int | None = None,
+                          load_direct: bool | None = None) -> dict | None:
     """The sweep's offloading setups: vLLM's CPUOffloadingSpec (``cpu``) or our spec with its
     CPU tier only (``ours``), offloading chunks of ``chunk_tokens`` (None: each spec's default,
     ``default_chunk_tokens``); ``ours-disk``: ours over a file tier at ``disk`` (folder,
@@ -1287,6 +1300,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
             extra["max_load_starts_per_step"] = max_load_starts_per_step
         if load_queue_bytes is not None:
             extra["load_queue_bytes"] = load_queue_bytes
+        if load_direct is not None:
+            extra["load_direct"] = load_direct
         return {**CONNECTOR_FIELDS, "kv_connector_extra_config": extra}
     else:
         raise ValueError(f"prefill sweep: unknown config {config!r}")
@@ -1559,7 +1574,9 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
                                 a.promote, a.sweep_promotion_reserve,
                                 None if a.sweep_load_starts < 0 else a.sweep_load_starts,
                                 None if a.sweep_load_queue_mib < 0
-                                else int(a.sweep_load_queue_mib * 2**20))
+                                else int(a.sweep_load_queue_mib * 2**20),
+                                None if a.sweep_load_direct is None
+                                else a.sweep_load_direct == "on")
     kvt = with_io_threads(with_switch_interval(kvt, a.switch_ms), a.io_threads)
     plan = sweep_plan(config, n, a.sweep_hit_rates, a.sweep_rounds)
     prompts = sweep_prompts(max(max(b) for _, _, b in plan) + 1, tokens, vocab,

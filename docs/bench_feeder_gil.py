@@ -14,6 +14,12 @@ feeder (this tree's ``backends/copy_feeder.py``, and ``--baseline``'s from git) 
 interval: the time to copy every job against the engine's own time (bytes / rate).
 ``--hold-ms H``: after every 2 ms of Python the main thread also keeps the GIL H ms in one C
 call, which no switch interval cuts (on the H100 a fed job waited up to 34 ms for the GIL).
+
+``--single N``: N requests one at a time, as a single CPU hit comes: the main thread puts one
+job and runs Python until the job is enqueued (vLLM's engine loop spins, polling, while a
+request loads), then the copy engine drains before the next. Reported per feeder mode (the
+thread takes every job; ``direct``: the caller enqueues a job that finds room and none waiting)
+and switch interval: put to enqueue, median, 90th percentile and longest, in ms.
 """
 
 from __future__ import annotations
@@ -170,6 +176,36 @@ def run(mod: types.ModuleType, jobs: int, job_bytes: int, rate: float, queue: in
     return end - t0, jobs * job_bytes / rate
 
 
+def single(mod: types.ModuleType, n: int, job_bytes: int, rate: float, switch_s: float,
+           direct: bool) -> list[float]:
+    """Seconds from ``put`` to the job's copies enqueued, for ``n`` jobs put one at a time while
+    this thread runs Python until its job is enqueued."""
+    global ENGINE
+    ENGINE = _Engine(rate)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(switch_s)
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=_Event,
+                                                             set_device=lambda d: None))
+    enqueued: list[float] = []
+    feeder = mod.CopyFeeder(torch, "cuda:0", _Stream(), 256 << 20, _copy,
+                            lambda *a: enqueued.append(time.perf_counter()), direct=direct)
+    a = np.zeros(8, dtype=np.uint64)
+    size = np.full(8, job_bytes // 8, dtype=np.uint64)
+    waits = []
+    try:
+        for i in range(n):
+            t = time.perf_counter()
+            feeder.put(mod.FeedJob(i, a, a, size, job_bytes, _Event()))
+            while len(enqueued) <= i:  # the engine loop: Python, polling for the load
+                _busy_python_for(0.0002)
+            waits.append(enqueued[i] - t)
+            time.sleep(max(0.0, ENGINE.busy_until - time.perf_counter()) + 0.001)
+    finally:
+        feeder.close()
+        sys.setswitchinterval(old)
+    return waits
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--jobs", type=int, default=1024)
@@ -186,9 +222,25 @@ def main() -> None:
     ap.add_argument("--hold-ms", type=float, default=0.0,
                     help="after every 2 ms of Python, the main thread keeps the GIL this long "
                          "in one C call")
+    ap.add_argument("--single", type=int, default=0,
+                    help="N single requests, one job each: put-to-enqueue latency per mode")
     a = ap.parse_args()
     holder = _GilHolder(a.hold_ms / 1000) if a.hold_ms else None
     root = Path(__file__).resolve().parent.parent
+    if a.single:
+        mod = _load("feeder_single", (root / "backends" / "copy_feeder.py").read_text())
+        print(f"{a.single} single jobs of {a.job_mib:g} MiB; the main thread runs Python until "
+              "each is enqueued")
+        print(f"{'mode':<8} {'switch':>7} {'median ms':>10} {'p90 ms':>8} {'max ms':>8}")
+        for _ in range(a.repeat):
+            for switch_ms in (float(x) for x in a.switch_ms.split(",")):
+                for direct in (False, True):
+                    w = sorted(single(mod, a.single, int(a.job_mib * 2**20), a.gbps * 1e9,
+                                      switch_ms / 1000, direct))
+                    print(f"{'direct' if direct else 'thread':<8} {switch_ms:>5.1f}ms "
+                          f"{w[len(w) // 2] * 1e3:>10.3f} {w[int(len(w) * 0.9)] * 1e3:>8.3f} "
+                          f"{w[-1] * 1e3:>8.3f}", flush=True)
+        return
     feeders = [("this tree", (root / "backends" / "copy_feeder.py").read_text())]
     if a.baseline:
         feeders.append((a.baseline, subprocess.run(

@@ -85,7 +85,8 @@ def engine():
 
 
 def make(limit: int, fail: set[int] = frozenset(), grow_to: int = 0,
-         gate: threading.Event | None = None) -> tuple[CopyFeeder, list, dict]:
+         gate: threading.Event | None = None, direct: bool = False,
+         threads: dict | None = None) -> tuple[CopyFeeder, list, dict]:
     """``gate``: the first copy waits for it (the test puts its jobs meanwhile, so that every
     job but the first was queued before the feeder took the one ahead of it)."""
     started: list = []
@@ -94,6 +95,8 @@ def make(limit: int, fail: set[int] = frozenset(), grow_to: int = 0,
     def copy(job_id, src, dst, size, stream):
         if gate is not None:
             assert gate.wait(10), "the test never opened the gate"
+        if threads is not None:
+            threads[job_id] = threading.current_thread().name
         if job_id in fail:
             raise CopyFailed(f"job {job_id}: injected")
         ENGINE.enqueued.append(job_id)
@@ -103,7 +106,7 @@ def make(limit: int, fail: set[int] = frozenset(), grow_to: int = 0,
         started.append((job_id, nbytes, end))
 
     return (CopyFeeder(fake_torch(), "cuda:0", Stream(), limit, copy, on_started,
-                       grow_to=grow_to), started, copied)
+                       grow_to=grow_to, direct=direct), started, copied)
 
 
 def job(i: int, nbytes: int) -> FeedJob:
@@ -244,6 +247,63 @@ def test_a_new_burst_after_an_idle_feeder_is_not_a_queue_run_dry(engine):
     feeder.put(job(2, 50))
     feeder.wait_fed({2})
     assert feeder.limit == 100 and feeder.ran_dry == 0
+    feeder.close()
+
+
+# -- direct: a job with room and none waiting is enqueued by put's caller ----------------------
+
+
+def test_direct_a_job_with_room_is_enqueued_by_the_caller_before_put_returns(engine):
+    """With ``direct``, a job that finds the queue with room and no job waiting is enqueued on
+    the caller's thread and handed to the copier before ``put`` returns (no hop to the feeder
+    thread: on a GPU each take of the GIL there waited for vLLM's busy engine loop); the
+    others wait for the thread, in submission order, and the limit still holds."""
+    threads: dict[int, str] = {}
+    feeder, started, _ = make(100, direct=True, threads=threads)
+    me = threading.current_thread().name
+    feeder.put(job(1, 40))
+    assert engine.enqueued == [1] and [s[0] for s in started] == [1] and threads[1] == me
+    feeder.put(job(2, 40))
+    assert engine.enqueued == [1, 2] and threads[2] == me
+    feeder.put(job(3, 40))  # no room: the feeder thread takes it once the first job ends
+    feeder.put(job(4, 10))  # room, but a job waits before it: it keeps its place
+    time.sleep(0.03)
+    assert engine.enqueued == [1, 2] and feeder.pending() == 2
+    engine.finish(1)
+    until(lambda: engine.enqueued == [1, 2, 3, 4], "3 and 4 follow, in order")
+    assert threads[3] == threads[4] == "tier-feed-load"
+    assert [s[0] for s in started] == [1, 2, 3, 4] and feeder.enqueued_direct == 2
+    engine.finish(3)
+    feeder.put(job(5, 400))  # over the limit, the queue empty: alone, and at once
+    assert engine.enqueued[-1] == 5 and threads[5] == me and feeder.enqueued_direct == 3
+    feeder.put(job(6, 10))  # behind the large one still copying: the thread's, after it ends
+    time.sleep(0.03)
+    assert engine.enqueued[-1] == 5
+    engine.finish(1)
+    until(lambda: engine.enqueued[-1] == 6, "the small job after the large one")
+    feeder.close()
+
+
+def test_direct_a_failed_enqueue_is_listed_after_the_stream_drained_and_never_raises(engine):
+    """A direct job whose copy call fails: ``put`` returns as usual; the feeder thread waits
+    until nothing of it is in flight (the load stream drained) and lists it once; the next
+    job goes on."""
+    drained: list[int] = []
+
+    class Watched(Stream):
+        def synchronize(self) -> None:
+            drained.append(len([e for e in ENGINE.ends if not e.done.is_set()]))
+            super().synchronize()
+
+    feeder, started, _ = make(100, fail={2}, direct=True)
+    feeder.stream = Watched()
+    feeder.put(job(1, 10))
+    feeder.put(job(2, 10))  # raises inside the caller's enqueue: not out of put
+    feeder.wait_fed({2})
+    assert feeder.take_failed() == [2] and feeder.take_failed() == []
+    assert drained == [1]  # job 1 was still copying: the stream was waited for first
+    feeder.put(job(3, 10))
+    assert engine.enqueued == [1, 3] and [s[0] for s in started] == [1, 3]
     feeder.close()
 
 

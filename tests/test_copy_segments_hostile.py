@@ -22,6 +22,8 @@ import bisect
 import contextlib
 import ctypes
 import sys
+import threading
+import time
 import types
 from dataclasses import dataclass, field
 
@@ -624,7 +626,7 @@ class _Stream:
 
 
 class _Event:
-    def __init__(self, enable_timing: bool = False) -> None:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
         pass
 
     def record(self, stream=None) -> None:
@@ -646,7 +648,8 @@ def _fake_torch() -> types.ModuleType:
     torch.version = types.SimpleNamespace(cuda="12.8")
     torch.cuda = types.SimpleNamespace(
         Stream=_Stream, Event=_Event, current_stream=lambda device=None: _Stream(),
-        synchronize=lambda device=None: None, stream=lambda s: contextlib.nullcontext())
+        synchronize=lambda device=None: None, stream=lambda s: contextlib.nullcontext(),
+        set_device=lambda device: None)
     return torch
 
 
@@ -805,6 +808,38 @@ def test_a_jobs_rows_must_match_its_blocks_and_empty_groups_take_none():
     for rows in ([9, 4], [9, 4, 6, 1]):
         with pytest.raises(ValueError):
             lay.descriptors(blocks, gs, bi, np.array(rows))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_fed_load_is_enqueued_by_the_caller_when_direct(fake_cuda, direct):
+    """With a feeder (``load_queue_bytes``) and ``load_direct``, a load that finds room is
+    enqueued on the submitting thread before ``submit`` returns; without it, by the feeder
+    thread. Either way the bytes land and the job is reported finished once."""
+    host = np.arange(1 << 16, dtype=np.uint64).view(np.uint8)[: 1 << 16].copy()
+    dev = np.zeros(1 << 16, dtype=np.uint8)
+    copier, fake = fake_cuda(host.ctypes.data, host.nbytes, "bindings",
+                             load_queue_bytes=1 << 20, load_direct=direct)
+    fake.arenas.append((dev.ctypes.data, dev.ctypes.data + dev.nbytes))
+    threads: list[str] = []
+    batch = fake.rt.cudaMemcpyBatchAsync
+    fake.rt.cudaMemcpyBatchAsync = lambda *a: (threads.append(threading.current_thread().name),
+                                               batch(*a))[1]
+    try:
+        copier.submit(7, np.array([host.ctypes.data + 512], dtype=np.uint64),
+                      np.array([dev.ctypes.data], dtype=np.uint64),
+                      np.array([4096], dtype=np.uint64), "load")
+        if direct:
+            assert threads == [threading.current_thread().name]
+        done: list = []
+        deadline = time.monotonic() + 5
+        while not done and time.monotonic() < deadline:
+            done = copier.get_finished()
+            time.sleep(0.001)
+        assert [(f.job_id, f.ok) for f in done] == [(7, True)]
+        assert threads == [threading.current_thread().name if direct else "tier-feed-load"]
+        assert bytes(dev[:4096]) == bytes(host[512:4608]) and copier.get_finished() == []
+    finally:
+        copier.shutdown()
 
 
 def test_each_mark_carries_the_allocators_running_counts(fake_cuda, monkeypatch):

@@ -234,8 +234,9 @@ def test_shorten_switch_interval_logs_why_only_when_it_changes(interval, caplog)
 class _FakeCopier:
     name = "fake"
 
-    def __init__(self, *args, load_queue_bytes: int = 0, **kw) -> None:
-        self.load_queue_bytes = load_queue_bytes
+    def __init__(self, *args, load_queue_bytes: int = 0, load_direct: bool = False,
+                 **kw) -> None:
+        self.load_queue_bytes, self.load_direct = load_queue_bytes, load_direct
 
 
 @pytest.mark.parametrize("extra, want", [
@@ -246,6 +247,7 @@ class _FakeCopier:
     ({"load_queue_bytes": 0}, 0.005),                      # no feeder: left alone
     ({"load_queue_bytes": "0"}, 0.005),
     ({"load_queue_bytes": "64MiB", "switch_interval_ms": 1}, 0.001),
+    ({"load_direct": False}, 0.0005),                      # the thread takes every load
 ])
 def test_a_cuda_worker_with_the_feeder_lowers_the_switch_interval(tmp_path, monkeypatch,
                                                                   interval, extra, want):
@@ -272,10 +274,22 @@ def test_a_cuda_worker_with_the_feeder_lowers_the_switch_interval(tmp_path, monk
     try:
         spec.get_worker(SimpleNamespace(tensors=[cuda, cuda]))
         assert made["copier"].load_queue_bytes == spec.cfg.load_queue_bytes
+        assert made["copier"].load_direct is spec.cfg.load_direct is extra.get("load_direct",
+                                                                                True)
         assert sys.getswitchinterval() == pytest.approx(want)
     finally:
         if "region" in made:
             made["region"].close(unlink=True)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "true"])
+def test_load_direct_must_be_true_or_false(value):
+    """``load_direct`` is a JSON boolean: anything else is refused with its name, before a
+    tier is made."""
+    from tiering.config import parse
+
+    with pytest.raises(ValueError, match=f"load_direct: expected true or false, got {value!r}"):
+        parse({"cpu_bytes_to_use": 1 << 30, "load_direct": value})
 
 
 def test_a_cpu_worker_leaves_the_switch_interval(tmp_path, monkeypatch, interval):

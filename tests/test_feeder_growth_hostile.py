@@ -130,7 +130,7 @@ class Harness:
     """A feeder over ``engine``, recording what the copy and started callbacks saw."""
 
     def __init__(self, engine: Engine, limit: int, grow_to: int = 0,
-                 fail: dict[int, Exception] | None = None) -> None:
+                 fail: dict[int, Exception] | None = None, direct: bool = False) -> None:
         self.engine = engine
         self.fail = dict(fail or {})
         self.sizes: dict[int, int] = {}
@@ -138,12 +138,13 @@ class Harness:
         self.limits: list[int] = []  # feeder.limit when each job's copies were enqueued
         self.violations: list[str] = []  # enqueues that broke "limit, or alone"
         self.copy_calls: list[int] = []
+        self.copy_threads: dict[int, str] = {}  # job id: the thread that made its copy call
         torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
             Event=lambda enable_timing=False, blocking=False: Event(engine, enable_timing,
                                                                     blocking),
             set_device=lambda d: None))
         self.feeder = CopyFeeder(torch, "cuda:0", Stream(engine), limit, self._copy,
-                                 self._on_started, grow_to=grow_to)
+                                 self._on_started, grow_to=grow_to, direct=direct)
         engine.feeders.append(self.feeder)
 
     def job(self, i: int, nbytes: int, fail_wait: bool = False) -> FeedJob:
@@ -159,6 +160,7 @@ class Harness:
         if not self.engine.gate.wait(WAIT_S):
             raise AssertionError("the test never opened the gate")
         self.copy_calls.append(job_id)
+        self.copy_threads[job_id] = threading.current_thread().name
         exc = self.fail.get(job_id)
         if exc is not None:
             raise exc
@@ -535,7 +537,7 @@ def test_close_drains_a_growing_queue_and_returns(engine):
 # -- concurrency: several putters while the limit grows ------------------------------------------
 
 
-def _concurrent_run(engine: Engine, fail_every: int) -> None:
+def _concurrent_run(engine: Engine, fail_every: int, direct: bool = False) -> None:
     rng = random.Random(1234 + fail_every)
     limit, grow_to = 64, 5000  # 64 << 6 = 4096, then clamped to 5000
     threads, per = 4, 150
@@ -550,7 +552,7 @@ def _concurrent_run(engine: Engine, fail_every: int) -> None:
                            else RuntimeError(f"CUDA error: job {i}"))
     # after these the feeder comes back only once the engine drained everything (it was late)
     engine.late_after = {i for i in specs if rng.random() < 0.1}
-    h = Harness(engine, limit, grow_to=grow_to, fail=fail)
+    h = Harness(engine, limit, grow_to=grow_to, fail=fail, direct=direct)
     jobs = {i: h.job(i, s) for i, s in specs.items()}
 
     def step(eng: Engine) -> None:  # sometimes one at a time, sometimes everything (a late feeder)
@@ -605,21 +607,30 @@ def _concurrent_run(engine: Engine, fail_every: int) -> None:
     assert max(h.limits) <= grow_to and h.feeder.limit <= grow_to
     assert h.feeder.limit == min(grow_to, limit << h.feeder.ran_dry)
     assert h.feeder.ran_dry > 0 and h.feeder.waits > 0  # it grew, and the limit bound
+    by_putters = {i for i, name in h.copy_threads.items() if not name.startswith("tier-feed")}
+    if direct:  # both paths were taken, and the count of the direct one is exact
+        assert by_putters and len(by_putters) < len(specs)
+        assert h.feeder.enqueued_direct == len(by_putters - set(fail))
+    else:
+        assert not by_putters and h.feeder.enqueued_direct == 0
 
 
-def test_concurrent_putters_while_the_limit_grows_keep_every_job_once_in_order(engine):
-    _concurrent_run(engine, fail_every=0)
+@pytest.mark.parametrize("direct", [False, True])
+def test_concurrent_putters_while_the_limit_grows_keep_every_job_once_in_order(engine, direct):
+    _concurrent_run(engine, fail_every=0, direct=direct)
 
 
-def test_concurrent_putters_with_failures_keep_every_job_once_in_order(engine):
-    _concurrent_run(engine, fail_every=9)
+@pytest.mark.parametrize("direct", [False, True])
+def test_concurrent_putters_with_failures_keep_every_job_once_in_order(engine, direct):
+    _concurrent_run(engine, fail_every=9, direct=direct)
 
 
-def test_put_racing_close_hands_over_exactly_what_was_accepted(engine):
+@pytest.mark.parametrize("direct", [False, True])
+def test_put_racing_close_hands_over_exactly_what_was_accepted(engine, direct):
     """Putters keep putting while close runs: every put that returned is handed over exactly
     once (close drains), every put that raised is not."""
     engine.instant = True
-    h = Harness(engine, 16, grow_to=4096)
+    h = Harness(engine, 16, grow_to=4096, direct=direct)
     accepted: list[int] = []
     refused: list[int] = []
     lock = threading.Lock()

@@ -166,7 +166,7 @@ def test_configs_name_the_spec_and_tiers(tmp_path):
     assert extra["ours-wb"]["tiers"][1]["demote"] == "on_evict"
     for c, e in extra.items():
         assert e["cpu_bytes_to_use"] == 1 << 30, c
-    assert gpu_bench.HAS_DISK == {"vtier-fs", "vtier-ours", "ours", "ours-wb"}
+    assert gpu_bench.HAS_DISK == {"vtier-fs", "vtier-ours", "ours", "ours-wb", "ours-fed"}
 
 
 def test_our_configs_are_valid_for_our_spec(tmp_path):
@@ -272,6 +272,36 @@ def test_vtier_configs_build_the_tiers_they_name(tmp_path):
     get = factory.SecondaryTierFactory.get_tier_class
     assert get(extra["vtier-ours"]["secondary_tiers"][0]) is FileTier
     assert get(extra["vtier-fs"]["secondary_tiers"][0]).__module__.endswith("fs.manager")
+
+
+def test_ours_fed_is_ours_with_every_load_through_the_feeder(tmp_path, monkeypatch):
+    """ours-fed, the A/B of load_direct: ours' tiers and disk, with load_direct false; run only
+    where --configs names it (the default list stays as it was); the sweep's
+    --sweep-load-direct sets it for ours, and nothing where not given."""
+    from tiering.config import parse
+    from tiering.settings import LOAD_DIRECT
+
+    def cfg(kvt):
+        return parse({k: v for k, v in kvt["kv_connector_extra_config"].items()
+                      if k not in ("spec_name", "spec_module_path")})
+
+    fed = gpu_bench.transfer_config("ours-fed", tmp_path, 1 << 30, 4.0)
+    ours = gpu_bench.transfer_config("ours", tmp_path, 1 << 30, 4.0)
+    assert cfg(fed).load_direct is False and cfg(ours).load_direct is LOAD_DIRECT is True
+    assert fed["kv_connector_extra_config"]["tiers"][1]["path"] == str(tmp_path / "ours-fed")
+    assert "ours-fed" in gpu_bench.HAS_DISK and "ours-fed" not in gpu_bench.CONFIGS
+    monkeypatch.setattr(sys, "argv", ["gpu_bench"])
+    assert "ours-fed" not in gpu_bench.parse().configs
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--configs", "none,ours,ours-fed,cpu"])
+    assert gpu_bench.parse().configs == ["none", "ours", "ours-fed", "cpu"]
+    for value in (True, False):
+        kvt = gpu_bench.sweep_transfer_config("ours-sched", 1 << 30, None, 16,
+                                             load_direct=value)
+        assert cfg(kvt).load_direct is value
+    assert "load_direct" not in gpu_bench.sweep_transfer_config(
+        "ours-sched", 1 << 30, None, 16)["kv_connector_extra_config"]
+    assert "load_direct" not in gpu_bench.sweep_transfer_config(
+        "cpu", 1 << 30, None, 16, load_direct=False)["kv_connector_extra_config"]
 
 
 def test_options_parse_lists_and_reject_garbage(monkeypatch, capsys):

@@ -18,6 +18,7 @@ from tiering.policies import resolve
 from tiering.settings import (
     HITS_FIRST_DEFAULT,
     IO_SWITCH_INTERVAL_S,
+    LOAD_DIRECT,
     LOAD_QUEUE_BYTES,
     MAX_LOAD_STARTS_PER_STEP,
     PROMOTION_RESERVE_DEFAULT,
@@ -33,7 +34,7 @@ VLLM_KEYS = {
     "enable_kv_cache_events",
 }
 OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests", "switch_interval_ms",
-            "hits_first", "max_load_starts_per_step", "load_queue_bytes",
+            "hits_first", "max_load_starts_per_step", "load_queue_bytes", "load_direct",
             "sort_gpu_blocks"}
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
@@ -93,6 +94,9 @@ class TieredConfig:
     # loads enqueued on the GPU's copy engine at once, the rest fed as room frees
     # (backends/copy_feeder.py); 0: all at once
     load_queue_bytes: int = LOAD_QUEUE_BYTES
+    # a load with room in that queue and none waiting before it is enqueued by vLLM's worker
+    # thread, without the hop to the feeder thread (tiering.settings LOAD_DIRECT)
+    load_direct: bool = LOAD_DIRECT
 
 
 def _int(value: Any, where: str, low: int) -> int:
@@ -136,6 +140,10 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
                                         "max_load_starts_per_step", 0)
     queue = extra.get("load_queue_bytes", LOAD_QUEUE_BYTES)
     cfg.load_queue_bytes = 0 if queue in (0, "0") else parse_size(queue, "load_queue_bytes")
+    direct = extra.get("load_direct", LOAD_DIRECT)
+    if not isinstance(direct, bool):
+        raise ValueError(f"load_direct: expected true or false, got {direct!r}")
+    cfg.load_direct = direct
     for i, tier in enumerate(tiers):
         where = f"tiers[{i}]"
         if not isinstance(tier, dict):

@@ -218,6 +218,16 @@ LOAD_QUEUE_BYTES = 256 << 20
 # and 1.02-1.03x at 1 GiB; an input copy waits 17 ms behind 1 GiB (first H100 of 2026-12-06),
 # against 525 ms behind an unfed 8B burst.
 LOAD_QUEUE_MAX_BYTES = 1 << 30
+# A load that finds the queue with room and no load waiting before it is enqueued by vLLM's
+# worker thread itself, not handed to the feeder thread (default of the spec's ``load_direct``;
+# backends/copy_feeder.py). The hop costs the GIL at each of the thread's CUDA calls, and while
+# a single request loads vLLM's engine loop runs Python without a pause: in the model of
+# docs/bench_feeder_gil.py (--single, 256 MiB jobs, switch interval 0.5 ms), put to enqueue took
+# 0.61 ms median and up to 5.7 ms through the thread, 0.015-0.019 ms direct (build machine,
+# 2026-12-07f). A single 8B 2k CPU hit waited 1.2 ms longer than under vLLM's spec on an H100
+# (2026-12-07e), whose loads are enqueued on the worker thread. Bursts fill the queue on the
+# caller's thread, then the thread feeds the rest as before.
+LOAD_DIRECT = True
 
 # -- vLLM adapter: hits first (under tiering.vllm.scheduler.TieringScheduler) --------------------
 # vLLM walks its waiting queue in order until the step's token budget is spent, so a cache hit

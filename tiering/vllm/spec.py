@@ -192,7 +192,8 @@ class TieredOffloadingSpec(OffloadingSpec):
             copier: BlockCopier = CudaCopier(region.base_address, region.num_rows * region.row_bytes,
                                     device=kv_caches.tensors[0].tensor.device,
                                     copy=self.cfg.gpu_copy,
-                                    load_queue_bytes=self.cfg.load_queue_bytes)
+                                    load_queue_bytes=self.cfg.load_queue_bytes,
+                                    load_direct=self.cfg.load_direct)
             if self.cfg.load_queue_bytes:
                 # the feeder waits for the GIL after each wait for room: Python's 5 ms lets
                 # the few milliseconds of loads it keeps enqueued run dry while vLLM's
