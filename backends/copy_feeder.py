@@ -124,13 +124,15 @@ class CopyFeeder:
                 self._pending.append(job)
                 self._cond.notify_all()
             return
-        self._started(job.job_id, job.nbytes, start, end)  # before another job is enqueued
-        with self._cond:
-            self._inflight.append((job.nbytes, end))
-            self._queued += job.nbytes
-            self._enqueuing = False
-            self.enqueued_direct += 1
-            self._cond.notify_all()
+        try:
+            self._started(job.job_id, job.nbytes, start, end)  # before another job is enqueued
+        finally:  # whatever ``started`` does, the feeder thread is never locked out
+            with self._cond:
+                self._inflight.append((job.nbytes, end))
+                self._queued += job.nbytes
+                self._enqueuing = False
+                self.enqueued_direct += 1
+                self._cond.notify_all()
 
     def pending(self) -> int:
         with self._cond:
