@@ -108,7 +108,7 @@ class CopyFeeder:
             if self._stop:
                 raise RuntimeError("the copy feeder is closed")
             if not (self.direct and not self._pending and not self._enqueuing
-                    and self._room_for(job.nbytes)):
+                    and self._room_checked(job.nbytes)):
                 self._pending.append(job)
                 self._cond.notify_all()
                 return
@@ -121,18 +121,18 @@ class CopyFeeder:
             job.enqueue_failed = True
             with self._cond:
                 self._enqueuing = False
-                self._pending.append(job)
+                # first: jobs put meanwhile are not enqueued behind its copies before the
+                # stream is drained
+                self._pending.appendleft(job)
                 self._cond.notify_all()
             return
-        try:
-            self._started(job.job_id, job.nbytes, start, end)  # before another job is enqueued
-        finally:  # whatever ``started`` does, the feeder thread is never locked out
-            with self._cond:
-                self._inflight.append((job.nbytes, end))
-                self._queued += job.nbytes
-                self._enqueuing = False
-                self.enqueued_direct += 1
-                self._cond.notify_all()
+        self._hand_over(job, start, end)  # before another job is enqueued
+        with self._cond:
+            self._inflight.append((job.nbytes, end))
+            self._queued += job.nbytes
+            self._enqueuing = False
+            self.enqueued_direct += 1
+            self._cond.notify_all()
 
     def pending(self) -> int:
         with self._cond:
@@ -165,7 +165,24 @@ class CopyFeeder:
         self._forget_done()
         return not self._inflight or self._queued + nbytes <= self.limit
 
+    def _room_checked(self, nbytes: int) -> bool:
+        """``_room_for`` on put's caller: an error of an event's query is no room, so the job
+        waits for the feeder thread, which meets the same error and lists the job as failed
+        (put never raises it)."""
+        try:
+            return self._room_for(nbytes)
+        except Exception:
+            return False
+
     # -- both paths ---------------------------------------------------------------------------
+    def _hand_over(self, job: FeedJob, start: Any, end: Any) -> None:
+        """The copier's ``started``; an error there is logged, never raised: the job's copies
+        are enqueued and counted either way, and no thread is left holding the turn."""
+        try:
+            self._started(job.job_id, job.nbytes, start, end)
+        except Exception:
+            log.exception("copy feeder: handing job %d over to the copier failed", job.job_id)
+
     def _enqueue(self, job: FeedJob) -> tuple[Any, Any]:
         """The job's copies between a start and an end event, on the load stream, after the
         work it waits for. The caller holds ``_enqueuing``."""
@@ -231,7 +248,7 @@ class CopyFeeder:
                     self._cond.notify_all()
                 continue
             # handed to the copier before it leaves the queue: wait_fed then finds it there
-            self._started(job.job_id, job.nbytes, start, end)
+            self._hand_over(job, start, end)
             with self._cond:
                 self._inflight.append((job.nbytes, end))
                 self._queued += job.nbytes
