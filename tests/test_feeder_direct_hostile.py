@@ -533,9 +533,9 @@ def test_started_raising_on_the_feeder_thread_does_not_stop_later_jobs(engine, d
     """started raises for job 2, which the feeder thread enqueues (no room for it when put).
     The direct path was made safe against this (a direct put releases the turn whatever started
     does); the thread's path must be too: a later job is still handed over, wait_fed returns,
-    close drains. (In the code under test ``_started`` on the thread is outside any handler: the
-    thread dies holding ``_enqueuing`` with job 2 still pending, so every later put, direct or
-    not, stays pending forever, wait_fed never returns and close returns without draining.)"""
+    close drains. (Before ccbd883 ``_started`` on the thread was outside any handler: the
+    thread died holding ``_enqueuing`` with job 2 still pending, so every later put, direct or
+    not, stayed pending forever, wait_fed never returned and close returned without draining.)"""
     h = Harness(engine, 100, direct=direct, started_raises={2})
     put_ok(h, h.job(1, 60))
     until(lambda: h.ids() == [1], "job 1 handed over")
