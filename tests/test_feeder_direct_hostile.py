@@ -481,9 +481,9 @@ def test_an_event_query_error_in_the_room_check_is_a_listed_failure_never_raised
     """Job 1 is enqueued and copying; its end event's ``query`` then raises (a CUDA error).
     The next job needs that query to know the room. On the feeder thread the error is caught:
     the job is a failed job, listed after the drain (direct=False passes). With ``direct``,
-    ``put`` runs the same room check on the caller's thread, outside any handler: the error
-    must still make job 2 a listed failure, not an exception out of put that loses the job
-    (neither pending, nor handed over, nor listed)."""
+    ``put`` runs the same room check on the caller's thread: the error must still make job 2
+    a listed failure, not an exception out of put that loses the job (neither pending, nor
+    handed over, nor listed), as it did before ccbd883."""
     h = Harness(engine, 100, direct=direct)
     put_ok(h, h.job(1, 10))
     until(lambda: h.ids() == [1], "job 1 handed over")
