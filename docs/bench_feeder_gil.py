@@ -11,7 +11,9 @@ next bytes in time. The main thread meanwhile runs Python without a pause (as vL
 scheduler does for 20-30 ms of each step of a 1B hit burst on an H100). Each call that gives
 the GIL up then waits up to the interpreter's switch interval to take it back. Reported per
 feeder (this tree's ``backends/copy_feeder.py``, and ``--baseline``'s from git) and switch
-interval: the time to copy every job against the engine's own time (bytes / rate).
+interval: the time to copy every job against the engine's own time (bytes / rate); "+direct"
+is this tree's feeder with ``direct`` (a job with room and none waiting enqueued by ``put``'s
+caller, as ``load_direct`` makes it in the engine).
 ``--hold-ms H``: after every 2 ms of Python the main thread also keeps the GIL H ms in one C
 call, which no switch interval cuts (on the H100 a fed job waited up to 34 ms for the GIL).
 
@@ -146,8 +148,8 @@ class _GilHolder:
 
 
 def run(mod: types.ModuleType, jobs: int, job_bytes: int, rate: float, queue: int,
-        switch_s: float, holder: _GilHolder | None = None, grow_to: int = 0
-        ) -> tuple[float, float]:
+        switch_s: float, holder: _GilHolder | None = None, grow_to: int = 0,
+        direct: bool = False) -> tuple[float, float]:
     """Feed ``jobs`` loads through ``mod.CopyFeeder`` while this thread runs Python (and, with
     ``holder``, a C call that keeps the GIL after every 2 ms of it): (seconds until the last
     byte is copied, seconds the engine itself needs)."""
@@ -157,7 +159,10 @@ def run(mod: types.ModuleType, jobs: int, job_bytes: int, rate: float, queue: in
     sys.setswitchinterval(switch_s)
     torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=_Event,
                                                              set_device=lambda d: None))
-    kw = {"grow_to": grow_to} if "grow_to" in inspect.signature(mod.CopyFeeder).parameters else {}
+    params = inspect.signature(mod.CopyFeeder).parameters
+    kw: dict[str, Any] = {"grow_to": grow_to} if "grow_to" in params else {}
+    if direct:
+        kw["direct"] = True
     feeder = mod.CopyFeeder(torch, "cuda:0", _Stream(), queue, _copy, lambda *a: None, **kw)
     a = np.zeros(8, dtype=np.uint64)
     size = np.full(8, job_bytes // 8, dtype=np.uint64)
@@ -241,11 +246,14 @@ def main() -> None:
                           f"{w[len(w) // 2] * 1e3:>10.3f} {w[int(len(w) * 0.9)] * 1e3:>8.3f} "
                           f"{w[-1] * 1e3:>8.3f}", flush=True)
         return
-    feeders = [("this tree", (root / "backends" / "copy_feeder.py").read_text())]
+    this = (root / "backends" / "copy_feeder.py").read_text()
+    feeders = [("this tree", this, False)]
+    if "direct: bool" in this:
+        feeders.append(("+direct", this, True))
     if a.baseline:
         feeders.append((a.baseline, subprocess.run(
             ["git", "show", f"{a.baseline}:backends/copy_feeder.py"], check=True,
-            capture_output=True, text=True, cwd=root).stdout))
+            capture_output=True, text=True, cwd=root).stdout, False))
     job_bytes = int(a.job_mib * 2**20)
     print(f"{a.jobs} jobs of {a.job_mib:g} MiB, engine {a.gbps:g} GB/s, queue {a.queue_mib:g} "
           "MiB; the main thread runs Python throughout"
@@ -253,10 +261,10 @@ def main() -> None:
     print(f"{'feeder':<14} {'switch':>7} {'wall s':>8} {'engine s':>9} {'x engine':>9}")
     for r in range(a.repeat):
         for switch_ms in (float(x) for x in a.switch_ms.split(",")):
-            for k, (name, source) in enumerate(feeders):
+            for k, (name, source, direct) in enumerate(feeders):
                 wall, ideal = run(_load(f"feeder_{r}_{k}_{switch_ms}", source), a.jobs,
                                   job_bytes, a.gbps * 1e9, int(a.queue_mib * 2**20),
-                                  switch_ms / 1000, holder, int(a.grow_mib * 2**20))
+                                  switch_ms / 1000, holder, int(a.grow_mib * 2**20), direct)
                 print(f"{name:<14} {switch_ms:>5.1f}ms {wall:>8.3f} {ideal:>9.3f} "
                       f"{wall / ideal:>8.2f}x", flush=True)
 
