@@ -119,6 +119,28 @@ def test_the_summary_times_each_forward_pass_on_the_gpu_and_names_the_longest():
                    .splitlines())
 
 
+def test_the_summary_says_when_the_load_queue_ran_empty_and_what_came_back_after_it():
+    """Load jobs back to back (gaps under 0.2 ms are the engine's own switch) and twice with
+    the queue empty (5 and 30 ms): the line counts and sums those, names the longest, says from
+    when the queue never ran empty to the last load's end, and how long after that end the
+    first step output came back (2026-12-07e: ~9 ms, one graph step, in every 8B batch)."""
+    loads = [(10.300, 10.310), (10.3101, 10.320), (10.325, 10.330), (10.360, 10.400),
+             (10.380, 10.450)]  # overlapping spans count as one busy stretch
+    rows = [r for r in _rows() if r["k"] != "copy"] + [
+        {"k": "copy", "t": b, "job": i, "dir": "load", "bytes": 1, "g0": a, "g1": b}
+        for i, (a, b) in enumerate(loads)] + [
+        {"k": "update", "t": 10.40, "t0": 10.40, "t1": 10.401, "recv": 1},
+        {"k": "update", "t": 10.459, "t0": 10.459, "t1": 10.46, "recv": 9}]
+    line = [x for x in summarize(rows, 10.0, 11.0).splitlines()
+            if x.startswith("load queue")]
+    assert line == ["load queue empty 2 times, 35.0 ms in all, longest 30.0 ms at 330.0; never "
+                    "empty from 360.0 to the last load's end at 450.0 ms; the first step output "
+                    "after it 9.0 ms later"]
+    lone = [x for x in summarize(_rows(), 10.0, 11.0).splitlines() if x.startswith("load q")]
+    assert lone == ["load queue empty 0 times, 0.0 ms in all; never empty from 260.0 to the "
+                    "last load's end at 600.0 ms; the first step output after it 200.0 ms later"]
+
+
 def test_the_summary_names_the_allocator_calls_before_each_pass():
     """A pass held on the GPU right after one of PyTorch's allocators called cudaMalloc,
     cudaFree or cudaHostAlloc (each an implicit synchronization: the pass then waits for every

@@ -345,6 +345,8 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
     late_s, late_n = _late([r for r in rows if r["k"] == "copy" and r["dir"] == "load"
                             and r["g1"] >= t0 and r["g0"] <= t1])
     span = t1 - t0
+    if loads:
+        lines.append(_load_queue(loads, updates, t0))
     lines.append(f"window {span * 1e3:.1f} ms, {len(sched)} steps; schedule "
                  f"{sum(r['t1'] - r['t0'] for r in sched) * 1e3:.1f} ms (CPU {_cpu_ms(sched)} ms); "
                  f"worker submits {sum(s['dt'] for s in submits) * 1e3:.1f} ms (CPU "
@@ -368,6 +370,36 @@ def summarize(rows: list[dict[str, Any]], t0: float | None = None,
         lines.append("thread CPU ms in the window: " + ", ".join(
             f"{name} {ms:.1f}" for name, ms in busiest))
     return "\n".join(lines)
+
+
+# A gap between load jobs on the GPU shorter than this is the copy engine's own switch from one
+# job to the next, not a queue that ran empty
+QUEUE_GAP_S = 0.0002
+
+
+def _load_queue(loads: Sequence[tuple[float, float]], updates: Sequence[dict[str, Any]],
+                t0: float) -> str:
+    """When the load jobs' queue on the GPU ran empty (a job began after every one before it
+    had ended): how often, for how long in all, the longest; from when it never ran empty again
+    to the last load's end; and the first step output taken after that end (2026-12-07e: one
+    step a batch came back only ~9 ms, one graph step, after the last load landed)."""
+    spans = sorted(loads)
+    gaps = []
+    end = spans[0][1]
+    for a, b in spans[1:]:
+        if a - end > QUEUE_GAP_S:
+            gaps.append((end, a - end))
+        end = max(end, b)
+    since = max(t0, gaps[-1][0] + gaps[-1][1] if gaps else spans[0][0])
+    line = (f"load queue empty {len(gaps)} times, {sum(g for _, g in gaps) * 1e3:.1f} ms in all"
+            + (f", longest {max(g for _, g in gaps) * 1e3:.1f} ms at "
+               f"{(max(gaps, key=lambda x: x[1])[0] - t0) * 1e3:.1f}" if gaps else "")
+            + f"; never empty from {(since - t0) * 1e3:.1f} to the last load's end at "
+            f"{(end - t0) * 1e3:.1f} ms")
+    after = [u["t0"] for u in updates if u["t0"] >= end]
+    if after:
+        line += f"; the first step output after it {(min(after) - end) * 1e3:.1f} ms later"
+    return line
 
 
 def _forward_passes(marks: Sequence[dict[str, Any]], sched: Sequence[dict[str, Any]],
