@@ -147,18 +147,24 @@ class _GilHolder:
             sorted(self.items)
 
 
+def _stand_in(rate: float, switch_s: float) -> tuple[float, types.SimpleNamespace]:
+    """A fresh engine at ``rate`` and the switch interval set: (the interval before, the
+    stand-in torch a feeder is given)."""
+    global ENGINE
+    ENGINE = _Engine(rate)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(switch_s)
+    return old, types.SimpleNamespace(cuda=types.SimpleNamespace(Event=_Event,
+                                                                 set_device=lambda d: None))
+
+
 def run(mod: types.ModuleType, jobs: int, job_bytes: int, rate: float, queue: int,
         switch_s: float, holder: _GilHolder | None = None, grow_to: int = 0,
         direct: bool = False) -> tuple[float, float]:
     """Feed ``jobs`` loads through ``mod.CopyFeeder`` while this thread runs Python (and, with
     ``holder``, a C call that keeps the GIL after every 2 ms of it): (seconds until the last
     byte is copied, seconds the engine itself needs)."""
-    global ENGINE
-    ENGINE = _Engine(rate)
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(switch_s)
-    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=_Event,
-                                                             set_device=lambda d: None))
+    old, torch = _stand_in(rate, switch_s)
     params = inspect.signature(mod.CopyFeeder).parameters
     kw: dict[str, Any] = {"grow_to": grow_to} if "grow_to" in params else {}
     if direct:
@@ -185,12 +191,7 @@ def single(mod: types.ModuleType, n: int, job_bytes: int, rate: float, switch_s:
            direct: bool) -> list[float]:
     """Seconds from ``put`` to the job's copies enqueued, for ``n`` jobs put one at a time while
     this thread runs Python until its job is enqueued."""
-    global ENGINE
-    ENGINE = _Engine(rate)
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(switch_s)
-    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=_Event,
-                                                             set_device=lambda d: None))
+    old, torch = _stand_in(rate, switch_s)
     enqueued: list[float] = []
     feeder = mod.CopyFeeder(torch, "cuda:0", _Stream(), 256 << 20, _copy,
                             lambda *a: enqueued.append(time.perf_counter()), direct=direct)

@@ -336,19 +336,25 @@ def test_a_run_across_rows_in_two_registrations_is_copied_in_two():
         s.close()
 
 
-def test_a_traced_copier_marks_when_the_gpu_ran_each_steps_forward(monkeypatch, tmp_path):
+@pytest.fixture
+def rows(monkeypatch) -> list[dict]:
+    """The step trace on (tiering/step_trace.py), its rows kept here instead of written."""
+    from tiering import step_trace
+
+    kept: list[dict] = []
+    monkeypatch.setattr(step_trace.TRACE, "on", True)
+    monkeypatch.setattr(step_trace.TRACE, "add",
+                        lambda kind, **f: kept.append({"k": kind, **f}))
+    return kept
+
+
+def test_a_traced_copier_marks_when_the_gpu_ran_each_steps_forward(rows):
     """Traced (tiering/step_trace.py), each ``get_finished`` (once a vLLM step, after its
     forward pass was enqueued) records an event on the compute stream; a later call reports it
     as a ``mark`` row whose GPU time is past the host time by the work queued ahead of it: here
     a kernel that spins 2e8 GPU cycles (0.1-0.2 s at an H100's or H200's clocks), enqueued just
     before the first call. (Its first version queued matmuls timed by the first one, which
     carries cuBLAS's set-up: on the H100 of 2026-12-07e too few were queued and it failed.)"""
-    from tiering import step_trace
-
-    rows: list[dict] = []
-    monkeypatch.setattr(step_trace.TRACE, "on", True)
-    monkeypatch.setattr(step_trace.TRACE, "add",
-                        lambda kind, **f: rows.append({"k": kind, **f}))
     s = Setup("dma", [16384] * 4)
     try:
         torch.cuda.synchronize()
@@ -363,17 +369,11 @@ def test_a_traced_copier_marks_when_the_gpu_ran_each_steps_forward(monkeypatch, 
         s.close()
 
 
-def test_marks_count_the_allocators_cuda_calls_between_steps(monkeypatch):
+def test_marks_count_the_allocators_cuda_calls_between_steps(rows):
     """Each mark carries PyTorch's running counts of its allocators' CUDA calls (the step
     trace names those made before a held pass): a device block of a size not cached before
     (cudaMalloc) and a page-locked host block (cudaHostAlloc) made between two steps show up
     in the second mark's counts."""
-    from tiering import step_trace
-
-    rows: list[dict] = []
-    monkeypatch.setattr(step_trace.TRACE, "on", True)
-    monkeypatch.setattr(step_trace.TRACE, "add",
-                        lambda kind, **f: rows.append({"k": kind, **f}))
     s = Setup("dma", [16384] * 4)
     try:
         s.copier.get_finished()
