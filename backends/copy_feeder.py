@@ -26,12 +26,15 @@ for it; a job larger than ``limit`` is enqueued alone. An enqueued job is handed
 caller, in ``put``, as vLLM's own spec enqueues its loads. Why: the hop to the feeder thread
 costs the GIL each time the thread takes it back (about six times a job), and while a request
 loads, vLLM's engine loop runs Python without a pause, so each take waits up to the switch
-interval: a single request's load started 1-3 ms late (docs/benchmarks.md,
-"The hop to the feeder"). Only one thread enqueues at a time (``_enqueuing``), so the order on
-the stream is the order of ``started``, and both paths count the same queue (``_inflight``).
+interval: in a model of it a single load waited 0.61 ms (median) to 5.7 ms to be enqueued,
+0.02 ms direct (docs/benchmarks.md, "The build machine, 2026-12-07f: the hop to the feeder").
+Only one thread enqueues at a time (``_enqueuing``), so the order on the stream is the order
+of ``started``, and both paths count the same queue (``_inflight``). A job put while another
+waits keeps its place behind it.
 
-Contract: ``put`` never waits for room or for the feeder thread; with ``direct`` it may make the
-job's CUDA calls itself (tens of microseconds). A job whose copy API call failed
+Contract: ``put`` never waits for room or for the feeder thread, and raises only once closed;
+with ``direct`` it may make the job's CUDA calls itself (tens of microseconds). An error of the
+copier's ``started`` is logged, never raised, on either path. A job whose copy API call failed
 (``CopyFailed``), or that met any other error of the CUDA calls around it (a wait, an event),
 is waited for, on the feeder thread, until nothing of it is in flight, and listed by
 ``take_failed`` (the copier reports it as a failed job; the vLLM worker turns that into a miss);
