@@ -32,11 +32,12 @@ What it measures, on one GPU, with pinned host memory as the CPU tier's rows are
   H100 of 2026-12-07e one vLLM step a 100%-hit batch was held 62-272 ms, until ~10 ms after the
   last fed load landed, while steps before it, every 10-15 ms, were not
   (docs/benchmarks.md, "An H100, 2026-12-07e").
-* ``fed+host-alloc``, ``fed+malloc`` (the largest bulk only): as ``fed``, but the step probe
-  that begins after ``--alloc-after-ms`` first makes PyTorch allocate memory of a size its caches
-  do not hold, page-locked host memory (``cudaHostAlloc``, as vLLM's output copy does when the
-  host cache has no free block of that size) or GPU memory (``cudaMalloc``), both implicit
-  synchronizations. Reported: whether the call was made (PyTorch's counts), how long it took,
+* ``fed+host-alloc``, ``fed+malloc``, ``fed+sync`` (the largest bulk only): as ``fed``, but the
+  step probe that begins after ``--alloc-after-ms`` first makes PyTorch allocate memory of a
+  size its caches do not hold, page-locked host memory (``cudaHostAlloc``, as vLLM's output
+  copy does when the host cache has no free block of that size) or GPU memory (``cudaMalloc``),
+  both implicit synchronizations, or waits for the whole device (``torch.cuda.synchronize``).
+  Reported: whether the call was made (PyTorch's counts; none for a sync), how long it took,
   and when that step's copies ended against the bulk's end: a step that ends only with the
   bulk, although the feeder kept enqueuing after the call, is the held step of
   2026-12-07e's traces (docs/benchmarks.md, "Call O's trace read again").
@@ -171,6 +172,10 @@ def main() -> int:
         """Allocate memory of a size the allocator's caches do not hold and keep it: seconds
         the call took, and the CUDA allocations PyTorch counted meanwhile (1: it was made)."""
         host_case = case == "fed+host-alloc"
+        if case == "fed+sync":
+            t = time.perf_counter()
+            torch.cuda.synchronize(dev)
+            return time.perf_counter() - t, 0
 
         def calls() -> int:
             if host_case:
@@ -194,7 +199,7 @@ def main() -> int:
     for gib in sizes:
         nbytes = int(gib * 2**30) // piece * piece
         for case in ("idle", "queued", "high-priority", "waves", "fed", "fed+host-alloc",
-                     "fed+malloc"):
+                     "fed+malloc", "fed+sync"):
             if case != "idle" and nbytes == 0:
                 continue
             if case == "idle" and gib != sizes[0]:

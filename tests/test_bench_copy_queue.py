@@ -76,8 +76,9 @@ def _stand_in_torch() -> types.ModuleType:
 
 def test_every_case_runs_and_the_alloc_cases_report_their_step(monkeypatch, tmp_path):
     """Each case gives its rows; in ``fed+host-alloc`` and ``fed+malloc`` the step probed
-    after ``--alloc-after-ms`` made exactly one allocation PyTorch counted, and its end is
-    placed against the bulk's (here before it: the stand-in's steps never wait)."""
+    after ``--alloc-after-ms`` made exactly one allocation PyTorch counted (``fed+sync``: none,
+    a device sync), and its end is placed against the bulk's (here before it: the stand-in's
+    steps never wait)."""
     monkeypatch.setitem(sys.modules, "torch", _stand_in_torch())
     spec = importlib.util.spec_from_file_location("bench_copy_queue",
                                                   ROOT / "docs" / "bench_copy_queue.py")
@@ -91,8 +92,9 @@ def test_every_case_runs_and_the_alloc_cases_report_their_step(monkeypatch, tmp_
     assert bench.main() == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["case"] for r in rows] == ["idle", "queued", "high-priority", "waves", "fed",
-                                         "fed+host-alloc", "fed+malloc"]
-    for r in rows[-2:]:
-        assert r["alloc_calls"] == 1 and r["alloc_began_ms"] >= 3.0
+                                         "fed+host-alloc", "fed+malloc", "fed+sync"]
+    for r in rows[-3:]:
+        assert r["alloc_calls"] == (0 if r["case"] == "fed+sync" else 1)
+        assert r["alloc_began_ms"] >= 3.0
         assert r["alloc_step_end_after_bulk_ms"] < 0 < r["bulk_ms"]
         assert r["probes"] >= 2
