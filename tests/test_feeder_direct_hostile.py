@@ -20,6 +20,7 @@ is bounded: a hang fails the test instead of hanging it.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -778,6 +779,12 @@ class Run:
         assert h.feeder.ran_dry <= len(ids) - len(direct), "a direct enqueue counted as dry"
 
 
+def _seeds(first: int, default: int) -> list[int]:
+    """The seeds of a randomized test: ``default`` of them, or ``TIERING_FAULT_TRIALS`` (the
+    fault suite's count, tests/conftest.py) for a long run."""
+    return list(range(first, first + int(os.environ.get("TIERING_FAULT_TRIALS") or default)))
+
+
 def _putters(run: Run, serialize: bool, wait_every: int, pause: float = 0.5) -> list[int]:
     h = run.h
     put_lock = threading.Lock()
@@ -815,7 +822,7 @@ def _putters(run: Run, serialize: bool, wait_every: int, pause: float = 0.5) -> 
     return order
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("seed", _seeds(1, 6))
 def test_random_serialized_putters_with_every_failure_kind(engine, seed):
     """Puts made one at a time (under a lock) by three threads, every failure kind including
     those that leave copies on the engine: the global order holds (stream = started = puts,
@@ -830,7 +837,7 @@ def test_random_serialized_putters_with_every_failure_kind(engine, seed):
     assert 0 < run.h.feeder.enqueued_direct < len(run.h.ids()), "one path never taken"
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13, 14, 15, 16])
+@pytest.mark.parametrize("seed", _seeds(1001, 6))
 def test_random_racing_putters_with_every_failure_kind(engine, seed):
     """Four threads put at will (no lock), so putters race for the turn and for the room while
     the feeder thread waits for room; failures of every kind, those that leave copies on the
@@ -845,7 +852,7 @@ def test_random_racing_putters_with_every_failure_kind(engine, seed):
     assert 0 < run.h.feeder.enqueued_direct < len(run.h.ids()), "one path never taken"
 
 
-@pytest.mark.parametrize("seed", [21, 22, 23, 24, 25, 26, 27, 28])
+@pytest.mark.parametrize("seed", _seeds(2001, 8))
 def test_random_close_racing_direct_puts_and_failures(engine, seed):
     """Putters put at will while close runs; failures of every kind. Every put
     that returned is handed over or listed exactly once (close drains, direct enqueues in
