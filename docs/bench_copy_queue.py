@@ -168,9 +168,10 @@ def main() -> int:
 
     kept: list[Any] = []  # what the alloc cases allocated: never freed (a free may sync too)
 
-    def allocate(case: str) -> tuple[float, int]:
-        """Allocate memory of a size the allocator's caches do not hold and keep it: seconds
-        the call took, and the CUDA allocations PyTorch counted meanwhile (1: it was made)."""
+    def implicit_sync(case: str) -> tuple[float, int]:
+        """The case's call: memory of a size the allocator's caches do not hold, allocated
+        and kept, or a device sync. Seconds it took, and the CUDA allocations PyTorch counted
+        meanwhile (1: the allocation was made; a sync makes none)."""
         host_case = case == "fed+host-alloc"
         if case == "fed+sync":
             t = time.perf_counter()
@@ -217,7 +218,7 @@ def main() -> int:
                     while not probes or feeder.is_alive():  # one probe at least
                         began = time.perf_counter()
                         if case != "fed" and not alloc and began - t0 >= a.alloc_after_ms / 1e3:
-                            took, made = allocate(case)
+                            took, made = implicit_sync(case)
                             alloc = {"alloc_began_ms": round((began - t0) * 1e3, 1),
                                      "alloc_ms": round(took * 1e3, 3), "alloc_calls": made}
                             wait = step()

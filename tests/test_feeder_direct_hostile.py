@@ -29,8 +29,8 @@ import types
 import numpy as np
 import pytest
 
-# the waiting helpers of the feeder's other hostile tests
-from test_feeder_growth_hostile import bounded, nondecreasing, until
+# the stand-in engine's base and the waiting helpers of the feeder's other hostile tests
+from test_feeder_growth_hostile import InOrderEngine, bounded, nondecreasing, until
 
 from tiering.backends.block_copy import CopyFailed
 from tiering.backends.copy_feeder import CopyFeeder, FeedJob
@@ -52,11 +52,11 @@ class Op:
         self.done = threading.Event()
 
 
-class Engine:
+class Engine(InOrderEngine):
     """An in-order copy engine: ops complete only when the test, a pump, or a stream sync says."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        super().__init__()
         self.ops: list[Op] = []
         self.instant = False  # an op completes as it is enqueued (a feeder always late)
         self.stream_broken = False
@@ -66,7 +66,9 @@ class Engine:
         self.log: list[tuple] = []  # ("copy", id) / ("sync", unfinished B) / ("started", id)
         self.feeders: list[CopyFeeder] = []
         self.gates: list[threading.Event] = []
-        self._pumps: list[threading.Event] = []
+
+    def work(self) -> list:
+        return self.ops
 
     def add(self, op: Op) -> None:
         with self.lock:
@@ -86,28 +88,6 @@ class Engine:
         with self.lock:
             return all(o.done.is_set() for o in self.ops if o.job_id == job_id)
 
-    def finish(self, n: int) -> None:
-        with self.lock:
-            for o in [o for o in self.ops if not o.done.is_set()][:n]:
-                o.done.set()
-
-    def finish_all(self) -> None:
-        self.finish(1 << 30)
-
-    def pump(self, step, period: float = 0.0005) -> threading.Event:
-        stop = threading.Event()
-        self._pumps.append(stop)
-
-        def loop() -> None:
-            while not stop.wait(period):
-                step(self)
-
-        threading.Thread(target=loop, daemon=True).start()
-        return stop
-
-    def stop_pumps(self) -> None:
-        for s in self._pumps:
-            s.set()
 
 
 class After:
@@ -822,6 +802,16 @@ def _putters(run: Run, serialize: bool, wait_every: int, pause: float = 0.5) -> 
     return order
 
 
+def _random_putters(run: Run, serialize: bool, wait_every: int) -> None:
+    """Every putter's jobs put, all fed, the feeder closed, then ``Run.check`` (the global
+    order too where the puts were serialized), and both paths taken."""
+    order = _putters(run, serialize=serialize, wait_every=wait_every)
+    bounded(run.h.feeder.wait_fed, set(run.specs))
+    close(run.h)
+    run.check(order, serialized_order=order if serialize else None)
+    assert 0 < run.h.feeder.enqueued_direct < len(run.h.ids()), "one path never taken"
+
+
 @pytest.mark.parametrize("seed", _seeds(1, 6))
 def test_random_serialized_putters_with_every_failure_kind(engine, seed):
     """Puts made one at a time (under a lock) by three threads, every failure kind including
@@ -829,12 +819,8 @@ def test_random_serialized_putters_with_every_failure_kind(engine, seed):
     failures in put order), the engine never holds more than the limit, each failure is listed
     once after its drain, the count of direct enqueues is exact, the limit only grows by the
     rule."""
-    run = Run(engine, seed, putters=3, per=300, kinds=ALL_KINDS, fail_rate=0.12)
-    order = _putters(run, serialize=True, wait_every=17)
-    bounded(run.h.feeder.wait_fed, set(run.specs))
-    close(run.h)
-    run.check(order, serialized_order=order)
-    assert 0 < run.h.feeder.enqueued_direct < len(run.h.ids()), "one path never taken"
+    _random_putters(Run(engine, seed, putters=3, per=300, kinds=ALL_KINDS, fail_rate=0.12),
+                    serialize=True, wait_every=17)
 
 
 @pytest.mark.parametrize("seed", _seeds(1001, 6))
@@ -844,12 +830,8 @@ def test_random_racing_putters_with_every_failure_kind(engine, seed):
     engine included (racy before ccbd883: a job put meanwhile could go behind them). Every job is
     handed over or listed exactly once, each putter's order holds for both, stream order equals
     started order, the limit holds on the engine, the turn is never shared."""
-    run = Run(engine, seed, putters=4, per=300, kinds=ALL_KINDS, fail_rate=0.1)
-    order = _putters(run, serialize=False, wait_every=23)
-    bounded(run.h.feeder.wait_fed, set(run.specs))
-    close(run.h)
-    run.check(order, serialized_order=None)
-    assert 0 < run.h.feeder.enqueued_direct < len(run.h.ids()), "one path never taken"
+    _random_putters(Run(engine, seed, putters=4, per=300, kinds=ALL_KINDS, fail_rate=0.1),
+                    serialize=False, wait_every=23)
 
 
 @pytest.mark.parametrize("seed", _seeds(2001, 8))

@@ -25,40 +25,26 @@ from tiering.backends.copy_feeder import CopyFeeder, FeedJob
 WAIT_S = 5.0
 
 
-class Engine:
+class InOrderEngine:
+    """What every stand-in copy engine of the feeder's tests shares: work items (each with a
+    ``done`` threading.Event) completed in order, by the test or by pump threads."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.ends: list[Event] = []  # end events in record (= engine) order
-        self.enqueued: list[int] = []  # job ids whose copies were enqueued, in order
-        self.instant = False  # an end event completes as it is recorded
-        self.finish_on_sync = False  # the engine finishes a load the moment the feeder waits
-        self.late_after: set[int] = set()  # after these jobs, the engine drains everything
-        self.query_raises: set[int] = set()  # job ids whose end event's query raises
-        self.sync_raises: set[int] = set()  # job ids whose end event's synchronize raises
-        self.stream_broken = False  # Stream.synchronize raises
-        self.gate = threading.Event()  # the copy call waits on it (a burst put in one piece)
-        self.gate.set()
-        self.feeders: list[CopyFeeder] = []
         self._pumps: list[threading.Event] = []
 
-    def unfinished(self) -> list[Event]:
-        with self.lock:
-            return [e for e in self.ends if not e.done.is_set()]
+    def work(self) -> list:
+        """The engine's work items in enqueue order (under ``lock``)."""
+        raise NotImplementedError
 
     def finish(self, n: int) -> None:
+        """Complete the first n items not yet complete."""
         with self.lock:
-            for ev in [e for e in self.ends if not e.done.is_set()][:n]:
-                ev.done.set()
+            for item in [w for w in self.work() if not w.done.is_set()][:n]:
+                item.done.set()
 
     def finish_all(self) -> None:
         self.finish(1 << 30)
-
-    def finish_through(self, ev: Event) -> None:
-        with self.lock:  # in order: an end event completes after every one before it
-            for e in self.ends:
-                e.done.set()
-                if e is ev:
-                    break
 
     def pump(self, step, period: float = 0.0005) -> threading.Event:
         """Run ``step(self)`` every ``period`` seconds in a thread until the returned event."""
@@ -75,6 +61,36 @@ class Engine:
     def stop_pumps(self) -> None:
         for s in self._pumps:
             s.set()
+
+
+class Engine(InOrderEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ends: list[Event] = []  # end events in record (= engine) order
+        self.enqueued: list[int] = []  # job ids whose copies were enqueued, in order
+        self.instant = False  # an end event completes as it is recorded
+        self.finish_on_sync = False  # the engine finishes a load the moment the feeder waits
+        self.late_after: set[int] = set()  # after these jobs, the engine drains everything
+        self.query_raises: set[int] = set()  # job ids whose end event's query raises
+        self.sync_raises: set[int] = set()  # job ids whose end event's synchronize raises
+        self.stream_broken = False  # Stream.synchronize raises
+        self.gate = threading.Event()  # the copy call waits on it (a burst put in one piece)
+        self.gate.set()
+        self.feeders: list[CopyFeeder] = []
+
+    def work(self) -> list:
+        return self.ends
+
+    def unfinished(self) -> list[Event]:
+        with self.lock:
+            return [e for e in self.ends if not e.done.is_set()]
+
+    def finish_through(self, ev: Event) -> None:
+        with self.lock:  # in order: an end event completes after every one before it
+            for e in self.ends:
+                e.done.set()
+                if e is ev:
+                    break
 
 
 class Event:
