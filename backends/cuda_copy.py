@@ -76,8 +76,11 @@ def allocator_calls(torch: Any, device: Any) -> dict[str, int]:
     stats: dict[str, dict[str, Any]] = {"device": {}, "host": {}}
     try:
         stats["device"] = torch.cuda.memory_stats_as_nested_dict(device)
+    except Exception:  # no device statistics here: the host's may still be counted
+        pass
+    try:
         stats["host"] = torch.cuda.memory.host_memory_stats_as_nested_dict()
-    except Exception:  # an older PyTorch (no host statistics): what it has is counted
+    except Exception:  # an older PyTorch (no host statistics): the device's are counted
         pass
     return {field: int(stats[which][key]) for field, _, which, key in ALLOCATOR_CALLS
             if isinstance(stats[which].get(key), int)}
