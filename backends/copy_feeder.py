@@ -22,6 +22,18 @@ event. One feeder thread enqueues them; before it enqueues a job it waits
 for it; a job larger than ``limit`` is enqueued alone. An enqueued job is handed to the copier
 (``started``), which reports it finished by its end event, as any other job.
 
+``waves``: room opens only once the queue is empty. A wave is the jobs enqueued from an empty
+queue until the next one would take the wave past ``limit`` bytes; after that nothing more is
+enqueued until every job of the wave is done. Why: on an H100 the copy engine did not turn to
+another stream's copy while the load stream had copies queued. There (docs/benchmarks.md, "An H100,
+2026-12-07g") a step's 64 KiB input copy, enqueued 10 ms into 8 GiB of loads fed one 64 MiB job
+as each one ended (at most 1 GiB enqueued, the queue never empty), finished only with the last
+load, 155 ms later; with the loads enqueued 256 MiB at a time and the queue let empty between
+waves it waited 3.2 ms, at 98.5% of the rate. vLLM's steps copy inputs host to GPU too, and in
+11 of the 12 traced 8B 100%-hit batches on H100s one step was held until the last load landed
+(62-272 ms). A wave bounds that wait to one wave's time. Growth (below) applies to waves too:
+the feeder is late when it comes back after the wave it waited for is already done.
+
 ``direct``: a job that finds no job waiting before it and room in the queue is enqueued by the
 caller, in ``put``, as vLLM's own spec enqueues its loads. Why: the hop to the feeder thread
 costs the GIL each time the thread takes it back (about six times a job), and while a request
@@ -80,7 +92,7 @@ class FeedJob:
 class CopyFeeder:
     def __init__(self, torch: Any, device: Any, stream: Any, limit: int, copy: CopyFn,
                  started: StartedFn, name: str = "load", grow_to: int = 0,
-                 direct: bool = False) -> None:
+                 direct: bool = False, waves: bool = False) -> None:
         if limit <= 0:
             raise ValueError(f"limit: expected a positive byte count, got {limit}")
         self.torch, self.device, self.stream, self.limit = torch, device, stream, limit
@@ -88,6 +100,9 @@ class CopyFeeder:
         # (the feeder came back later than the queued loads lasted); 0: a fixed limit
         self.grow_to = grow_to
         self.direct = direct  # a job with room and none before it is enqueued in put
+        # room only from an empty queue, up to limit bytes a wave (see the module's docstring)
+        self.waves = waves
+        self.waves_started = 0  # waves begun (with ``waves``): each one ended with the queue empty
         self.ran_dry = 0  # times the copy engine had done every enqueued load while one waited
         self.waits = 0  # times the feeder waited for room (a measure of the limit binding)
         self.enqueued_direct = 0  # jobs enqueued by put's caller
@@ -100,6 +115,10 @@ class CopyFeeder:
         self._failed: list[int] = []
         self._inflight: deque[tuple[int, Any]] = deque()
         self._queued = 0
+        # with waves: bytes enqueued since the queue was last empty, and whether the wave still
+        # takes jobs (it closes when one does not fit, until the queue is empty again)
+        self._wave_bytes = 0
+        self._wave_open = True
         self._enqueuing = False
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"tier-feed-{name}",
@@ -131,8 +150,7 @@ class CopyFeeder:
             return
         self._hand_over(job, start, end)  # before another job is enqueued
         with self._cond:
-            self._inflight.append((job.nbytes, end))
-            self._queued += job.nbytes
+            self._add_inflight(job.nbytes, end)
             self._enqueuing = False
             self.enqueued_direct += 1
             self._cond.notify_all()
@@ -164,9 +182,26 @@ class CopyFeeder:
             self._queued -= self._inflight.popleft()[0]
 
     def _room_for(self, nbytes: int) -> bool:
-        """Whether a job of ``nbytes`` may be enqueued now: the queue is empty, or it fits."""
+        """Whether a job of ``nbytes`` may be enqueued now: the queue is empty, or it fits
+        (with ``waves``: into the wave in flight, which then closes if it does not)."""
         self._forget_done()
-        return not self._inflight or self._queued + nbytes <= self.limit
+        if not self._inflight:
+            return True
+        if not self.waves:
+            return self._queued + nbytes <= self.limit
+        if self._wave_open and self._wave_bytes + nbytes <= self.limit:
+            return True
+        self._wave_open = False  # no more until the queue is empty
+        return False
+
+    def _add_inflight(self, nbytes: int, end: Any) -> None:
+        """A job is enqueued: counted against the queue (and its wave)."""
+        if not self._inflight:  # enqueued into an empty queue: a new wave
+            self._wave_bytes, self._wave_open = 0, True
+            self.waves_started += 1
+        self._inflight.append((nbytes, end))
+        self._queued += nbytes
+        self._wave_bytes += nbytes
 
     def _room_checked(self, nbytes: int) -> bool:
         """``_room_for`` on put's caller: an error of an event's query is no room, so the job
@@ -253,23 +288,26 @@ class CopyFeeder:
             # handed to the copier before it leaves the queue: wait_fed then finds it there
             self._hand_over(job, start, end)
             with self._cond:
-                self._inflight.append((job.nbytes, end))
-                self._queued += job.nbytes
+                self._add_inflight(job.nbytes, end)
                 self._pending.popleft()
                 waited_behind = bool(self._pending)
                 self._enqueuing = False
                 self._cond.notify_all()
 
     def _wait_for_room(self, nbytes: int) -> tuple[bool, int]:
-        """Wait (without the GIL) for the oldest enqueued jobs until ``nbytes`` fit; whether
-        it waited, and how many loads were queued behind the last one it waited for."""
+        """Wait (without the GIL) for the oldest enqueued jobs until ``nbytes`` fit (with
+        ``waves``: for the newest, until the queue is empty); whether it waited, and how many
+        loads were queued behind the last one it waited for."""
         waited, behind = False, 0
         while True:
             with self._cond:
                 if self._room_for(nbytes):
                     return waited, behind
-                end = self._inflight[0][1]
-                behind = len(self._inflight) - 1  # loads still queued behind the one waited for
+                if self.waves:  # the wave drains on purpose: nothing queued behind its end
+                    end, behind = self._inflight[-1][1], 0
+                else:
+                    end = self._inflight[0][1]
+                    behind = len(self._inflight) - 1  # still queued behind the one waited for
             self.waits += 1
             end.synchronize()  # the GIL is released while the copy engine works
             waited = True

@@ -132,7 +132,9 @@ class CudaCopier:
     ``load_queue_bytes``, loads are enqueued by a feeder thread instead (``CopyFeeder``), which
     appends them to the load direction's job queue as it enqueues them (``load_direct``: a load
     with room in the queue and none waiting before it is enqueued at once, on the calling
-    thread); a load it could not enqueue comes out of ``get_finished`` with ``ok`` False.
+    thread; ``load_waves``: room only once the queue is empty, so that the compute stream's own
+    host-to-GPU copies get the copy engine between waves); a load it could not enqueue comes out
+    of ``get_finished`` with ``ok`` False.
     """
 
     name = "cuda"
@@ -143,7 +145,7 @@ class CudaCopier:
                  small_page_bytes: int = 256 << 10, access_order: str = "stream",
                  copy_flags: int = 0, streams_per_direction: int = 1,
                  register_segment: int = 0, load_queue_bytes: int = 0,
-                 load_direct: bool = False) -> None:
+                 load_direct: bool = False, load_waves: bool = False) -> None:
         import torch
         from cuda.bindings import runtime as rt
 
@@ -230,7 +232,7 @@ class CudaCopier:
             self._feeder = CopyFeeder(torch, self.device, self.streams["load"], load_queue_bytes,
                                       self._copy, self._load_started,
                                       grow_to=max(load_queue_bytes, LOAD_QUEUE_MAX_BYTES),
-                                      direct=load_direct)
+                                      direct=load_direct, waves=load_waves)
         if TRACE.on:
             base = torch.cuda.Event(enable_timing=True)
             base.record(self.streams["store"])

@@ -32,6 +32,10 @@ What it measures, on one GPU, with pinned host memory as the CPU tier's rows are
   H100 of 2026-12-07e one vLLM step a 100%-hit batch was held 62-272 ms, until ~10 ms after the
   last fed load landed, while steps before it, every 10-15 ms, were not
   (docs/benchmarks.md, "An H100, 2026-12-07e").
+* ``fed-waves``: as ``fed``, but once the next job would take the bytes enqueued since the
+  queue was last empty past ``fed-limit``, the thread waits until every enqueued job is done
+  (``backends/copy_feeder.py``'s ``waves``, the default since 2026-12-07g). Why: on the H100 of
+  2026-12-07g a ``fed`` probe that began 10 ms into 8 GiB ended only with the bulk, 155 ms later.
 * ``fed+host-alloc``, ``fed+malloc``, ``fed+sync`` (the largest bulk only): as ``fed``, but the
   step probe that begins after ``--alloc-after-ms`` first makes PyTorch allocate memory of a
   size its caches do not hold, page-locked host memory (``cudaHostAlloc``, as vLLM's output
@@ -139,7 +143,7 @@ def main() -> int:
         ev.synchronize()
         return time.perf_counter() - t0
 
-    def fed(nbytes: int) -> tuple[threading.Thread, list[float]]:
+    def fed(nbytes: int, waves: bool = False) -> tuple[threading.Thread, list[float]]:
         job = max(piece, int(a.job_mib * 2**20) // piece * piece)
         limit = max(job, int(a.fed_limit_mib * 2**20))
         end: list[float] = []
@@ -147,12 +151,19 @@ def main() -> int:
         def feed() -> None:
             inflight: list[tuple[int, Any]] = []
             queued = 0
+            wave = 0  # waves: bytes enqueued since the queue was last empty
             for off in range(0, nbytes, job):
                 n = min(job, nbytes - off)
+                if waves and inflight and wave + n > limit:  # the wave is full: let it drain
+                    inflight[-1][1].synchronize()
+                    inflight, queued = [], 0
+                if not inflight:
+                    wave = 0
                 while inflight and queued + n > limit:
                     size, ev = inflight.pop(0)
                     ev.synchronize()  # releases the GIL while the queued jobs copy
                     queued -= size
+                wave += n
                 with torch.cuda.stream(bulk_stream):
                     for o in range(off, off + n, piece):
                         gpu[o:o + piece].copy_(host[o:o + piece], non_blocking=True)
@@ -199,8 +210,8 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for gib in sizes:
         nbytes = int(gib * 2**30) // piece * piece
-        for case in ("idle", "queued", "high-priority", "waves", "fed", "fed+host-alloc",
-                     "fed+malloc", "fed+sync"):
+        for case in ("idle", "queued", "high-priority", "waves", "fed", "fed-waves",
+                     "fed+host-alloc", "fed+malloc", "fed+sync"):
             if case != "idle" and nbytes == 0:
                 continue
             if case == "idle" and gib != sizes[0]:
@@ -210,14 +221,15 @@ def main() -> int:
             for _ in range(a.repeat):
                 if case.startswith("fed"):
                     torch.cuda.synchronize(dev)
-                    feeder, end = fed(nbytes)
+                    feeder, end = fed(nbytes, waves=case == "fed-waves")
                     t0 = time.perf_counter()
                     feeder.start()
                     probes: list[tuple[float, float]] = []  # (began, seconds), from t0
                     alloc: dict[str, Any] = {}
                     while not probes or feeder.is_alive():  # one probe at least
                         began = time.perf_counter()
-                        if case != "fed" and not alloc and began - t0 >= a.alloc_after_ms / 1e3:
+                        if (case.startswith("fed+") and not alloc
+                                and began - t0 >= a.alloc_after_ms / 1e3):
                             took, made = implicit_sync(case)
                             alloc = {"alloc_began_ms": round((began - t0) * 1e3, 1),
                                      "alloc_ms": round(took * 1e3, 3), "alloc_calls": made}
@@ -257,7 +269,7 @@ def main() -> int:
                                  f"{alloc['alloc_ms']:.2f} ms and its step "
                                  f"{alloc['alloc_step_ms']:.1f} ms, ending "
                                  f"{after * 1e3:+.1f} ms from the bulk's end")
-                    elif case != "fed":
+                    elif case.startswith("fed+"):
                         line += "; the bulk ended before the allocation was due"
                     print(line, flush=True)
                     continue

@@ -92,7 +92,9 @@ def test_every_case_runs_and_the_alloc_cases_report_their_step(monkeypatch, tmp_
     assert bench.main() == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["case"] for r in rows] == ["idle", "queued", "high-priority", "waves", "fed",
-                                         "fed+host-alloc", "fed+malloc", "fed+sync"]
+                                         "fed-waves", "fed+host-alloc", "fed+malloc", "fed+sync"]
+    for r in rows[4:6]:  # the fed cases without an allocation: probes, the bulk, no alloc keys
+        assert r["probes"] >= 1 and r["bulk_ms"] > 0 and "alloc_calls" not in r
     for r in rows[-3:]:
         assert r["alloc_calls"] == (0 if r["case"] == "fed+sync" else 1)
         assert r["alloc_began_ms"] >= 3.0

@@ -86,7 +86,7 @@ def engine():
 
 def make(limit: int, fail: set[int] = frozenset(), grow_to: int = 0,
          gate: threading.Event | None = None, direct: bool = False,
-         threads: dict | None = None) -> tuple[CopyFeeder, list, dict]:
+         threads: dict | None = None, waves: bool = False) -> tuple[CopyFeeder, list, dict]:
     """``gate``: the first copy waits for it (the test puts its jobs meanwhile, so that every
     job but the first was queued before the feeder took the one ahead of it)."""
     started: list = []
@@ -106,7 +106,7 @@ def make(limit: int, fail: set[int] = frozenset(), grow_to: int = 0,
         started.append((job_id, nbytes, end))
 
     return (CopyFeeder(fake_torch(), "cuda:0", Stream(), limit, copy, on_started,
-                       grow_to=grow_to, direct=direct), started, copied)
+                       grow_to=grow_to, direct=direct, waves=waves), started, copied)
 
 
 def job(i: int, nbytes: int) -> FeedJob:
@@ -247,6 +247,112 @@ def test_a_new_burst_after_an_idle_feeder_is_not_a_queue_run_dry(engine):
     feeder.put(job(2, 50))
     feeder.wait_fed({2})
     assert feeder.limit == 100 and feeder.ran_dry == 0
+    feeder.close()
+
+
+# -- waves: room only from an empty queue -------------------------------------------------------
+
+
+def test_waves_nothing_more_is_enqueued_until_the_whole_wave_is_done(engine):
+    """With ``waves``, five 40-byte jobs under a 100-byte limit: the first two make a wave; the
+    third does not fit and closes it, so the first job's end lets nothing in (a sliding queue
+    would take the third then: the copy engine would never be free of loads); once both are
+    done the next wave takes the third and fourth. Order and handing over as without waves."""
+    feeder, started, copied = make(100, waves=True)
+    for i in range(1, 6):
+        feeder.put(job(i, 40))
+    until(lambda: engine.enqueued == [1, 2], "the first wave")
+    engine.finish(1)
+    time.sleep(0.05)
+    assert engine.enqueued == [1, 2] and feeder.pending() == 3, "the wave is closed"
+    engine.finish(1)
+    until(lambda: engine.enqueued == [1, 2, 3, 4], "the second wave, once the queue is empty")
+    time.sleep(0.03)
+    assert engine.enqueued == [1, 2, 3, 4]
+    engine.finish(2)
+    until(lambda: engine.enqueued == [1, 2, 3, 4, 5], "the third")
+    engine.finish(1)
+    feeder.wait_fed({5})
+    assert [s[0] for s in started] == [1, 2, 3, 4, 5] and sorted(copied) == [1, 2, 3, 4, 5]
+    assert feeder.waves_started == 3 and feeder.ran_dry == 0 and feeder.limit == 100
+    feeder.close()
+
+
+def test_waves_count_the_bytes_enqueued_since_the_queue_was_empty_not_those_in_flight(engine):
+    """A wave holds at most ``limit`` bytes in all: jobs that trickle in one by one while it
+    runs join it only while it has room, even where the bytes still in flight would leave
+    room (40 in flight of a 100-byte limit, but 80 enqueued in the wave: a third 40 waits)."""
+    feeder, _, _ = make(100, direct=True, waves=True)
+    feeder.put(job(1, 40))
+    feeder.put(job(2, 40))
+    assert engine.enqueued == [1, 2]
+    engine.finish(1)  # 40 bytes in flight, 80 enqueued in this wave
+    feeder.put(job(3, 40))
+    time.sleep(0.05)
+    assert engine.enqueued == [1, 2] and feeder.pending() == 1
+    feeder.put(job(4, 10))  # would fit the wave, but a job waits before it: it keeps its place
+    time.sleep(0.03)
+    assert engine.enqueued == [1, 2]
+    engine.finish(1)
+    until(lambda: engine.enqueued == [1, 2, 3, 4], "the next wave, in order")
+    assert feeder.waves_started == 2
+    engine.finish(2)
+    feeder.close()
+
+
+def test_waves_a_job_over_the_limit_is_a_wave_of_its_own(engine):
+    feeder, _, _ = make(100, waves=True)
+    for i, n in ((1, 30), (2, 250), (3, 30)):
+        feeder.put(job(i, n))
+    until(lambda: engine.enqueued == [1], "the first")
+    engine.finish(1)
+    until(lambda: engine.enqueued == [1, 2], "the large one, alone")
+    time.sleep(0.03)
+    assert engine.enqueued == [1, 2]
+    engine.finish(1)
+    until(lambda: engine.enqueued == [1, 2, 3], "then the last")
+    assert feeder.waves_started == 3
+    engine.finish(1)
+    feeder.close()
+
+
+def test_waves_a_wave_drained_while_the_feeder_waited_is_not_a_late_feeder(engine):
+    """The feeder waits for a wave's last job on purpose: a queue emptied that way does not
+    grow the limit. Coming back to a wave already done while loads waited does (the copy engine
+    idled for as long as the feeder was late), up to ``grow_to``, as without waves."""
+    feeder, _, _ = make(100, grow_to=400, waves=True)
+    for i in range(1, 7):
+        feeder.put(job(i, 50))
+    for k in range(3):
+        until(lambda k=k: len(engine.enqueued) == 2 * (k + 1), f"wave {k + 1}")
+        time.sleep(0.02)  # the feeder is in its wait for the wave's end
+        engine.finish(2)
+    feeder.wait_fed(set(range(1, 7)))
+    assert feeder.limit == 100 and feeder.ran_dry == 0 and feeder.waves_started == 3
+    feeder.close()
+    engine.instant = True  # every job done before the feeder comes back: late each time
+    gate = threading.Event()
+    feeder, started, _ = make(100, grow_to=400, gate=gate, waves=True)
+    for i in range(11, 19):
+        feeder.put(job(i, 50))
+    gate.set()
+    feeder.wait_fed(set(range(11, 19)))
+    assert [s[0] for s in started] == list(range(11, 19))
+    assert feeder.limit == 400 and feeder.ran_dry == 7
+    feeder.close()
+
+
+def test_waves_a_failed_job_starts_the_next_wave_from_an_empty_queue(engine):
+    """A job whose copies failed drains the stream: the job after it opens a new wave."""
+    feeder, _, _ = make(100, fail={2}, waves=True)
+    for i in range(1, 5):
+        feeder.put(job(i, 40))
+    failed: list[int] = []
+    until(lambda: failed.extend(feeder.take_failed()) or failed == [2], "job 2 is listed")
+    until(lambda: engine.enqueued == [1, 3, 4], "the rest go on")
+    engine.finish(10)
+    feeder.wait_fed({1, 2, 3, 4})
+    assert engine.enqueued == [1, 3, 4] and feeder.waves_started == 2
     feeder.close()
 
 

@@ -810,15 +810,18 @@ def test_a_jobs_rows_must_match_its_blocks_and_empty_groups_take_none():
             lay.descriptors(blocks, gs, bi, np.array(rows))
 
 
+@pytest.mark.parametrize("waves", [True, False])
 @pytest.mark.parametrize("direct", [True, False])
-def test_a_fed_load_is_enqueued_by_the_caller_when_direct(fake_cuda, direct):
+def test_a_fed_load_is_enqueued_by_the_caller_when_direct(fake_cuda, direct, waves):
     """With a feeder (``load_queue_bytes``) and ``load_direct``, a load that finds room is
     enqueued on the submitting thread before ``submit`` returns; without it, by the feeder
-    thread. Either way the bytes land and the job is reported finished once."""
+    thread. Either way, in waves or not, the bytes land and the job is reported finished
+    once."""
     host = np.arange(1 << 16, dtype=np.uint64).view(np.uint8)[: 1 << 16].copy()
     dev = np.zeros(1 << 16, dtype=np.uint8)
     copier, fake = fake_cuda(host.ctypes.data, host.nbytes, "bindings",
-                             load_queue_bytes=1 << 20, load_direct=direct)
+                             load_queue_bytes=1 << 20, load_direct=direct,
+                             load_waves=waves)
     fake.arenas.append((dev.ctypes.data, dev.ctypes.data + dev.nbytes))
     threads: list[str] = []
     batch = fake.rt.cudaMemcpyBatchAsync

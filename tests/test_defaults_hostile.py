@@ -235,8 +235,9 @@ class _FakeCopier:
     name = "fake"
 
     def __init__(self, *args, load_queue_bytes: int = 0, load_direct: bool = False,
-                 **kw) -> None:
+                 load_waves: bool = False, **kw) -> None:
         self.load_queue_bytes, self.load_direct = load_queue_bytes, load_direct
+        self.load_waves = load_waves
 
 
 @pytest.mark.parametrize("extra, want", [
@@ -248,6 +249,7 @@ class _FakeCopier:
     ({"load_queue_bytes": "0"}, 0.005),
     ({"load_queue_bytes": "64MiB", "switch_interval_ms": 1}, 0.001),
     ({"load_direct": False}, 0.0005),                      # the thread takes every load
+    ({"load_waves": False}, 0.0005),                       # a sliding queue, as before 07g
 ])
 def test_a_cuda_worker_with_the_feeder_lowers_the_switch_interval(tmp_path, monkeypatch,
                                                                   interval, extra, want):
@@ -276,20 +278,32 @@ def test_a_cuda_worker_with_the_feeder_lowers_the_switch_interval(tmp_path, monk
         assert made["copier"].load_queue_bytes == spec.cfg.load_queue_bytes
         assert made["copier"].load_direct is spec.cfg.load_direct is extra.get("load_direct",
                                                                                 True)
+        assert made["copier"].load_waves is spec.cfg.load_waves is extra.get("load_waves", True)
         assert sys.getswitchinterval() == pytest.approx(want)
     finally:
         if "region" in made:
             made["region"].close(unlink=True)
 
 
+@pytest.mark.parametrize("key", ["load_direct", "load_waves"])
 @pytest.mark.parametrize("value", ["yes", 1, None, "true"])
-def test_load_direct_must_be_true_or_false(value):
-    """``load_direct`` is a JSON boolean: anything else is refused with its name, before a
-    tier is made."""
+def test_load_switches_must_be_true_or_false(key, value):
+    """``load_direct`` and ``load_waves`` are JSON booleans: anything else is refused with its
+    name, before a tier is made."""
     from tiering.config import parse
 
-    with pytest.raises(ValueError, match=f"load_direct: expected true or false, got {value!r}"):
-        parse({"cpu_bytes_to_use": 1 << 30, "load_direct": value})
+    with pytest.raises(ValueError, match=f"{key}: expected true or false, got {value!r}"):
+        parse({"cpu_bytes_to_use": 1 << 30, key: value})
+
+
+def test_load_waves_is_on_by_default_and_can_be_turned_off():
+    """The default is tiering.settings' LOAD_WAVES (on), and false is taken as given."""
+    from tiering.config import parse
+    from tiering.settings import LOAD_WAVES
+
+    assert LOAD_WAVES is True
+    assert parse({"cpu_bytes_to_use": 1 << 30}).load_waves is True
+    assert parse({"cpu_bytes_to_use": 1 << 30, "load_waves": False}).load_waves is False
 
 
 def test_a_cpu_worker_leaves_the_switch_interval(tmp_path, monkeypatch, interval):

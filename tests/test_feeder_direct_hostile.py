@@ -155,8 +155,10 @@ class Harness:
 
     def __init__(self, engine: Engine, limit: int, grow_to: int = 0, direct: bool = True,
                  plan: dict[int, str] | None = None, started_raises: set[int] | None = None,
-                 jitter: bool = False) -> None:
+                 jitter: bool = False, waves: bool = False) -> None:
         self.engine = engine
+        self.waves = waves
+        self._wave = 0  # with waves: bytes put on the engine since it last held nothing
         self.plan = dict(plan or {})
         self.started_raises = set(started_raises or ())
         self.jitter = jitter  # short sleeps in the callbacks: wider windows for races
@@ -179,7 +181,7 @@ class Harness:
                                                                     blocking),
             set_device=lambda d: None))
         self.feeder = CopyFeeder(torch, "cuda:0", Stream(self), limit, self._copy,
-                                 self._on_started, grow_to=grow_to, direct=direct)
+                                 self._on_started, grow_to=grow_to, direct=direct, waves=waves)
         engine.feeders.append(self.feeder)
 
     def job(self, i: int, nbytes: int) -> FeedJob:
@@ -239,6 +241,12 @@ class Harness:
             if ahead and ahead + nbytes > limit:
                 self.violations.append(f"job {job_id} ({nbytes} B) enqueued behind {ahead} B "
                                        f"unfinished on the engine, limit {limit}")
+            if not ahead:
+                self._wave = 0
+            elif self.waves and self._wave + nbytes > limit:
+                self.violations.append(f"job {job_id} ({nbytes} B) joined a wave of {self._wave} "
+                                       f"B with {ahead} B unfinished on the engine, limit {limit}")
+            self._wave += nbytes
             self.limits.append(limit)
             self.engine.add(Op(job_id, nbytes))
             self.engine.note(("copy", job_id))
@@ -675,7 +683,8 @@ class Run:
     was drained when seen."""
 
     def __init__(self, engine: Engine, seed: int, putters: int, per: int, kinds: list[str],
-                 fail_rate: float, limit: int = 64, grow_to: int = 4096) -> None:
+                 fail_rate: float, limit: int = 64, grow_to: int = 4096,
+                 waves: bool = False) -> None:
         self.engine, self.limit0, self.grow_to = engine, limit, grow_to
         rng = random.Random(seed)
         self.specs: dict[int, int] = {}
@@ -690,7 +699,7 @@ class Run:
                 if kinds and rng.random() < fail_rate:
                     plan[i] = rng.choice(kinds)
         self.plan = plan
-        self.h = Harness(engine, limit, grow_to=grow_to, plan=plan, jitter=True)
+        self.h = Harness(engine, limit, grow_to=grow_to, plan=plan, jitter=True, waves=waves)
         self.jobs = {i: self.h.job(i, s) for i, s in self.specs.items()}
         self.collected: list[int] = []
         self.undrained: list[int] = []
@@ -832,6 +841,16 @@ def test_random_racing_putters_with_every_failure_kind(engine, seed):
     started order, the limit holds on the engine, the turn is never shared."""
     _random_putters(Run(engine, seed, putters=4, per=300, kinds=ALL_KINDS, fail_rate=0.1),
                     serialize=False, wait_every=23)
+
+
+@pytest.mark.parametrize("seed", _seeds(3001, 4))
+@pytest.mark.parametrize("serialize", [True, False])
+def test_random_putters_in_waves_with_every_failure_kind(engine, seed, serialize):
+    """As the two tests above, with ``waves``: besides all they check, no job joins the
+    engine's work once the bytes put on it since it last held nothing would pass the limit
+    (a wave holds at most the limit, a job over it goes alone), failures included."""
+    _random_putters(Run(engine, seed, putters=3, per=300, kinds=ALL_KINDS, fail_rate=0.1,
+                        waves=True), serialize=serialize, wait_every=19)
 
 
 @pytest.mark.parametrize("seed", _seeds(2001, 8))

@@ -304,6 +304,30 @@ def test_ours_fed_is_ours_with_every_load_through_the_feeder(tmp_path, monkeypat
         "cpu", 1 << 30, None, 16, load_direct=False)["kv_connector_extra_config"]
 
 
+def test_sweep_load_waves_reaches_ours_only(monkeypatch):
+    """--sweep-load-waves on|off sets our spec's load_waves in the sweep's configs, never
+    vLLM's spec's, and nothing where not given (the spec's default, on)."""
+    from tiering.config import parse
+
+    def cfg(kvt):
+        return parse({k: v for k, v in kvt["kv_connector_extra_config"].items()
+                      if k not in ("spec_name", "spec_module_path")})
+
+    for value in (True, False):
+        kvt = gpu_bench.sweep_transfer_config("ours-sched", 1 << 30, None, 16, load_waves=value)
+        assert cfg(kvt).load_waves is value
+    assert cfg(gpu_bench.sweep_transfer_config("ours-sched", 1 << 30, None, 16)).load_waves
+    assert "load_waves" not in gpu_bench.sweep_transfer_config(
+        "ours-sched", 1 << 30, None, 16)["kv_connector_extra_config"]
+    assert "load_waves" not in gpu_bench.sweep_transfer_config(
+        "cpu", 1 << 30, None, 16, load_waves=False)["kv_connector_extra_config"]
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--sweep-load-waves", "off"])
+    assert gpu_bench.parse().sweep_load_waves == "off"
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--sweep-load-waves", "maybe"])
+    with pytest.raises(SystemExit):
+        gpu_bench.parse()
+
+
 def test_options_parse_lists_and_reject_garbage(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["gpu_bench", "--tp-cpu-fraction", "0.5,2",
                                       "--configs", "none,ours-wb", "--settle-max-s", "30"])

@@ -20,6 +20,7 @@ from tiering.settings import (
     IO_SWITCH_INTERVAL_S,
     LOAD_DIRECT,
     LOAD_QUEUE_BYTES,
+    LOAD_WAVES,
     MAX_LOAD_STARTS_PER_STEP,
     PROMOTION_RESERVE_DEFAULT,
     SORT_GPU_BLOCKS_DEFAULT,
@@ -35,7 +36,7 @@ VLLM_KEYS = {
 }
 OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests", "switch_interval_ms",
             "hits_first", "max_load_starts_per_step", "load_queue_bytes", "load_direct",
-            "sort_gpu_blocks"}
+            "load_waves", "sort_gpu_blocks"}
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
                  "prefill_tokens_per_s", "promotion_reserve", "step_timing"}
@@ -97,6 +98,9 @@ class TieredConfig:
     # a load with room in that queue and none waiting before it is enqueued by vLLM's worker
     # thread, without the hop to the feeder thread (tiering.settings LOAD_DIRECT)
     load_direct: bool = LOAD_DIRECT
+    # room in that queue only once it is empty, a wave at most load_queue_bytes (so that vLLM's
+    # own input copies get the copy engine between waves; tiering.settings LOAD_WAVES)
+    load_waves: bool = LOAD_WAVES
 
 
 def _int(value: Any, where: str, low: int) -> int:
@@ -144,6 +148,10 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
     if not isinstance(direct, bool):
         raise ValueError(f"load_direct: expected true or false, got {direct!r}")
     cfg.load_direct = direct
+    waves = extra.get("load_waves", LOAD_WAVES)
+    if not isinstance(waves, bool):
+        raise ValueError(f"load_waves: expected true or false, got {waves!r}")
+    cfg.load_waves = waves
     for i, tier in enumerate(tiers):
         where = f"tiers[{i}]"
         if not isinstance(tier, dict):

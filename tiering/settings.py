@@ -228,6 +228,16 @@ LOAD_QUEUE_MAX_BYTES = 1 << 30
 # (2026-12-07e), whose loads are enqueued on the worker thread. Bursts fill the queue on the
 # caller's thread, then the thread feeds the rest as before.
 LOAD_DIRECT = True
+# Loads enqueued in waves: room in that queue opens only once it is empty, and a wave holds at
+# most its limit (default of the spec's ``load_waves``; backends/copy_feeder.py). On an H100 the
+# copy engine did not turn to another stream's copy while the load stream had copies queued:
+# (docs/benchmarks.md, "An H100, 2026-12-07g", docs/bench_copy_queue.py) a 64 KiB input copy
+# enqueued 10 ms into 8 GiB of loads fed one 64 MiB job as each ended finished only with the last
+# load, 155 ms later; fed 256 MiB at a time with the queue let empty between waves it waited
+# 3.2 ms, at 98.5% of the rate. vLLM copies step inputs host to GPU too, and in 11 of the 12
+# traced 8B 100%-hit batches on H100s (2026-12-07e, 07g) one step was held until the last load
+# landed (62-272 ms). Not yet measured inside vLLM on a GPU.
+LOAD_WAVES = True
 
 # -- vLLM adapter: hits first (under tiering.vllm.scheduler.TieringScheduler) --------------------
 # vLLM walks its waiting queue in order until the step's token budget is spent, so a cache hit

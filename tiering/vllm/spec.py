@@ -193,7 +193,8 @@ class TieredOffloadingSpec(OffloadingSpec):
                                     device=kv_caches.tensors[0].tensor.device,
                                     copy=self.cfg.gpu_copy,
                                     load_queue_bytes=self.cfg.load_queue_bytes,
-                                    load_direct=self.cfg.load_direct)
+                                    load_direct=self.cfg.load_direct,
+                                    load_waves=self.cfg.load_waves)
             if self.cfg.load_queue_bytes:
                 # the feeder waits for the GIL after each wait for room: Python's 5 ms lets
                 # the few milliseconds of loads it keeps enqueued run dry while vLLM's
