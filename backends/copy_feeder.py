@@ -32,7 +32,10 @@ load, 155 ms later; with the loads enqueued 256 MiB at a time and the queue let 
 waves it waited 3.2 ms, at 98.5% of the rate. vLLM's steps copy inputs host to GPU too, and in
 11 of the 12 traced 8B 100%-hit batches on H100s one step was held until the last load landed
 (62-272 ms). A wave bounds that wait to one wave's time. Growth (below) applies to waves too:
-the feeder is late when it comes back after the wave it waited for is already done.
+the feeder is late when it comes back, without having waited, to a queue already empty while
+loads waited; a wave it waited for empties the queue on purpose and does not count. Its return
+from that wait (the GIL taken back) is not seen: waves grow only where the feeder came back
+late by other ways.
 
 ``direct``: a job that finds no job waiting before it and room in the queue is enqueued by the
 caller, in ``put``, as vLLM's own spec enqueues its loads. Why: the hop to the feeder thread
@@ -115,10 +118,10 @@ class CopyFeeder:
         self._failed: list[int] = []
         self._inflight: deque[tuple[int, Any]] = deque()
         self._queued = 0
-        # with waves: bytes enqueued since the queue was last empty, and whether the wave still
-        # takes jobs (it closes when one does not fit, until the queue is empty again)
+        # with waves: bytes enqueued since the queue was last empty. A wave closes by itself when
+        # a job does not fit: that job stays first in line (put's caller enqueues only where none
+        # waits), so nothing is enqueued before it, and it fits only once the queue is empty
         self._wave_bytes = 0
-        self._wave_open = True
         self._enqueuing = False
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"tier-feed-{name}",
@@ -183,21 +186,18 @@ class CopyFeeder:
 
     def _room_for(self, nbytes: int) -> bool:
         """Whether a job of ``nbytes`` may be enqueued now: the queue is empty, or it fits
-        (with ``waves``: into the wave in flight, which then closes if it does not)."""
+        (with ``waves``: into the bytes of the wave in flight)."""
         self._forget_done()
         if not self._inflight:
             return True
         if not self.waves:
             return self._queued + nbytes <= self.limit
-        if self._wave_open and self._wave_bytes + nbytes <= self.limit:
-            return True
-        self._wave_open = False  # no more until the queue is empty
-        return False
+        return self._wave_bytes + nbytes <= self.limit
 
     def _add_inflight(self, nbytes: int, end: Any) -> None:
         """A job is enqueued: counted against the queue (and its wave)."""
         if not self._inflight:  # enqueued into an empty queue: a new wave
-            self._wave_bytes, self._wave_open = 0, True
+            self._wave_bytes = 0
             self.waves_started += 1
         self._inflight.append((nbytes, end))
         self._queued += nbytes
