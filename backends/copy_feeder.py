@@ -198,7 +198,7 @@ class CopyFeeder:
         """A job is enqueued: counted against the queue (and its wave)."""
         if not self._inflight:  # enqueued into an empty queue: a new wave
             self._wave_bytes = 0
-            self.waves_started += 1
+            self.waves_started += self.waves
         self._inflight.append((nbytes, end))
         self._queued += nbytes
         self._wave_bytes += nbytes

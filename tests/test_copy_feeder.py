@@ -141,8 +141,10 @@ def test_no_more_than_the_limit_is_enqueued_and_order_is_kept(engine):
     feeder.close()
 
 
-def test_a_job_over_the_limit_goes_alone(engine):
-    feeder, started, _ = make(100)
+@pytest.mark.parametrize("waves", [False, True])
+def test_a_job_over_the_limit_goes_alone(engine, waves):
+    """In waves too, where it is a wave of its own (three waves)."""
+    feeder, started, _ = make(100, waves=waves)
     feeder.put(job(1, 40))
     feeder.put(job(2, 400))
     feeder.put(job(3, 40))
@@ -155,6 +157,7 @@ def test_a_job_over_the_limit_goes_alone(engine):
     assert engine.enqueued == [1, 2]
     engine.finish(1)
     until(lambda: engine.enqueued == [1, 2, 3], "then the last")
+    assert feeder.waves_started == (3 if waves else 0)
     feeder.close()
 
 
@@ -297,22 +300,6 @@ def test_waves_count_the_bytes_enqueued_since_the_queue_was_empty_not_those_in_f
     until(lambda: engine.enqueued == [1, 2, 3, 4], "the next wave, in order")
     assert feeder.waves_started == 2
     engine.finish(2)
-    feeder.close()
-
-
-def test_waves_a_job_over_the_limit_is_a_wave_of_its_own(engine):
-    feeder, _, _ = make(100, waves=True)
-    for i, n in ((1, 30), (2, 250), (3, 30)):
-        feeder.put(job(i, n))
-    until(lambda: engine.enqueued == [1], "the first")
-    engine.finish(1)
-    until(lambda: engine.enqueued == [1, 2], "the large one, alone")
-    time.sleep(0.03)
-    assert engine.enqueued == [1, 2]
-    engine.finish(1)
-    until(lambda: engine.enqueued == [1, 2, 3], "then the last")
-    assert feeder.waves_started == 3
-    engine.finish(1)
     feeder.close()
 
 

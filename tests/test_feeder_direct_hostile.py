@@ -316,10 +316,9 @@ def put_ok(h: Harness, j: FeedJob) -> None:
                     "failed job listed by take_failed, not an exception out of put")
 
 
-@pytest.fixture
-def engine():
-    eng = Engine()
-    yield eng
+def release(eng: Engine) -> None:
+    """A test's end: its pumps stopped, gates opened, injected faults cleared, the engine's work
+    finished and every feeder closed (bounded: a hang leaves a daemon thread, not a stuck run)."""
     eng.stop_pumps()
     for g in eng.gates:
         g.set()
@@ -331,6 +330,13 @@ def engine():
         t = threading.Thread(target=f.close, daemon=True)
         t.start()
         t.join(WAIT_S)
+
+
+@pytest.fixture
+def engine():
+    eng = Engine()
+    yield eng
+    release(eng)
 
 
 def close(h: Harness) -> None:
@@ -853,12 +859,11 @@ def test_random_putters_in_waves_with_every_failure_kind(engine, seed, serialize
                         waves=True), serialize=serialize, wait_every=19)
 
 
-@pytest.mark.parametrize("seed", _seeds(2001, 8))
-def test_random_close_racing_direct_puts_and_failures(engine, seed):
-    """Putters put at will while close runs; failures of every kind. Every put
-    that returned is handed over or listed exactly once (close drains, direct enqueues in
-    progress included); a put that raised "closed" is neither; the thread stops."""
-    run = Run(engine, seed, putters=3, per=400, kinds=ALL_KINDS, fail_rate=0.1)
+def close_racing_putters(run: Run, seed: int, settle_s: float) -> tuple[list[int], list[int]]:
+    """Every putter puts at will (bursts and pauses) while ``close`` runs after up to
+    ``settle_s``; then the checks every such run shares: no put raised but "closed", the thread
+    stopped, a refused job neither handed over nor listed, ``Run.check`` on the accepted ones.
+    Returns (accepted, refused)."""
     h = run.h
     accepted: list[int] = []
     refused: list[int] = []
@@ -887,7 +892,7 @@ def test_random_close_racing_direct_puts_and_failures(engine, seed):
     for t in ts:
         t.start()
     go.set()
-    time.sleep(random.Random(seed).uniform(0.005, 0.15))
+    time.sleep(random.Random(seed).uniform(0.005, settle_s))
     close(h)
     for t in ts:
         join(t, "a putter")
@@ -896,5 +901,16 @@ def test_random_close_racing_direct_puts_and_failures(engine, seed):
     assert len(refused) <= len(run.per_putter)
     assert not set(refused) & (set(h.ids()) | set(run.collected) | set(h.feeder._failed))
     run.check(accepted, serialized_order=None)
+    return accepted, refused
+
+
+@pytest.mark.parametrize("seed", _seeds(2001, 8))
+def test_random_close_racing_direct_puts_and_failures(engine, seed):
+    """Putters put at will while close runs; failures of every kind. Every put
+    that returned is handed over or listed exactly once (close drains, direct enqueues in
+    progress included); a put that raised "closed" is neither; the thread stops."""
+    run = Run(engine, seed, putters=3, per=400, kinds=ALL_KINDS, fail_rate=0.1)
+    h = run.h
+    close_racing_putters(run, seed, 0.15)
     with pytest.raises(RuntimeError, match="closed"):
         h.feeder.put(h.job(1, 1))

@@ -18,7 +18,6 @@ is bounded: a hang fails the test instead of hanging it.
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import pytest
@@ -35,10 +34,13 @@ from test_feeder_direct_hostile import (
     _putters,
     _seeds,
     bounded,
+    close,
+    close_racing_putters,
     in_thread,
     join,
     nondecreasing,
     put_ok,
+    release,
     until,
 )
 
@@ -132,22 +134,8 @@ class WHarness(Harness):
 def engine():
     eng = WEngine()
     yield eng
-    eng.stop_pumps()
-    for g in eng.gates:
-        g.set()
-    eng.stream_broken = False
-    eng.sync_raises.clear()
-    eng.query_raises.clear()
-    eng.punctual = True
-    eng.finish_all()
-    for f in eng.feeders:
-        t = threading.Thread(target=f.close, daemon=True)
-        t.start()
-        t.join(WAIT_S)
-
-
-def close(h: Harness) -> None:
-    bounded(h.feeder.close)
+    eng.punctual = True  # every wait for the engine's work ends
+    release(eng)
 
 
 def idle(h: Harness) -> None:
@@ -596,40 +584,5 @@ def test_random_close_racing_puts_in_waves(engine, seed):
     returned is handed over or listed exactly once, a refused put is neither, the wave rule
     holds on the engine through the close, the thread stops."""
     run = _wave_run(engine, seed, putters=3, per=300, kinds=ALL_KINDS, fail_rate=0.1)
-    h = run.h
-    accepted: list[int] = []
-    refused: list[int] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-    go = threading.Event()
-
-    def putter(t: int) -> None:
-        pace = random.Random(seed * 10 + t)
-        go.wait(WAIT_S)
-        for i in run.per_putter[t]:
-            if pace.random() < 0.5:
-                time.sleep(pace.uniform(0.0005, 0.003))
-            try:
-                h.feeder.put(run.jobs[i])
-            except RuntimeError as exc:
-                if "closed" not in str(exc):
-                    errors.append(exc)
-                with lock:
-                    refused.append(i)
-                return
-            with lock:
-                accepted.append(i)
-
-    ts = [threading.Thread(target=putter, args=(t,), daemon=True) for t in run.per_putter]
-    for t in ts:
-        t.start()
-    go.set()
-    time.sleep(random.Random(seed).uniform(0.005, 0.1))
-    close(h)
-    for t in ts:
-        join(t, "a putter")
-    assert errors == [], errors[:3]
-    assert h.feeder.pending() == 0 and not h.feeder._thread.is_alive()
-    assert not set(refused) & (set(h.ids()) | set(run.collected) | set(h.feeder._failed))
-    run.check(accepted, serialized_order=None)
-    h.check()
+    close_racing_putters(run, seed, 0.1)
+    run.h.check()
