@@ -613,6 +613,21 @@ def test_direct_jobs_never_count_as_a_run_dry(engine):
     close(h)
 
 
+def burst_behind_a_held_direct_put(h: Harness, n: int, nbytes: int) -> None:
+    """Job 1 put directly and held in its copy call while jobs 2..n are put (they wait for the
+    feeder thread); then released, and every job fed and handed over."""
+    g = h.gate(1)
+    t, box = in_thread(h.feeder.put, h.job(1, nbytes))
+    assert h.entered[1].wait(WAIT_S)
+    for i in range(2, n + 1):
+        put_ok(h, h.job(i, nbytes))
+    g.set()
+    join(t, "job 1's put")
+    assert "e" not in box
+    bounded(h.feeder.wait_fed, set(range(1, n + 1)))
+    until(lambda: len(h.ids()) == n, "all handed over")
+
+
 def test_a_burst_behind_a_direct_job_grows_and_direct_puts_use_the_grown_limit(engine):
     """Job 1's direct enqueue is held while jobs 2..8 are put (pending); the engine is always
     ahead (instant): the thread finds the queue dry behind each of its own enqueues, and the
@@ -620,16 +635,7 @@ def test_a_burst_behind_a_direct_job_grows_and_direct_puts_use_the_grown_limit(e
     grown room: four 100-byte jobs go directly, the fifth waits."""
     engine.instant = True
     h = Harness(engine, 100, grow_to=400)
-    g = h.gate(1)
-    t, box = in_thread(h.feeder.put, h.job(1, 50))
-    assert h.entered[1].wait(WAIT_S)
-    for i in range(2, 9):
-        put_ok(h, h.job(i, 50))
-    g.set()
-    join(t, "job 1's put")
-    assert "e" not in box
-    bounded(h.feeder.wait_fed, set(range(1, 9)))
-    until(lambda: len(h.ids()) == 8, "all eight handed over")
+    burst_behind_a_held_direct_put(h, 8, 50)
     assert h.ids() == list(range(1, 9)) and h.direct_ids() == [1]
     assert 5 <= h.feeder.ran_dry <= 7, h.feeder.ran_dry
     assert h.feeder.limit == 400 == min(400, 100 << h.feeder.ran_dry)

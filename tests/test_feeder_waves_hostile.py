@@ -34,6 +34,7 @@ from test_feeder_direct_hostile import (
     _putters,
     _seeds,
     bounded,
+    burst_behind_a_held_direct_put,
     close,
     close_racing_putters,
     in_thread,
@@ -478,15 +479,7 @@ def test_growth_while_a_direct_wave_is_in_flight_does_not_change_its_limit(engin
     direct wave after that is bounded by the grown limit, consistently for all its jobs."""
     engine.instant = True
     h = WHarness(engine, 100, grow_to=400)
-    g = h.gate(1)
-    t, box = in_thread(h.feeder.put, h.job(1, 50))
-    assert h.entered[1].wait(WAIT_S)
-    for i in range(2, 9):
-        put_ok(h, h.job(i, 50))
-    g.set()
-    join(t, "job 1's put")
-    bounded(h.feeder.wait_fed, set(range(1, 9)))
-    until(lambda: len(h.ids()) == 8, "all handed over")
+    burst_behind_a_held_direct_put(h, 8, 50)
     assert h.feeder.limit == 400
     idle(h)
     engine.instant = False
