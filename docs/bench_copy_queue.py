@@ -1,7 +1,8 @@
 """Does a queue of bulk host-to-GPU loads hold up the model's own small input copies? (issue 15)
 
     python3 docs/bench_copy_queue.py [--bulk-gib 0,1,4,8] [--piece-mib 2] [--wave-mib 256]
-        [--job-mib 64] [--fed-limit-mib 1024] [--probe-ms 10] [--alloc-after-ms 40]
+        [--job-mib 64] [--fed-limit-mib 1024] [--fed-wave-mib 256] [--probe-ms 10]
+        [--alloc-after-ms 40]
         [--json OUT.json]
 
 Why: the 8B step trace of a 100%-hit batch (docs/results/2026-12-05c) shows steps of a few
@@ -33,9 +34,16 @@ What it measures, on one GPU, with pinned host memory as the CPU tier's rows are
   last fed load landed, while steps before it, every 10-15 ms, were not
   (docs/benchmarks.md, "An H100, 2026-12-07e").
 * ``fed-waves``: as ``fed``, but once the next job would take the bytes enqueued since the
-  queue was last empty past ``fed-limit``, the thread waits until every enqueued job is done
+  queue was last empty past a wave's size, the thread waits until every enqueued job is done
   (``backends/copy_feeder.py``'s ``waves``, the default since 2026-12-07g). Why: on the H100 of
   2026-12-07g a ``fed`` probe that began 10 ms into 8 GiB ended only with the bulk, 155 ms later.
+  Its waves are ``--fed-wave-mib`` (256: where our feeder's waves start), ``fed-waves-1g``'s
+  1024 (where they grow to): what each wave's boundary costs the bulk's rate.
+* ``fed-pingpong``: waves of ``--fed-wave-mib`` on two streams in turn; a wave is enqueued once
+  the wave before the last one, on the same stream, is done, so one wave waits queued while
+  the other copies and the copy engine never waits for the host thread. Why: if the engine
+  turns between streams that have work once a stream's queue is empty, a step's copy still
+  waits at most about a wave, without ``fed-waves``' idle boundaries.
 * ``fed+host-alloc``, ``fed+malloc``, ``fed+sync`` (the largest bulk only): as ``fed``, but the
   step probe that begins after ``--alloc-after-ms`` first makes PyTorch allocate memory of a
   size its caches do not hold, page-locked host memory (``cudaHostAlloc``, as vLLM's output
@@ -66,6 +74,8 @@ def main() -> int:
     ap.add_argument("--job-mib", type=float, default=64.0, help="fed: bytes a job")
     ap.add_argument("--fed-limit-mib", type=float, default=1024.0,
                     help="fed: the most bytes enqueued (our feeder grows to 1 GiB)")
+    ap.add_argument("--fed-wave-mib", type=float, default=256.0,
+                    help="fed-waves, fed-pingpong: bytes a wave (our feeder's first wave)")
     ap.add_argument("--probe-ms", type=float, default=10.0, help="fed: a probe this often")
     ap.add_argument("--alloc-after-ms", type=float, default=40.0,
                     help="fed+host-alloc, fed+malloc: the probe that allocates begins then")
@@ -143,10 +153,39 @@ def main() -> int:
         ev.synchronize()
         return time.perf_counter() - t0
 
-    def fed(nbytes: int, waves: bool = False) -> tuple[threading.Thread, list[float]]:
+    second_stream = torch.cuda.Stream(dev)
+
+    def fed(nbytes: int, case: str) -> tuple[threading.Thread, list[float]]:
         job = max(piece, int(a.job_mib * 2**20) // piece * piece)
-        limit = max(job, int(a.fed_limit_mib * 2**20))
+        waves = case.startswith("fed-waves")
+        wave_mib = 1024.0 if case == "fed-waves-1g" else a.fed_wave_mib
+        limit = max(job, int((wave_mib if case != "fed" and not case.startswith("fed+")
+                              else a.fed_limit_mib) * 2**20))
         end: list[float] = []
+
+        def pingpong() -> None:
+            streams = (bulk_stream, second_stream)
+            last: list[Any] = [None, None]  # each stream's newest wave's end
+            turn, wave, off = 0, 0, 0
+            while off < nbytes:
+                if last[turn] is not None:
+                    last[turn].synchronize()  # this stream's last wave is done: its queue empty
+                wave = 0
+                with torch.cuda.stream(streams[turn]):
+                    while off < nbytes and (wave == 0 or wave + min(job, nbytes - off) <= limit):
+                        n = min(job, nbytes - off)
+                        for o in range(off, off + n, piece):
+                            gpu[o:o + piece].copy_(host[o:o + piece], non_blocking=True)
+                        off += n
+                        wave += n
+                    ev = torch.cuda.Event()
+                    ev.record(streams[turn])
+                last[turn] = ev
+                turn ^= 1
+            for ev in last:
+                if ev is not None:
+                    ev.synchronize()
+            end.append(time.perf_counter())
 
         def feed() -> None:
             inflight: list[tuple[int, Any]] = []
@@ -175,7 +214,7 @@ def main() -> int:
                 ev.synchronize()
             end.append(time.perf_counter())
 
-        return threading.Thread(target=feed), end
+        return threading.Thread(target=pingpong if case == "fed-pingpong" else feed), end
 
     kept: list[Any] = []  # what the alloc cases allocated: never freed (a free may sync too)
 
@@ -211,7 +250,7 @@ def main() -> int:
     for gib in sizes:
         nbytes = int(gib * 2**30) // piece * piece
         for case in ("idle", "queued", "high-priority", "waves", "fed", "fed-waves",
-                     "fed+host-alloc", "fed+malloc", "fed+sync"):
+                     "fed-waves-1g", "fed-pingpong", "fed+host-alloc", "fed+malloc", "fed+sync"):
             if case != "idle" and nbytes == 0:
                 continue
             if case == "idle" and gib != sizes[0]:
@@ -221,7 +260,7 @@ def main() -> int:
             for _ in range(a.repeat):
                 if case.startswith("fed"):
                     torch.cuda.synchronize(dev)
-                    feeder, end = fed(nbytes, waves=case == "fed-waves")
+                    feeder, end = fed(nbytes, case)
                     t0 = time.perf_counter()
                     feeder.start()
                     probes: list[tuple[float, float]] = []  # (began, seconds), from t0
@@ -306,7 +345,8 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(dev), "piece_mib": a.piece_mib,
                        "wave_mib": a.wave_mib, "job_mib": a.job_mib,
-                       "fed_limit_mib": a.fed_limit_mib, "probe_ms": a.probe_ms,
+                       "fed_limit_mib": a.fed_limit_mib, "fed_wave_mib": a.fed_wave_mib,
+                       "probe_ms": a.probe_ms,
                        "alloc_after_ms": a.alloc_after_ms,
                        "rows": rows}, f, indent=1)
     return 0

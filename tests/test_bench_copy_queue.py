@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import json
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -19,6 +20,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _stand_in_torch() -> types.ModuleType:
     counts = {"host": 0, "device": 0}
+    # the stream of the enclosing ``torch.cuda.stream`` block, per thread (as PyTorch's is)
+    current = threading.local()
+
+    @contextlib.contextmanager
+    def on_stream(s):
+        before, current.stream = getattr(current, "stream", None), s
+        try:
+            yield
+        finally:
+            current.stream = before
 
     class Tensor:
         def __init__(self, a: np.ndarray) -> None:
@@ -30,6 +41,8 @@ def _stand_in_torch() -> types.ModuleType:
         def copy_(self, other: Tensor, non_blocking: bool = False) -> Tensor:
             time.sleep(0.0002)  # a copy engine's time: the fed bulk outlasts the first probes
             self.a[...] = other.a
+            if getattr(current, "stream", None) is not None:
+                current.stream.copied += self.a.nbytes
             return self
 
         def add_(self, v: float) -> Tensor:
@@ -42,8 +55,11 @@ def _stand_in_torch() -> types.ModuleType:
         return Tensor(np.zeros(n, dtype=dtype))
 
     class Stream:
+        made: list = []  # every stream, in the order made
+
         def __init__(self, device=None, priority: int = 0) -> None:
-            pass
+            self.copied = 0  # bytes copied inside a ``torch.cuda.stream`` block of this one
+            Stream.made.append(self)
 
         @staticmethod
         def priority_range() -> tuple[int, int]:
@@ -65,7 +81,7 @@ def _stand_in_torch() -> types.ModuleType:
     torch.empty = empty
     torch.ones = lambda n, dtype=None, pin_memory=False, device=None: Tensor(np.ones(n, dtype))
     torch.cuda = types.SimpleNamespace(
-        Stream=Stream, Event=Event, stream=lambda s: contextlib.nullcontext(),
+        Stream=Stream, Event=Event, stream=on_stream,
         current_stream=lambda d=None: Stream(), synchronize=lambda d=None: None,
         get_device_name=lambda d=None: "stand-in",
         memory_stats_as_nested_dict=lambda d=None: {"num_device_alloc": counts["device"]},
@@ -79,7 +95,8 @@ def test_every_case_runs_and_the_alloc_cases_report_their_step(monkeypatch, tmp_
     after ``--alloc-after-ms`` made exactly one allocation PyTorch counted (``fed+sync``: none,
     a device sync), and its end is placed against the bulk's (here before it: the stand-in's
     steps never wait)."""
-    monkeypatch.setitem(sys.modules, "torch", _stand_in_torch())
+    torch = _stand_in_torch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
     spec = importlib.util.spec_from_file_location("bench_copy_queue",
                                                   ROOT / "docs" / "bench_copy_queue.py")
     assert spec and spec.loader
@@ -88,13 +105,19 @@ def test_every_case_runs_and_the_alloc_cases_report_their_step(monkeypatch, tmp_
     out = tmp_path / "cq.json"
     monkeypatch.setattr(sys, "argv", [
         "bench_copy_queue.py", "--bulk-gib", "0,0.25", "--repeat", "1", "--probe-ms", "1",
-        "--alloc-after-ms", "3", "--json", str(out)])
+        "--alloc-after-ms", "3", "--job-mib", "32", "--fed-wave-mib", "64", "--json", str(out)])
+    streams = torch.cuda.Stream.made
     assert bench.main() == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["case"] for r in rows] == ["idle", "queued", "high-priority", "waves", "fed",
-                                         "fed-waves", "fed+host-alloc", "fed+malloc", "fed+sync"]
-    for r in rows[4:6]:  # the fed cases without an allocation: probes, the bulk, no alloc keys
+                                         "fed-waves", "fed-waves-1g", "fed-pingpong",
+                                         "fed+host-alloc", "fed+malloc", "fed+sync"]
+    for r in rows[4:8]:  # the fed cases without an allocation: probes, the bulk, no alloc keys
         assert r["probes"] >= 1 and r["bulk_ms"] > 0 and "alloc_calls" not in r
+    # fed-pingpong: four waves of 64 MiB, every other one on the second load stream (made
+    # fourth: bulk, urgent, output, second), the only case that copies on it
+    second = streams[3]
+    assert second.copied == 2 * 64 * 2**20
     for r in rows[-3:]:
         assert r["alloc_calls"] == (0 if r["case"] == "fed+sync" else 1)
         assert r["alloc_began_ms"] >= 3.0
