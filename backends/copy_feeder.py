@@ -37,6 +37,24 @@ loads waited; a wave it waited for empties the queue on purpose and does not cou
 from that wait (the GIL taken back) is not seen: waves grow only where the feeder came back
 late by other ways.
 
+``wave_streams`` (lanes): waves take several load streams in turn, one wave a stream at most.
+Why: on one stream the copy engine idles at each wave's end until this thread has the GIL back
+and enqueues the next wave. Inside vLLM (8B, 100% CPU hits, an H100) waves grew to 1 GiB (the
+feeder came back late), steps were held 20 ms at most (70 ms without waves), but the loads took
+about 10% longer: some 20 such boundaries a batch. In ``docs/bench_copy_queue.py`` on an H100
+(8 GiB of loads in 64 MiB jobs, a step's copies every 10 ms) a step waited 1.8-2.1 ms (median;
+5.1 ms at most) behind 256 MiB waves on one stream, at 50.6-50.9 GB/s, 10.3-10.6 ms (20.6 ms)
+behind 1 GiB waves, at 51.2-51.4 GB/s, and 10.2 ms (10.3-10.8 ms) behind 256 MiB waves on two
+streams in turn, a wave queued on one stream while the other one's wave copies: 51.8 GB/s, the
+rate of a queue never let empty (behind which the step waited 155 ms). The rule: a job joins the
+open wave (the newest one) on its stream while that wave's bytes and its own stay within
+``limit``, or it begins a new wave on a stream with nothing in flight, the streams taken in turn
+(the open wave closes; a job over the limit is a wave of its own). With one stream that is
+``waves`` above; with two, at most two waves are in flight and a step's copies wait about two
+waves. With no stream free this thread waits for the oldest wave's end; it ran dry if, back from
+that wait, the open wave had ended too (the engine had nothing to copy). Not yet run in vLLM on
+a GPU: one stream by default (tiering.settings ``LOAD_WAVE_STREAMS``).
+
 ``direct``: a job that finds no job waiting before it and room in the queue is enqueued by the
 caller, in ``put``, as vLLM's own spec enqueues its loads. Why: the hop to the feeder thread
 costs the GIL each time the thread takes it back (about six times a job), and while a request
@@ -62,7 +80,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,35 +110,52 @@ class FeedJob:
     enqueue_failed: bool = False
 
 
+class _Lane:
+    """A load stream and the jobs enqueued on it and maybe still copying: (bytes, end event) in
+    enqueue order, which is the order they end in (one stream)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.inflight: deque[tuple[int, Any]] = deque()
+        self.wave = 0  # with waves: the number (waves_started) of the wave its jobs belong to
+
+
 class CopyFeeder:
     def __init__(self, torch: Any, device: Any, stream: Any, limit: int, copy: CopyFn,
                  started: StartedFn, name: str = "load", grow_to: int = 0,
-                 direct: bool = False, waves: bool = False) -> None:
+                 direct: bool = False, waves: bool = False,
+                 wave_streams: Sequence[Any] = ()) -> None:
         if limit <= 0:
             raise ValueError(f"limit: expected a positive byte count, got {limit}")
-        self.torch, self.device, self.stream, self.limit = torch, device, stream, limit
+        if len(wave_streams) > 1 and not waves:
+            raise ValueError("wave_streams: several load streams take turns by waves only "
+                             "(waves=True)")
+        self.torch, self.device, self.limit = torch, device, limit
+        # the load streams jobs go on, each with its jobs in flight: ``stream`` alone, or, with
+        # waves, ``wave_streams`` in its place, in turn, a wave each at most (module docstring)
+        self._lanes = [_Lane(s) for s in (wave_streams or [stream])]
         # the limit doubles, up to grow_to, each time the queue ran dry while loads waited
         # (the feeder came back later than the queued loads lasted); 0: a fixed limit
         self.grow_to = grow_to
         self.direct = direct  # a job with room and none before it is enqueued in put
         # room only from an empty queue, up to limit bytes a wave (see the module's docstring)
         self.waves = waves
-        self.waves_started = 0  # waves begun (with ``waves``): each one ended with the queue empty
+        self.waves_started = 0  # waves begun (with ``waves``), each on a load stream then empty
         self.ran_dry = 0  # times the copy engine had done every enqueued load while one waited
         self.waits = 0  # times the feeder waited for room (a measure of the limit binding)
         self.enqueued_direct = 0  # jobs enqueued by put's caller
         self._copy, self._started = copy, started
         self._cond = threading.Condition()
-        # under _cond: jobs not yet enqueued; failed job ids; (bytes, end event) of the jobs
-        # enqueued and maybe still copying, in enqueue order, and their bytes; whether a
-        # thread is enqueuing a job now (the feeder, or put's caller)
+        # under _cond: jobs not yet enqueued; failed job ids; the lanes' jobs in flight (above)
+        # and their bytes; whether a thread is enqueuing a job now (the feeder, or put's caller)
         self._pending: deque[FeedJob] = deque()
         self._failed: list[int] = []
-        self._inflight: deque[tuple[int, Any]] = deque()
         self._queued = 0
-        # with waves: bytes enqueued since the queue was last empty. A wave closes by itself when
+        # with waves: the lane of the open wave (the newest; the first wave goes on lane 0) and
+        # the bytes enqueued in it since its lane was last empty. A wave closes by itself when
         # a job does not fit: that job stays first in line (put's caller enqueues only where none
-        # waits), so nothing is enqueued before it, and it fits only once the queue is empty
+        # waits), so nothing is enqueued before it, and it fits only on an empty lane
+        self._open = len(self._lanes) - 1
         self._wave_bytes = 0
         self._enqueuing = False
         self._stop = False
@@ -128,18 +163,29 @@ class CopyFeeder:
                                         daemon=True)
         self._thread.start()
 
+    @property
+    def stream(self) -> Any:
+        """The first load stream (the only one without ``wave_streams``)."""
+        return self._lanes[0].stream
+
+    @stream.setter
+    def stream(self, stream: Any) -> None:
+        self._lanes[0].stream = stream
+
     def put(self, job: FeedJob) -> None:
         with self._cond:
             if self._stop:
                 raise RuntimeError("the copy feeder is closed")
-            if not (self.direct and not self._pending and not self._enqueuing
-                    and self._room_checked(job.nbytes)):
+            lane = None
+            if self.direct and not self._pending and not self._enqueuing:
+                lane = self._room_checked(job.nbytes)
+            if lane is None:
                 self._pending.append(job)
                 self._cond.notify_all()
                 return
-            self._enqueuing = True
+            self._enqueuing = True  # the lane stays as checked: only this thread enqueues
         try:
-            start, end = self._enqueue(job)
+            start, end = self._enqueue(job, lane)
         except Exception as exc:  # the feeder thread makes it a failed job, as one of its own
             if not isinstance(exc, CopyFailed):
                 log.exception("copy feeder: job %d failed", job.job_id)
@@ -153,7 +199,7 @@ class CopyFeeder:
             return
         self._hand_over(job, start, end)  # before another job is enqueued
         with self._cond:
-            self._add_inflight(job.nbytes, end)
+            self._add_inflight(lane, job.nbytes, end)
             self._enqueuing = False
             self.enqueued_direct += 1
             self._cond.notify_all()
@@ -180,37 +226,49 @@ class CopyFeeder:
 
     # -- under _cond ------------------------------------------------------------------------
     def _forget_done(self) -> None:
-        """Drop the enqueued jobs the copy engine has finished (they end in order)."""
-        while self._inflight and self._inflight[0][1].query():
-            self._queued -= self._inflight.popleft()[0]
+        """Drop the enqueued jobs the copy engine has finished (in order, lane by lane)."""
+        for lane in self._lanes:
+            while lane.inflight and lane.inflight[0][1].query():
+                self._queued -= lane.inflight.popleft()[0]
 
-    def _room_for(self, nbytes: int) -> bool:
-        """Whether a job of ``nbytes`` may be enqueued now: the queue is empty, or it fits
-        (with ``waves``: into the bytes of the wave in flight)."""
+    def _room_for(self, nbytes: int) -> int | None:
+        """The lane a job of ``nbytes`` may be enqueued on now, or None. Without ``waves``: the
+        queue is empty, or the job fits. With ``waves``: it joins the open wave, in flight on
+        its lane, if it fits the bytes of that wave; else a new wave starts on a lane with
+        nothing in flight, the lanes taken in turn after the open wave's."""
         self._forget_done()
-        if not self._inflight:
-            return True
         if not self.waves:
-            return self._queued + nbytes <= self.limit
-        return self._wave_bytes + nbytes <= self.limit
+            first = self._lanes[0]
+            return 0 if not first.inflight or self._queued + nbytes <= self.limit else None
+        if self._lanes[self._open].inflight and self._wave_bytes + nbytes <= self.limit:
+            return self._open
+        n = len(self._lanes)
+        for k in range(1, n + 1):
+            i = (self._open + k) % n
+            if not self._lanes[i].inflight:
+                return i
+        return None
 
-    def _add_inflight(self, nbytes: int, end: Any) -> None:
-        """A job is enqueued: counted against the queue (and its wave)."""
-        if not self._inflight:  # enqueued into an empty queue: a new wave
-            self._wave_bytes = 0
+    def _add_inflight(self, i: int, nbytes: int, end: Any) -> None:
+        """A job is enqueued on lane ``i``: counted against the queue (and its wave). Enqueued
+        on an empty lane it began a wave there, which is the open one from now on."""
+        lane = self._lanes[i]
+        if not lane.inflight:
+            self._open, self._wave_bytes = i, 0
             self.waves_started += self.waves
-        self._inflight.append((nbytes, end))
+            lane.wave = self.waves_started
+        lane.inflight.append((nbytes, end))
         self._queued += nbytes
         self._wave_bytes += nbytes
 
-    def _room_checked(self, nbytes: int) -> bool:
+    def _room_checked(self, nbytes: int) -> int | None:
         """``_room_for`` on put's caller: an error of an event's query is no room, so the job
         waits for the feeder thread, which meets the same error and lists the job as failed
         (put never raises it)."""
         try:
             return self._room_for(nbytes)
         except Exception:
-            return False
+            return None
 
     # -- both paths ---------------------------------------------------------------------------
     def _hand_over(self, job: FeedJob, start: Any, end: Any) -> None:
@@ -221,15 +279,16 @@ class CopyFeeder:
         except Exception:
             log.exception("copy feeder: handing job %d over to the copier failed", job.job_id)
 
-    def _enqueue(self, job: FeedJob) -> tuple[Any, Any]:
-        """The job's copies between a start and an end event, on the load stream, after the
-        work it waits for. The caller holds ``_enqueuing``."""
+    def _enqueue(self, job: FeedJob, lane: int) -> tuple[Any, Any]:
+        """The job's copies between a start and an end event, on its lane's load stream, after
+        the work it waits for. The caller holds ``_enqueuing``."""
+        stream = self._lanes[lane].stream
         start = self.torch.cuda.Event(enable_timing=True)
         end = self.torch.cuda.Event(enable_timing=True, blocking=True)
-        self.stream.wait_event(job.after)
-        start.record(self.stream)
-        self._copy(job.job_id, job.src, job.dst, job.size, self.stream.cuda_stream)
-        end.record(self.stream)
+        stream.wait_event(job.after)
+        start.record(stream)
+        self._copy(job.job_id, job.src, job.dst, job.size, stream.cuda_stream)
+        end.record(stream)
         return start, end
 
     # -- the feeder thread -------------------------------------------------------------------
@@ -256,29 +315,35 @@ class CopyFeeder:
             try:
                 if job.enqueue_failed:
                     raise CopyFailed(f"job {job.job_id}: its enqueue by put's caller failed")
-                waited, behind = self._wait_for_room(job.nbytes)
+                lane, waited, behind = self._wait_for_room(job.nbytes)
                 # the engine ran dry if loads it still had when this thread last left it were
                 # all done when it came back: behind the load it waited for, or, without a
                 # wait, behind the last one it enqueued. Waiting for the last load in flight
-                # (a job that needs all the room) empties the queue on purpose: not late.
+                # (a job that needs all the room, a wave on the only lane) empties the queue on
+                # purpose: not late. With lanes, the open wave was behind the one waited for.
                 with self._cond:
                     self._forget_done()
-                    dry = not self._inflight and bool(behind if waited else waited_behind)
-                if dry:
+                    dry = (not any(ln.inflight for ln in self._lanes)
+                           and bool(behind if waited else waited_behind))
+                # (an engine that serves two streams side by side may have ended the open wave
+                # first, while this thread waited: counted too; growth stops at grow_to)
+                if dry:  # every lane empty: the job begins a wave, never grows one mid-way
                     self._ran_dry()
-                start, end = self._enqueue(job)
+                start, end = self._enqueue(job, lane)
             except Exception as exc:  # CopyFailed, or any CUDA error: this job is a miss
                 if not isinstance(exc, CopyFailed):
                     log.exception("copy feeder: job %d failed", job.job_id)
-                try:
-                    self.stream.synchronize()  # nothing of the job in flight any more
-                except Exception:  # a broken stream: what was enqueued is not waited for
-                    log.exception("copy feeder: the load stream cannot be synchronized")
+                for ln in self._lanes:  # the job's copies may be on any lane: drain them all
+                    try:
+                        ln.stream.synchronize()  # nothing of the job in flight any more
+                    except Exception:  # a broken stream: what was enqueued is not waited for
+                        log.exception("copy feeder: a load stream cannot be synchronized")
                 waited_behind = False  # drained on purpose: not a queue that ran dry
                 with self._cond:
-                    # their events are the copier's to report; room is not counted against a
-                    # stream that was drained or is broken
-                    self._inflight.clear()
+                    # their events are the copier's to report; room is not counted against
+                    # streams that were drained or are broken: the next job begins a wave
+                    for ln in self._lanes:
+                        ln.inflight.clear()
                     self._queued = 0
                     self._pending.popleft()
                     self._failed.append(job.job_id)
@@ -288,26 +353,32 @@ class CopyFeeder:
             # handed to the copier before it leaves the queue: wait_fed then finds it there
             self._hand_over(job, start, end)
             with self._cond:
-                self._add_inflight(job.nbytes, end)
+                self._add_inflight(lane, job.nbytes, end)
                 self._pending.popleft()
                 waited_behind = bool(self._pending)
                 self._enqueuing = False
                 self._cond.notify_all()
 
-    def _wait_for_room(self, nbytes: int) -> tuple[bool, int]:
+    def _wait_for_room(self, nbytes: int) -> tuple[int, bool, int]:
         """Wait (without the GIL) for the oldest enqueued jobs until ``nbytes`` fit (with
-        ``waves``: for the newest, until the queue is empty); whether it waited, and how many
-        loads were queued behind the last one it waited for."""
+        ``waves``: for the oldest wave's last job, until its lane is empty); the lane the job
+        may go on, whether it waited, and how many loads were queued behind the last one it
+        waited for (with waves: the other lanes' waves, none with one lane)."""
         waited, behind = False, 0
         while True:
             with self._cond:
-                if self._room_for(nbytes):
-                    return waited, behind
-                if self.waves:  # the wave drains on purpose: nothing queued behind its end
-                    end, behind = self._inflight[-1][1], 0
+                lane = self._room_for(nbytes)
+                if lane is not None:
+                    return lane, waited, behind
+                if self.waves:  # no lane free: the oldest wave (a closed one) drains on purpose
+                    oldest = min((ln for ln in self._lanes if ln.inflight),
+                                 key=lambda ln: ln.wave)
+                    end = oldest.inflight[-1][1]
+                    behind = sum(len(ln.inflight) for ln in self._lanes if ln is not oldest)
                 else:
-                    end = self._inflight[0][1]
-                    behind = len(self._inflight) - 1  # still queued behind the one waited for
+                    first = self._lanes[0].inflight
+                    end = first[0][1]
+                    behind = len(first) - 1  # still queued behind the one waited for
             self.waits += 1
             end.synchronize()  # the GIL is released while the copy engine works
             waited = True

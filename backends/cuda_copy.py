@@ -133,8 +133,9 @@ class CudaCopier:
     appends them to the load direction's job queue as it enqueues them (``load_direct``: a load
     with room in the queue and none waiting before it is enqueued at once, on the calling
     thread; ``load_waves``: room only once the queue is empty, so that the compute stream's own
-    host-to-GPU copies get the copy engine between waves); a load it could not enqueue comes out
-    of ``get_finished`` with ``ok`` False.
+    host-to-GPU copies get the copy engine between waves; ``load_wave_streams`` 2: the waves
+    take the load stream and a second one in turn, so that the next wave waits queued while one
+    copies); a load it could not enqueue comes out of ``get_finished`` with ``ok`` False.
     """
 
     name = "cuda"
@@ -145,7 +146,8 @@ class CudaCopier:
                  small_page_bytes: int = 256 << 10, access_order: str = "stream",
                  copy_flags: int = 0, streams_per_direction: int = 1,
                  register_segment: int = 0, load_queue_bytes: int = 0,
-                 load_direct: bool = False, load_waves: bool = False) -> None:
+                 load_direct: bool = False, load_waves: bool = False,
+                 load_wave_streams: int = 1) -> None:
         import torch
         from cuda.bindings import runtime as rt
 
@@ -156,6 +158,9 @@ class CudaCopier:
                              f"{access_order!r}")
         if streams_per_direction < 1:
             raise ValueError(f"streams_per_direction: expected >= 1, got {streams_per_direction}")
+        if load_wave_streams < 1 or (load_wave_streams > 1 and not load_waves):
+            raise ValueError(f"load_wave_streams: expected 1, or more with load_waves, got "
+                             f"{load_wave_streams} (load_waves {load_waves})")
         register_segment = register_segment or REGISTER_SEGMENT  # tests pass small ones
         # a descriptor job split over this many streams per direction (several copy engines)
         self.streams_per_direction = streams_per_direction
@@ -168,6 +173,9 @@ class CudaCopier:
         self._extra_streams = {d: [torch.cuda.Stream(self.device)
                                    for _ in range(streams_per_direction - 1)]
                                for d in ("store", "load", "expedited")}
+        # the fed loads' waves take these in turn (the load stream first; backends/copy_feeder.py)
+        self._load_wave_streams = [self.streams["load"], *(
+            torch.cuda.Stream(self.device) for _ in range(load_wave_streams - 1))]
         self.registered: list[int] = []
         self.register_failures = 0
         self._mapped_same_address = True
@@ -204,7 +212,9 @@ class CudaCopier:
         self.api = "ctypes" if self._ctypes else ("bindings" if self.batch_api else "memcpy")
         # in-flight jobs per direction, in submission order: every job's end event is recorded
         # on its direction's stream, so they complete in this order and polling may stop at
-        # the first one still running (one event query per direction and step, not per job)
+        # the first one still running (one event query per direction and step, not per job).
+        # Fed loads on two wave streams may end out of that order: one is then reported a
+        # little after its end (behind an older load of the other stream), never before it
         # (job id, bytes, start event, end event)
         self._jobs: dict[str, deque[tuple[int, int, torch.cuda.Event, torch.cuda.Event]]] = {
             d: deque() for d in self.streams}
@@ -232,7 +242,8 @@ class CudaCopier:
             self._feeder = CopyFeeder(torch, self.device, self.streams["load"], load_queue_bytes,
                                       self._copy, self._load_started,
                                       grow_to=max(load_queue_bytes, LOAD_QUEUE_MAX_BYTES),
-                                      direct=load_direct, waves=load_waves)
+                                      direct=load_direct, waves=load_waves,
+                                      wave_streams=self._load_wave_streams)
         if TRACE.on:
             base = torch.cuda.Event(enable_timing=True)
             base.record(self.streams["store"])
@@ -348,7 +359,8 @@ class CudaCopier:
             self._submit_job(job_id, layout, block_ids, group_sizes, block_indices, rows,
                              direction)
         except CopyFailed:
-            for stream in (self.streams[direction], *self._extra_streams[direction],
+            waves = self._load_wave_streams[1:] if direction == "load" else []
+            for stream in (self.streams[direction], *self._extra_streams[direction], *waves,
                            self._copy_streams.get(direction)):
                 if stream is not None:
                     stream.synchronize()

@@ -1200,6 +1200,11 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
                         "that a step's own input copies get the copy engine between waves; off: "
                         "a job enqueued as soon as the bytes queued leave room; default: the "
                         "spec's)")
+    g.add_argument("--sweep-load-wave-streams", type=int, choices=(1, 2), default=None,
+                   help="ours: load_wave_streams (2: the loads' waves take two streams in turn, "
+                        "the next wave queued on one while the other copies, so the copy engine "
+                        "never waits for the feeder thread between waves; needs load_waves; "
+                        "default: the spec's)")
     g.add_argument("--sweep-prefix-caching", action="store_true",
                    help="GPU prefix caching on (off by default, as in the source article): then "
                         "vLLM hashes every request's blocks for every setup, no offloading "
@@ -1268,7 +1273,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
                           max_load_starts_per_step: int | None = None,
                           load_queue_bytes: int | None = None,
                           load_direct: bool | None = None,
-                          load_waves: bool | None = None) -> dict | None:
+                          load_waves: bool | None = None,
+                          load_wave_streams: int | None = None) -> dict | None:
     """The sweep's offloading setups: vLLM's CPUOffloadingSpec (``cpu``) or our spec with its
     CPU tier only (``ours``), offloading chunks of ``chunk_tokens`` (None: each spec's default,
     ``default_chunk_tokens``); ``ours-disk``: ours over a file tier at ``disk`` (folder,
@@ -1310,6 +1316,8 @@ def sweep_transfer_config(config: str, cpu_bytes: int, chunk_tokens: int | None,
             extra["load_direct"] = load_direct
         if load_waves is not None:
             extra["load_waves"] = load_waves
+        if load_wave_streams is not None:
+            extra["load_wave_streams"] = load_wave_streams
         return {**CONNECTOR_FIELDS, "kv_connector_extra_config": extra}
     else:
         raise ValueError(f"prefill sweep: unknown config {config!r}")
@@ -1586,7 +1594,8 @@ def sweep_setup(a: argparse.Namespace, model: Path, shape: str, config: str,
                                 None if a.sweep_load_direct is None
                                 else a.sweep_load_direct == "on",
                                 None if a.sweep_load_waves is None
-                                else a.sweep_load_waves == "on")
+                                else a.sweep_load_waves == "on",
+                                a.sweep_load_wave_streams)
     kvt = with_io_threads(with_switch_interval(kvt, a.switch_ms), a.io_threads)
     plan = sweep_plan(config, n, a.sweep_hit_rates, a.sweep_rounds)
     prompts = sweep_prompts(max(max(b) for _, _, b in plan) + 1, tokens, vocab,

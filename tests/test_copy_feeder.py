@@ -23,14 +23,22 @@ class Engine:
     def __init__(self) -> None:
         self.ends: list[Event] = []
         self.enqueued: list[int] = []  # job ids, in the order their copies were enqueued
+        self.lanes: dict[int, int] = {}  # job id: the load stream (its lane number) it went on
         self.lock = threading.Lock()
         self.instant = False
 
-    def finish(self, n: int) -> None:
-        """Complete the first n end events not yet complete."""
+    def finish(self, n: int, lane: int | None = None) -> None:
+        """Complete the first n end events not yet complete (of one lane's stream: the others
+        keep theirs, as two streams' copies do)."""
         with self.lock:
-            for ev in [e for e in self.ends if not e.done.is_set()][:n]:
+            for ev in [e for e in self.ends if not e.done.is_set()
+                       and (lane is None or e.lane == lane)][:n]:
                 ev.done.set()
+
+    def busy(self, lane: int) -> int:
+        """Jobs on that lane's stream not yet done."""
+        with self.lock:
+            return sum(1 for e in self.ends if e.lane == lane and not e.done.is_set())
 
 
 ENGINE: Engine
@@ -40,9 +48,11 @@ class Event:
     def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
         self.done = threading.Event()
         self.blocking = blocking  # the feeder's end events (a job's start completes at once)
+        self.lane = -1
 
     def record(self, stream: object = None) -> None:
         if self.blocking and getattr(stream, "is_load_stream", False):
+            self.lane = stream.lane  # type: ignore[attr-defined]
             with ENGINE.lock:
                 ENGINE.ends.append(self)
                 if ENGINE.instant:
@@ -62,13 +72,16 @@ class Event:
 
 class Stream:
     is_load_stream = True
-    cuda_stream = 0x99
+
+    def __init__(self, lane: int = 0) -> None:
+        self.lane = lane
+        self.cuda_stream = 0x99 + lane  # the copy call's handle: tells the lanes apart
 
     def wait_event(self, ev: Event) -> None:
         pass
 
     def synchronize(self) -> None:
-        ENGINE.finish(len(ENGINE.ends))
+        ENGINE.finish(len(ENGINE.ends), self.lane)
 
 
 def fake_torch() -> types.SimpleNamespace:
@@ -86,9 +99,11 @@ def engine():
 
 def make(limit: int, fail: set[int] = frozenset(), grow_to: int = 0,
          gate: threading.Event | None = None, direct: bool = False,
-         threads: dict | None = None, waves: bool = False) -> tuple[CopyFeeder, list, dict]:
+         threads: dict | None = None, waves: bool = False,
+         lanes: int = 1) -> tuple[CopyFeeder, list, dict]:
     """``gate``: the first copy waits for it (the test puts its jobs meanwhile, so that every
-    job but the first was queued before the feeder took the one ahead of it)."""
+    job but the first was queued before the feeder took the one ahead of it). ``lanes`` > 1:
+    waves over that many load streams (``wave_streams``)."""
     started: list = []
     copied: dict[int, bytes] = {}
 
@@ -100,13 +115,16 @@ def make(limit: int, fail: set[int] = frozenset(), grow_to: int = 0,
         if job_id in fail:
             raise CopyFailed(f"job {job_id}: injected")
         ENGINE.enqueued.append(job_id)
+        ENGINE.lanes[job_id] = stream - 0x99
         copied[job_id] = bytes(src.astype(np.uint8))
 
     def on_started(job_id, nbytes, start, end):
         started.append((job_id, nbytes, end))
 
-    return (CopyFeeder(fake_torch(), "cuda:0", Stream(), limit, copy, on_started,
-                       grow_to=grow_to, direct=direct, waves=waves), started, copied)
+    streams = [Stream(k) for k in range(lanes)]
+    return (CopyFeeder(fake_torch(), "cuda:0", streams[0], limit, copy, on_started,
+                       grow_to=grow_to, direct=direct, waves=waves,
+                       wave_streams=streams if lanes > 1 else ()), started, copied)
 
 
 def job(i: int, nbytes: int) -> FeedJob:
@@ -340,6 +358,163 @@ def test_waves_a_failed_job_starts_the_next_wave_from_an_empty_queue(engine):
     engine.finish(10)
     feeder.wait_fed({1, 2, 3, 4})
     assert engine.enqueued == [1, 3, 4] and feeder.waves_started == 2
+    feeder.close()
+
+
+# -- waves over two load streams (lanes): one wave a lane, a new one only on an empty lane -------
+
+
+def lanes_of(engine: Engine, ids: list[int]) -> list[int]:
+    return [engine.lanes[i] for i in ids]
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_lanes_waves_alternate_and_a_new_wave_begins_only_on_an_empty_lane(engine, direct):
+    """Two lanes, a 100-byte limit, on both paths (put's caller or the feeder thread). Job 1
+    (60 B) opens a wave on lane 0; job 2 (60 B) does not fit it: a new wave on lane 1, which
+    is empty (lane 0's wave closes); job 3 (30 B) joins lane 1's open wave. Job 4 (30 B) would
+    fit lane 0's closed wave by its bytes (90) but never joins it, nor the full open one: no lane
+    is empty, so it waits, and job 5 behind it. Lane 0 empties: jobs 4 and 5 open a wave there;
+    job 6 (70 B) then waits for lane 1, never a third wave in flight; job 7 (250 B, over the
+    limit) and job 8 (0 B) each get a wave of their own, lanes in turn."""
+    threads: dict[int, str] = {}
+    feeder, started, _ = make(100, direct=direct, waves=True, lanes=2, threads=threads)
+    for i, n in ((1, 60), (2, 60), (3, 30), (4, 30), (5, 10)):
+        feeder.put(job(i, n))
+    until(lambda: engine.enqueued == [1, 2, 3], "the first two waves")
+    time.sleep(0.05)
+    assert engine.enqueued == [1, 2, 3] and feeder.pending() == 2, "job 4 joined a closed wave"
+    assert lanes_of(engine, [1, 2, 3]) == [0, 1, 1] and feeder.waves_started == 2
+    if direct:
+        assert [threads[i] for i in (1, 2, 3)] == [threading.current_thread().name] * 3
+    engine.finish(1, lane=0)
+    until(lambda: engine.enqueued == [1, 2, 3, 4, 5], "a new wave on the emptied lane 0")
+    assert lanes_of(engine, [4, 5]) == [0, 0] and feeder.waves_started == 3
+    feeder.put(job(6, 70))  # fits neither open wave (40 + 70): both lanes busy
+    time.sleep(0.05)
+    assert engine.enqueued[-1] == 5 and feeder.pending() == 1, "a third wave in flight"
+    engine.finish(2, lane=1)
+    until(lambda: engine.enqueued[-1] == 6, "job 6 once lane 1 is empty")
+    assert engine.lanes[6] == 1 and feeder.waves_started == 4
+    feeder.put(job(7, 250))
+    feeder.put(job(8, 0))
+    time.sleep(0.05)
+    assert engine.enqueued[-1] == 6
+    engine.finish(2, lane=0)
+    until(lambda: engine.enqueued[-1] == 7, "the large job, alone on lane 0")
+    time.sleep(0.05)
+    assert engine.enqueued[-1] == 7, "a 0-byte job joined a wave over the limit"
+    engine.finish(1, lane=1)
+    until(lambda: engine.enqueued[-1] == 8, "the 0-byte job on lane 1")
+    assert lanes_of(engine, [7, 8]) == [0, 1] and feeder.waves_started == 6
+    assert [s[0] for s in started] == list(range(1, 9)) and feeder.ran_dry == 0
+    engine.finish(10)
+    feeder.close()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_lanes_a_failed_job_drains_both_lanes_and_the_next_begins_a_fresh_wave(engine, broken):
+    """Job 1 (60 B) on lane 0, job 2 (60 B) on lane 1, job 3's copy (joining lane 1) fails: both
+    streams are synchronized before it is listed (each had a job still copying); ``broken``: both
+    synchronizes raise, and nothing is counted in flight on either stream all the same. Job 4
+    (30 B) opens a fresh wave, counting 30 B only: job 5 (70 B) joins it; job 6 (60 B) begins a
+    wave on the other lane at once."""
+    drained: dict[int, int] = {}
+
+    class Watched(Stream):
+        def synchronize(self) -> None:
+            drained[self.lane] = engine.busy(self.lane)
+            if broken:
+                raise RuntimeError("CUDA error: injected, the stream is broken")
+            super().synchronize()
+
+    streams = [Watched(0), Watched(1)]
+    started: list[int] = []
+
+    def copy(job_id, src, dst, size, stream):
+        if job_id == 3:
+            raise CopyFailed("job 3: injected")
+        engine.enqueued.append(job_id)
+        engine.lanes[job_id] = stream - 0x99
+
+    feeder = CopyFeeder(fake_torch(), "cuda:0", streams[0], 100, copy,
+                        lambda j, n, s, e: started.append(j), waves=True, wave_streams=streams)
+    for i, n in ((1, 60), (2, 60), (3, 30)):
+        feeder.put(job(i, n))
+    feeder.wait_fed({3})
+    assert feeder.take_failed() == [3] and drained == {0: 1, 1: 1}
+    assert engine.busy(0) == engine.busy(1) == (1 if broken else 0)
+    for i, n in ((4, 30), (5, 70), (6, 60)):
+        feeder.put(job(i, n))
+    until(lambda: engine.enqueued == [1, 2, 4, 5, 6], "a fresh wave, then one on the other lane")
+    assert lanes_of(engine, [4, 5, 6]) == [0, 0, 1] and feeder.waves_started == 4
+    engine.finish(10)
+    feeder.close()
+
+
+def test_lanes_growth_counts_a_return_to_every_lane_empty_while_loads_waited(engine):
+    """Waiting for lane 0's (closed) wave while lane 1's open wave copies: back to lane 1 still
+    copying, the engine did not idle: no growth. Back to both lanes done, the open wave ended
+    too while the feeder was away: the limit doubles, at the new wave's start."""
+    feeder, _, _ = make(100, grow_to=400, waves=True, lanes=2)
+    for i in (1, 2, 3):
+        feeder.put(job(i, 60))
+    until(lambda: engine.enqueued == [1, 2] and feeder.waits == 1, "the feeder waits for lane 0")
+    engine.finish(1, lane=0)
+    until(lambda: engine.enqueued == [1, 2, 3], "job 3 on lane 0")
+    assert engine.lanes[3] == 0 and feeder.ran_dry == 0 and feeder.limit == 100
+    feeder.put(job(4, 60))  # fits neither wave: waits for lane 1 (the oldest)
+    until(lambda: feeder.waits == 2, "the feeder waits for lane 1")
+    engine.finish(2)  # lane 1's job 2, then lane 0's job 3, at once: the feeder is late
+    until(lambda: engine.enqueued[-1] == 4, "job 4")
+    assert feeder.ran_dry == 1 and feeder.limit == 200
+    feeder.put(job(5, 60))  # the grown limit: 120 B in job 4's wave
+    until(lambda: engine.enqueued[-1] == 5, "job 5 joins job 4's wave")
+    assert engine.lanes[5] == engine.lanes[4] and feeder.waves_started == 4
+    engine.finish(10)
+    feeder.close()
+    engine.instant = True  # every job done before the feeder comes back: late each time
+    gate = threading.Event()
+    feeder, started, _ = make(100, grow_to=400, gate=gate, waves=True, lanes=2)
+    for i in range(11, 19):
+        feeder.put(job(i, 50))
+    gate.set()
+    feeder.wait_fed(set(range(11, 19)))
+    assert [s[0] for s in started] == list(range(11, 19))
+    assert lanes_of(engine, list(range(11, 19))) == [0, 1] * 4, "waves alternate lanes"
+    assert feeder.limit == 400 and feeder.ran_dry == 7
+    feeder.close()
+
+
+def test_lanes_need_waves_and_one_lane_is_the_plain_feeder():
+    with pytest.raises(ValueError, match="wave_streams"):
+        CopyFeeder(fake_torch(), "cuda:0", Stream(), 100, lambda *a: None, lambda *a: None,
+                   wave_streams=[Stream(0), Stream(1)])
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_lanes_of_one_stream_given_as_wave_streams_are_the_plain_waves(engine, direct):
+    """``wave_streams`` of one stream: the rule of ``waves`` (the wave of job 1 and 2 closed
+    until both are done)."""
+    s = Stream(0)
+    started: list[int] = []
+
+    def copy(job_id, src, dst, size, stream):
+        engine.enqueued.append(job_id)
+
+    feeder = CopyFeeder(fake_torch(), "cuda:0", None, 100, copy,
+                        lambda j, n, st, e: started.append(j), waves=True, direct=direct,
+                        wave_streams=[s])
+    assert feeder.stream is s
+    for i in range(1, 4):
+        feeder.put(job(i, 40))
+    until(lambda: engine.enqueued == [1, 2], "the first wave")
+    engine.finish(1)
+    time.sleep(0.03)
+    assert engine.enqueued == [1, 2]
+    engine.finish(1)
+    until(lambda: engine.enqueued == [1, 2, 3], "the next wave once the lane is empty")
+    engine.finish(1)
     feeder.close()
 
 

@@ -845,6 +845,49 @@ def test_a_fed_load_is_enqueued_by_the_caller_when_direct(fake_cuda, direct, wav
         copier.shutdown()
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_fed_loads_on_two_wave_streams_take_the_load_stream_and_a_second_in_turn(fake_cuda,
+                                                                                  direct):
+    """``load_wave_streams`` 2: the feeder's waves take the load stream and a stream of their
+    own in turn (here every load is done as soon as enqueued, so each begins a wave); the bytes
+    land and each load is reported finished once. Two wave streams without ``load_waves``, or
+    none, are refused."""
+    host = np.arange(1 << 16, dtype=np.uint64).view(np.uint8)[: 1 << 16].copy()
+    dev = np.zeros(1 << 16, dtype=np.uint8)
+    with pytest.raises(ValueError, match="load_wave_streams"):
+        fake_cuda(host.ctypes.data, host.nbytes, "bindings", load_queue_bytes=1 << 20,
+                  load_waves=False, load_wave_streams=2)
+    with pytest.raises(ValueError, match="load_wave_streams"):
+        fake_cuda(host.ctypes.data, host.nbytes, "bindings", load_queue_bytes=1 << 20,
+                  load_waves=True, load_wave_streams=0)
+    copier, fake = fake_cuda(host.ctypes.data, host.nbytes, "bindings",
+                             load_queue_bytes=1 << 20, load_direct=direct, load_waves=True,
+                             load_wave_streams=2)
+    fake.arenas.append((dev.ctypes.data, dev.ctypes.data + dev.nbytes))
+    handles: list[int] = []
+    batch = fake.rt.cudaMemcpyBatchAsync
+    fake.rt.cudaMemcpyBatchAsync = lambda *a: (handles.append(a[-1]), batch(*a))[1]
+    load, second = copier.streams["load"], copier._load_wave_streams[1]
+    others = {s.cuda_stream for s in copier.streams.values()} - {load.cuda_stream}
+    assert second.cuda_stream not in others
+    try:
+        for k in range(4):
+            copier.submit(10 + k, np.array([host.ctypes.data + 4096 * k], dtype=np.uint64),
+                          np.array([dev.ctypes.data + 4096 * k], dtype=np.uint64),
+                          np.array([4096], dtype=np.uint64), "load")
+            copier._feeder.wait_fed({10 + k})
+        done: list = []
+        deadline = time.monotonic() + 5
+        while len(done) < 4 and time.monotonic() < deadline:
+            done += copier.get_finished()
+            time.sleep(0.001)
+        assert sorted((f.job_id, f.ok) for f in done) == [(10 + k, True) for k in range(4)]
+        assert handles == [load.cuda_stream, second.cuda_stream] * 2
+        assert bytes(dev[:4 * 4096]) == bytes(host[:4 * 4096]) and copier.get_finished() == []
+    finally:
+        copier.shutdown()
+
+
 def test_each_mark_carries_the_allocators_running_counts(fake_cuda, monkeypatch):
     """Each mark row carries PyTorch's running counts of its allocators' CUDA calls as they were
     when the mark's event was recorded (the step trace names the calls made between two marks);

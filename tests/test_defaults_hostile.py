@@ -10,6 +10,7 @@ under both venvs."""
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from types import SimpleNamespace
 from unittest import mock
@@ -235,9 +236,9 @@ class _FakeCopier:
     name = "fake"
 
     def __init__(self, *args, load_queue_bytes: int = 0, load_direct: bool = False,
-                 load_waves: bool = False, **kw) -> None:
+                 load_waves: bool = False, load_wave_streams: int = 1, **kw) -> None:
         self.load_queue_bytes, self.load_direct = load_queue_bytes, load_direct
-        self.load_waves = load_waves
+        self.load_waves, self.load_wave_streams = load_waves, load_wave_streams
 
 
 @pytest.mark.parametrize("extra, want", [
@@ -250,6 +251,7 @@ class _FakeCopier:
     ({"load_queue_bytes": "64MiB", "switch_interval_ms": 1}, 0.001),
     ({"load_direct": False}, 0.0005),                      # the thread takes every load
     ({"load_waves": False}, 0.0005),                       # a sliding queue, as before 07g
+    ({"load_wave_streams": 2}, 0.0005),                    # waves over two load streams
 ])
 def test_a_cuda_worker_with_the_feeder_lowers_the_switch_interval(tmp_path, monkeypatch,
                                                                   interval, extra, want):
@@ -279,6 +281,8 @@ def test_a_cuda_worker_with_the_feeder_lowers_the_switch_interval(tmp_path, monk
         assert made["copier"].load_direct is spec.cfg.load_direct is extra.get("load_direct",
                                                                                 True)
         assert made["copier"].load_waves is spec.cfg.load_waves is extra.get("load_waves", True)
+        assert (made["copier"].load_wave_streams == spec.cfg.load_wave_streams
+                == extra.get("load_wave_streams", 1))
         assert sys.getswitchinterval() == pytest.approx(want)
     finally:
         if "region" in made:
@@ -304,6 +308,34 @@ def test_load_waves_is_on_by_default_and_can_be_turned_off():
     assert LOAD_WAVES is True
     assert parse({"cpu_bytes_to_use": 1 << 30}).load_waves is True
     assert parse({"cpu_bytes_to_use": 1 << 30, "load_waves": False}).load_waves is False
+
+
+def test_load_wave_streams_is_one_by_default_two_with_waves_only():
+    """The default is tiering.settings' LOAD_WAVE_STREAMS (1: not yet run in vLLM on a GPU);
+    2 is taken with waves (the default), refused with ``load_waves`` false, naming both keys;
+    without waves the default stays 1."""
+    from tiering.config import parse
+    from tiering.settings import LOAD_WAVE_STREAMS
+
+    base = {"cpu_bytes_to_use": 1 << 30}
+    assert LOAD_WAVE_STREAMS == 1
+    assert parse(base).load_wave_streams == 1
+    assert parse({**base, "load_wave_streams": 2}).load_wave_streams == 2
+    assert parse({**base, "load_wave_streams": 1, "load_waves": False}).load_wave_streams == 1
+    assert parse({**base, "load_waves": False}).load_wave_streams == 1
+    with pytest.raises(ValueError, match="load_wave_streams: 2 .*needs load_waves true"):
+        parse({**base, "load_wave_streams": 2, "load_waves": False})
+
+
+@pytest.mark.parametrize("value", [0, 3, -1, "2", 2.0, True, None, [2]])
+def test_load_wave_streams_must_be_the_integer_1_or_2(value):
+    """A JSON integer 1 or 2; anything else (a string, a float, a boolean) is refused with the
+    key's name and what was expected, before a tier is made."""
+    from tiering.config import parse
+
+    with pytest.raises(ValueError, match=f"load_wave_streams: expected 1 or 2, got "
+                                         f"{re.escape(repr(value))}"):
+        parse({"cpu_bytes_to_use": 1 << 30, "load_wave_streams": value})
 
 
 def test_a_cpu_worker_leaves_the_switch_interval(tmp_path, monkeypatch, interval):

@@ -50,6 +50,8 @@ class Op:
     def __init__(self, job_id: int, nbytes: int) -> None:
         self.job_id, self.nbytes = job_id, nbytes
         self.done = threading.Event()
+        # the load stream it was put on and its wave there (tests/test_feeder_lanes_hostile.py)
+        self.lane = self.wave = 0
 
 
 class Engine(InOrderEngine):
@@ -111,8 +113,7 @@ class Event:
             raise RuntimeError(f"CUDA error: injected in job {job}'s end event record")
         if not self.blocking and kind == "start_record":
             raise RuntimeError(f"CUDA error: injected in job {job}'s start event record")
-        with h.engine.lock:
-            self.op = h.engine.ops[-1] if h.engine.ops else None
+        self.op = h.last_op(stream)
 
     def query(self) -> bool:
         if self.job_id is not None and self.job_id in self.h.engine.query_raises:
@@ -130,10 +131,9 @@ class Event:
 
 
 class Stream:
-    cuda_stream = 0x99
-
-    def __init__(self, h: Harness) -> None:
-        self.h = h
+    def __init__(self, h: Harness, lane: int = 0) -> None:
+        self.h, self.lane = h, lane
+        self.cuda_stream = 0x99 + lane  # a handle per load stream: the copy call tells them apart
 
     def wait_event(self, ev: After) -> None:
         self.h.begin(ev.job_id)  # the first stream call of every enqueue
@@ -151,11 +151,14 @@ class Stream:
 
 
 class Harness:
-    """A direct feeder over ``engine``, recording what the stream, copy and started saw."""
+    """A direct feeder over ``engine``, recording what the stream, copy and started saw
+    (``lanes`` > 1: waves over that many load streams, ``wave_streams``)."""
+
+    stream_cls = Stream
 
     def __init__(self, engine: Engine, limit: int, grow_to: int = 0, direct: bool = True,
                  plan: dict[int, str] | None = None, started_raises: set[int] | None = None,
-                 jitter: bool = False, waves: bool = False) -> None:
+                 jitter: bool = False, waves: bool = False, lanes: int = 1) -> None:
         self.engine = engine
         self.waves = waves
         self._wave = 0  # with waves: bytes put on the engine since it last held nothing
@@ -180,8 +183,10 @@ class Harness:
             Event=lambda enable_timing=False, blocking=False: Event(self, enable_timing,
                                                                     blocking),
             set_device=lambda d: None))
-        self.feeder = CopyFeeder(torch, "cuda:0", Stream(self), limit, self._copy,
-                                 self._on_started, grow_to=grow_to, direct=direct, waves=waves)
+        self.streams = [self.stream_cls(self, k) for k in range(lanes)]
+        self.feeder = CopyFeeder(torch, "cuda:0", self.streams[0], limit, self._copy,
+                                 self._on_started, grow_to=grow_to, direct=direct, waves=waves,
+                                 wave_streams=self.streams if lanes > 1 else ())
         engine.feeders.append(self.feeder)
 
     def job(self, i: int, nbytes: int) -> FeedJob:
@@ -235,24 +240,38 @@ class Harness:
                 raise RuntimeError(f"CUDA error: injected in job {job_id}'s copy")
             nbytes = self.sizes[job_id]
             if kind == "copy_partial":  # half its copies enqueued, then the API call failed
-                self.engine.add(Op(job_id, max(nbytes // 2, 1)))
+                self.put_op(Op(job_id, max(nbytes // 2, 1)), stream)
                 raise CopyFailed(f"job {job_id}: injected after half of its copies")
-            ahead, limit = self.engine.unfinished_bytes(), self.feeder.limit
-            if ahead and ahead + nbytes > limit:
-                self.violations.append(f"job {job_id} ({nbytes} B) enqueued behind {ahead} B "
-                                       f"unfinished on the engine, limit {limit}")
-            if not ahead:
-                self._wave = 0
-            elif self.waves and self._wave + nbytes > limit:
-                self.violations.append(f"job {job_id} ({nbytes} B) joined a wave of {self._wave} "
-                                       f"B with {ahead} B unfinished on the engine, limit {limit}")
-            self._wave += nbytes
-            self.limits.append(limit)
-            self.engine.add(Op(job_id, nbytes))
+            self.admit(job_id, nbytes, stream)
+            self.put_op(Op(job_id, nbytes), stream)
             self.engine.note(("copy", job_id))
         finally:
             with self._cb_lock:
                 self._in_copy -= 1
+
+    # -- the engine's view (one load stream here; several in test_feeder_lanes_hostile.py) -------
+    def admit(self, job_id: int, nbytes: int, stream: int) -> None:
+        """Check a job's copies against what the engine holds as they go on it: the limit, or
+        alone; with waves, the bytes put on it since it last held nothing."""
+        ahead, limit = self.engine.unfinished_bytes(), self.feeder.limit
+        if ahead and ahead + nbytes > limit:
+            self.violations.append(f"job {job_id} ({nbytes} B) enqueued behind {ahead} B "
+                                   f"unfinished on the engine, limit {limit}")
+        if not ahead:
+            self._wave = 0
+        elif self.waves and self._wave + nbytes > limit:
+            self.violations.append(f"job {job_id} ({nbytes} B) joined a wave of {self._wave} "
+                                   f"B with {ahead} B unfinished on the engine, limit {limit}")
+        self._wave += nbytes
+        self.limits.append(limit)
+
+    def put_op(self, op: Op, stream: int) -> None:
+        self.engine.add(op)
+
+    def last_op(self, stream: object) -> Op | None:
+        """The work an event recorded now on ``stream`` completes after."""
+        with self.engine.lock:
+            return self.engine.ops[-1] if self.engine.ops else None
 
     def _on_started(self, job_id, nbytes, start, end) -> None:
         with self._cb_lock:

@@ -328,6 +328,38 @@ def test_sweep_load_waves_reaches_ours_only(monkeypatch):
         gpu_bench.parse()
 
 
+def test_sweep_load_wave_streams_reaches_ours_only(monkeypatch):
+    """--sweep-load-wave-streams 1|2 sets our spec's load_wave_streams in the sweep's configs,
+    never vLLM's spec's, and nothing where not given (the spec's default, 1); 2 with
+    --sweep-load-waves off is refused when the config is parsed, naming the key."""
+    from tiering.config import parse
+
+    def cfg(kvt):
+        return parse({k: v for k, v in kvt["kv_connector_extra_config"].items()
+                      if k not in ("spec_name", "spec_module_path")})
+
+    for value in (1, 2):
+        kvt = gpu_bench.sweep_transfer_config("ours-sched", 1 << 30, None, 16,
+                                             load_wave_streams=value)
+        assert cfg(kvt).load_wave_streams == value
+    assert cfg(gpu_bench.sweep_transfer_config("ours-sched", 1 << 30, None, 16)
+               ).load_wave_streams == 1
+    assert "load_wave_streams" not in gpu_bench.sweep_transfer_config(
+        "ours-sched", 1 << 30, None, 16)["kv_connector_extra_config"]
+    assert "load_wave_streams" not in gpu_bench.sweep_transfer_config(
+        "cpu", 1 << 30, None, 16, load_wave_streams=2)["kv_connector_extra_config"]
+    with pytest.raises(ValueError, match="load_wave_streams"):
+        cfg(gpu_bench.sweep_transfer_config("ours-sched", 1 << 30, None, 16, load_waves=False,
+                                            load_wave_streams=2))
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--sweep-load-wave-streams", "2"])
+    assert gpu_bench.parse().sweep_load_wave_streams == 2
+    monkeypatch.setattr(sys, "argv", ["gpu_bench"])
+    assert gpu_bench.parse().sweep_load_wave_streams is None
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--sweep-load-wave-streams", "3"])
+    with pytest.raises(SystemExit):
+        gpu_bench.parse()
+
+
 def test_options_parse_lists_and_reject_garbage(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["gpu_bench", "--tp-cpu-fraction", "0.5,2",
                                       "--configs", "none,ours-wb", "--settle-max-s", "30"])

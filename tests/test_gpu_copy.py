@@ -149,9 +149,12 @@ def test_store_then_load_is_byte_exact(path, layout):
                                        {"streams_per_direction": 3, "access_order": "any"},
                                        {"access_order": "any"}, {"copy_flags": 1},
                                        {"load_queue_bytes": 1 << 20},
-                                       {"load_queue_bytes": 1 << 20, "load_direct": True}],
+                                       {"load_queue_bytes": 1 << 20, "load_direct": True},
+                                       {"load_queue_bytes": 1 << 20, "load_direct": True,
+                                        "load_waves": True, "load_wave_streams": 2}],
                          ids=["2-streams", "3-streams-any-order", "any-order", "flag-1",
-                              "load-queue-1MiB", "load-queue-1MiB-direct"])
+                              "load-queue-1MiB", "load-queue-1MiB-direct",
+                              "load-waves-2-streams"])
 @pytest.mark.parametrize("layout", ["per-layer", "packed", "chunks-of-4"])
 def test_descriptor_options_move_the_same_bytes(layout, engine_kw):
     """A job split over several streams per direction, or read in any order, stores and
@@ -248,16 +251,20 @@ def test_store_waits_for_the_compute_that_wrote_the_blocks(path):
         s.close()
 
 
-@pytest.mark.parametrize("queue,direct", [(0, False), (1 << 20, False), (1 << 20, True),
-                                          (64 << 20, True)],
-                         ids=["all-at-once", "fed-1MiB", "fed-1MiB-direct", "direct"])
-def test_a_load_waits_for_the_compute_that_read_its_blocks(queue, direct):
+@pytest.mark.parametrize("queue,direct,lanes", [(0, False, 0), (1 << 20, False, 0),
+                                                (1 << 20, True, 0), (64 << 20, True, 0),
+                                                (1 << 20, True, 2)],
+                         ids=["all-at-once", "fed-1MiB", "fed-1MiB-direct", "direct",
+                              "fed-1MiB-waves-2-streams"])
+def test_a_load_waits_for_the_compute_that_read_its_blocks(queue, direct, lanes):
     """The compute stream reads the target blocks behind a long GPU sleep (as a step reads
     blocks freed after it); the load is submitted at once, with loads queued ahead of it when
-    fed (or, with a large queue and ``load_direct``, every load enqueued by the caller): the
-    step must read the old contents, the blocks end with the row's."""
+    fed (or, with a large queue and ``load_direct``, every load enqueued by the caller; with
+    ``lanes``, in waves over that many load streams): the step must read the old contents, the
+    blocks end with the row's."""
+    waves = {"load_waves": True, "load_wave_streams": lanes} if lanes else {}
     s = Setup("dma", [16384] * 8, num_blocks=200, rows=100,
-              engine_kw={"load_queue_bytes": queue, "load_direct": direct})
+              engine_kw={"load_queue_bytes": queue, "load_direct": direct, **waves})
     try:
         rng = np.random.default_rng(11)
         src = rng.choice(60, 40, replace=False)

@@ -20,6 +20,7 @@ from tiering.settings import (
     IO_SWITCH_INTERVAL_S,
     LOAD_DIRECT,
     LOAD_QUEUE_BYTES,
+    LOAD_WAVE_STREAMS,
     LOAD_WAVES,
     MAX_LOAD_STARTS_PER_STEP,
     PROMOTION_RESERVE_DEFAULT,
@@ -36,7 +37,7 @@ VLLM_KEYS = {
 }
 OUR_KEYS = {"cpu_bytes_to_use", "tiers", "gpu_copy", "max_loading_requests", "switch_interval_ms",
             "hits_first", "max_load_starts_per_step", "load_queue_bytes", "load_direct",
-            "load_waves", "sort_gpu_blocks"}
+            "load_waves", "load_wave_streams", "sort_gpu_blocks"}
 GPU_COPY_MODES = ("auto", "dma", "staged", "direct")  # backends/cuda_copy.py COPY_MODES
 CPU_TIER_KEYS = {"medium", "policy", "store_threshold", "tracker_size", "promote",
                  "prefill_tokens_per_s", "promotion_reserve", "step_timing"}
@@ -101,6 +102,9 @@ class TieredConfig:
     # room in that queue only once it is empty, a wave at most load_queue_bytes (so that vLLM's
     # own input copies get the copy engine between waves; tiering.settings LOAD_WAVES)
     load_waves: bool = LOAD_WAVES
+    # load streams those waves take in turn: 2, the next wave waits queued on the other stream
+    # while one copies (no idle copy engine between waves; tiering.settings LOAD_WAVE_STREAMS)
+    load_wave_streams: int = LOAD_WAVE_STREAMS
 
 
 def _int(value: Any, where: str, low: int) -> int:
@@ -152,6 +156,14 @@ def parse(extra: dict[str, Any]) -> TieredConfig:
     if not isinstance(waves, bool):
         raise ValueError(f"load_waves: expected true or false, got {waves!r}")
     cfg.load_waves = waves
+    # without waves the default is one stream: only a load_wave_streams given is refused
+    lanes = extra.get("load_wave_streams", LOAD_WAVE_STREAMS if waves else 1)
+    if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes not in (1, 2):
+        raise ValueError(f"load_wave_streams: expected 1 or 2, got {lanes!r}")
+    if lanes == 2 and not waves:
+        raise ValueError("load_wave_streams: 2 (streams taking turns by waves) needs load_waves "
+                         "true, got load_waves false")
+    cfg.load_wave_streams = lanes
     for i, tier in enumerate(tiers):
         where = f"tiers[{i}]"
         if not isinstance(tier, dict):

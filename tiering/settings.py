@@ -236,8 +236,22 @@ LOAD_DIRECT = True
 # load, 155 ms later; fed 256 MiB at a time with the queue let empty between waves it waited
 # 3.2 ms, at 98.5% of the rate. vLLM copies step inputs host to GPU too, and in 11 of the 12
 # traced 8B 100%-hit batches on H100s (2026-12-07e, 07g) one step was held until the last load
-# landed (62-272 ms). Not yet measured inside vLLM on a GPU.
+# landed (62-272 ms). Inside vLLM (an H100, 2026-12-07h, 8B 100% hits, three traced batches
+# each) the longest forward pass was 20-25 ms with waves, 11, 33 and 70 ms without, at no
+# throughput difference that host could resolve (waves 266-288k tokens/s, without 262-305k):
+# on by default, so that a decoding request's steps beside a burst of loads wait a wave at most.
 LOAD_WAVES = True
+# Load streams the waves take in turn (default of the spec's ``load_wave_streams``, 1 or 2; 2
+# only with waves; backends/copy_feeder.py). With one, the copy engine idles at each wave's end
+# until the feeder thread has the GIL back: inside vLLM (8B, 100% hits, an H100, 2026-12-07h) the
+# waves grew to 1 GiB and held steps to about 20 ms (70 ms without waves), but the loads took
+# about 10% longer, some 20 boundaries a batch. With two, the next wave waits queued on the other
+# stream. docs/bench_copy_queue.py on an H100 (8 GiB of loads in 64 MiB jobs, a step's copies
+# every 10 ms): 256 MiB waves on one stream 50.6-50.9 GB/s, the step waiting 1.8-2.1 ms (median,
+# 5.1 ms at most); 1 GiB waves 51.2-51.4 GB/s, 10.3-10.6 ms (20.6 ms); 256 MiB waves on two
+# streams 51.8 GB/s (a queue never let empty: 51.8, the step waiting 155 ms), 10.2 ms
+# (10.3-10.8 ms). Not yet run in vLLM on a GPU: 1.
+LOAD_WAVE_STREAMS = 1
 
 # -- vLLM adapter: hits first (under tiering.vllm.scheduler.TieringScheduler) --------------------
 # vLLM walks its waiting queue in order until the step's token budget is spent, so a cache hit

@@ -194,7 +194,8 @@ class TieredOffloadingSpec(OffloadingSpec):
                                     copy=self.cfg.gpu_copy,
                                     load_queue_bytes=self.cfg.load_queue_bytes,
                                     load_direct=self.cfg.load_direct,
-                                    load_waves=self.cfg.load_waves)
+                                    load_waves=self.cfg.load_waves,
+                                    load_wave_streams=self.cfg.load_wave_streams)
             if self.cfg.load_queue_bytes:
                 # the feeder waits for the GIL after each wait for room: Python's 5 ms lets
                 # the few milliseconds of loads it keeps enqueued run dry while vLLM's
