@@ -647,6 +647,22 @@ def burst_behind_a_held_direct_put(h: Harness, n: int, nbytes: int) -> None:
     until(lambda: len(h.ids()) == n, "all handed over")
 
 
+def burst_from_a_thread_behind_a_gate(h: Harness, n: int, nbytes: int, direct: bool) -> None:
+    """Jobs 1..n put from one thread while job 1's copy is held (with ``direct`` the thread's
+    own put holds it, else the feeder thread's); then released, every job fed and handed over
+    in order."""
+    g = h.gate(1)
+    t, box = in_thread(lambda: [h.feeder.put(h.job(i, nbytes)) for i in range(1, n + 1)])
+    if direct:
+        assert h.entered[1].wait(WAIT_S)
+    g.set()
+    join(t, "the puts")
+    assert "e" not in box
+    bounded(h.feeder.wait_fed, set(range(1, n + 1)))
+    until(lambda: len(h.ids()) == n, "all handed over")
+    assert h.ids() == list(range(1, n + 1))
+
+
 def test_a_burst_behind_a_direct_job_grows_and_direct_puts_use_the_grown_limit(engine):
     """Job 1's direct enqueue is held while jobs 2..8 are put (pending); the engine is always
     ahead (instant): the thread finds the queue dry behind each of its own enqueues, and the

@@ -35,10 +35,9 @@ from test_feeder_direct_hostile import (
     _putters,
     _seeds,
     bounded,
+    burst_from_a_thread_behind_a_gate,
     close,
     close_racing_putters,
-    in_thread,
-    join,
     put_ok,
     release,
     until,
@@ -201,17 +200,8 @@ def test_a_punctual_feeder_on_two_lanes_alternates_and_grows_only_when_both_lane
     engine.punctual = True
     engine.late_waits = {3, 7}
     h = LHarness(engine, 100, grow_to=800, direct=direct)
-    g = h.gate(1)
-    n = 60
-    t, box = in_thread(lambda: [h.feeder.put(h.job(i, 30)) for i in range(1, n + 1)])
-    if direct:
-        assert h.entered[1].wait(WAIT_S)
-    g.set()
-    join(t, "the puts")
-    assert "e" not in box
-    bounded(h.feeder.wait_fed, set(range(1, n + 1)))
-    until(lambda: len(h.ids()) == n, "all handed over")
-    assert h.ids() == list(range(1, n + 1)) and h.violations == [], h.violations[:5]
+    burst_from_a_thread_behind_a_gate(h, 60, 30, direct)
+    assert h.violations == [], h.violations[:5]
     assert h.feeder.ran_dry == 2 and h.feeder.limit == 400, (
         f"ran_dry {h.feeder.ran_dry}, limit {h.feeder.limit}: grown by other waits than 3, 7")
     assert h.wave_lanes == [k % 2 for k in range(len(h.wave_lanes))], (

@@ -35,6 +35,7 @@ from test_feeder_direct_hostile import (
     _seeds,
     bounded,
     burst_behind_a_held_direct_put,
+    burst_from_a_thread_behind_a_gate,
     close,
     close_racing_putters,
     in_thread,
@@ -431,17 +432,7 @@ def test_a_punctual_feeder_never_grows_in_waves(engine, direct):
     emptied on purpose each time, never found dry. Many waves, no growth."""
     engine.punctual = True
     h = WHarness(engine, 100, grow_to=800, direct=direct)
-    g = h.gate(1)
-    n = 40
-    t, box = in_thread(lambda: [h.feeder.put(h.job(i, 30)) for i in range(1, n + 1)])
-    if direct:
-        assert h.entered[1].wait(WAIT_S)
-    g.set()
-    join(t, "the puts")
-    assert "e" not in box
-    bounded(h.feeder.wait_fed, set(range(1, n + 1)))
-    until(lambda: len(h.ids()) == n, "all handed over")
-    assert h.ids() == list(range(1, n + 1))
+    burst_from_a_thread_behind_a_gate(h, 40, 30, direct)
     assert h.feeder.ran_dry == 0 and h.feeder.limit == 100, (
         f"ran_dry {h.feeder.ran_dry}, limit {h.feeder.limit}: a wave drained on purpose grew it")
     assert all(len(w) <= 3 for w in h.engine_waves())
