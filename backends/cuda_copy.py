@@ -218,6 +218,8 @@ class CudaCopier:
         # (job id, bytes, start event, end event)
         self._jobs: dict[str, deque[tuple[int, int, torch.cuda.Event, torch.cuda.Event]]] = {
             d: deque() for d in self.streams}
+        # per direction, the end event of the job reported last (``_copy_began``)
+        self._last_end: dict[str, torch.cuda.Event] = {}
         # kernel paths: per direction, a second stream for the row copies, two device buffers
         # and the events after which each buffer may be refilled (kept across jobs)
         self._kernels: ModuleType | None = None  # tiering.backends.gpu_kernels, once loaded
@@ -555,13 +557,29 @@ class CudaCopier:
         for direction, jobs in self._jobs.items():
             while jobs and jobs[0][3].query():
                 job = jobs.popleft()
-                done.append(Finished(job[0], job[1], job[2].elapsed_time(job[3]) / 1000))
+                start = self._copy_began(direction, job[2])
+                self._last_end[direction] = job[3]
+                done.append(Finished(job[0], job[1], start.elapsed_time(job[3]) / 1000))
                 if self._trace_base is not None:
                     t, base = self._trace_base
                     TRACE.add("copy", job=job[0], dir=direction, bytes=job[1],
-                              g0=t + base.elapsed_time(job[2]) / 1000,
+                              g0=t + base.elapsed_time(start) / 1000,
                               g1=t + base.elapsed_time(job[3]) / 1000)
         return done
+
+    def _copy_began(self, direction: str, start: Any) -> Any:
+        """The event a job's copy time counts from: its start event, or, for fed loads on
+        several wave streams, the end of the load reported before it where that came later.
+        Why: a wave begun on an idle stream records its first job's start at once, while the
+        other stream's wave still holds the copy engine (which serves one stream's queue at a
+        time, docs/benchmarks.md, "An H100, 2026-12-07g"); counted from there, the job would
+        report that wave's time as its own (vLLM's transfer time, and a "late" job in the step
+        trace). On one stream a job starts after the one before it, and nothing changes."""
+        prev = self._last_end.get(direction)
+        if (direction != "load" or len(self._load_wave_streams) < 2 or prev is None
+                or prev.elapsed_time(start) >= 0):
+            return start
+        return prev
 
     def _mark_compute_stream(self) -> None:
         """Trace only: vLLM asks for finished jobs once a step, on its worker thread, after it
