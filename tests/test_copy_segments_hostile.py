@@ -653,6 +653,19 @@ def _fake_torch() -> types.ModuleType:
     return torch
 
 
+def install_fake_cuda(monkeypatch, fake: FakeCuda, torch: types.ModuleType) -> None:
+    """``torch`` and ``fake``'s runtime as ``cuda.bindings.runtime`` in ``sys.modules``, for
+    a ``CudaCopier`` made next."""
+    cuda = types.ModuleType("cuda")
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.runtime = fake.rt
+    cuda.bindings = bindings
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", fake.rt)
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """``make(host_base, host_bytes, api, **kw)``: a real ``CudaCopier`` over ``FakeCuda``."""
@@ -660,14 +673,7 @@ def fake_cuda(monkeypatch):
 
     def make(host_base: int, host_bytes: int, api: str, **kw):
         fake = FakeCuda(batch_api=api != "memcpy")
-        cuda = types.ModuleType("cuda")
-        bindings = types.ModuleType("cuda.bindings")
-        bindings.runtime = fake.rt
-        cuda.bindings = bindings
-        monkeypatch.setitem(sys.modules, "torch", _fake_torch())
-        monkeypatch.setitem(sys.modules, "cuda", cuda)
-        monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
-        monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", fake.rt)
+        install_fake_cuda(monkeypatch, fake, _fake_torch())
         copier = cuda_copy.CudaCopier(host_base, host_bytes, copy="dma",
                                       api="bindings" if api == "ctypes" else api, **kw)
         if api == "ctypes":

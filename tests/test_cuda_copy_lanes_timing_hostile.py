@@ -18,14 +18,13 @@ other stream's wave still copies: it reports the time it sat queued behind that 
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 import types
 
 import numpy as np
 import pytest
-from test_copy_segments_hostile import FakeCuda
+from test_copy_segments_hostile import FakeCuda, install_fake_cuda
 
 JOB_BYTES = 4096
 JOB_MS = 5.0  # one job's copy on the engine (256 MiB at ~50 GB/s)
@@ -137,14 +136,7 @@ def virtual_copier(monkeypatch):
             return batch(d, s, n, count, attrs, idx, n_attrs, stream)
 
         fake.rt.cudaMemcpyBatchAsync = timed
-        cuda = types.ModuleType("cuda")
-        bindings = types.ModuleType("cuda.bindings")
-        bindings.runtime = fake.rt
-        cuda.bindings = bindings
-        monkeypatch.setitem(sys.modules, "torch", _virtual_torch())
-        monkeypatch.setitem(sys.modules, "cuda", cuda)
-        monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
-        monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", fake.rt)
+        install_fake_cuda(monkeypatch, fake, _virtual_torch())
         copier = cuda_copy.CudaCopier(host.ctypes.data, host.nbytes, copy="dma", api="bindings",
                                       **kw)
         made.append(copier)

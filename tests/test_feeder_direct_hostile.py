@@ -217,13 +217,17 @@ class Harness:
         return job  # type: ignore[return-value]
 
     # -- the callbacks ------------------------------------------------------------------------
-    def _copy(self, job_id, src, dst, size, stream) -> None:
+    def hold_at_gate(self, job_id: int) -> None:
+        """A copy call's start: signal ``entered``, then wait while the test holds its gate."""
         ev = self.entered.get(job_id)
         if ev is not None:
             ev.set()
         g = self.gates.get(job_id)
         if g is not None and not g.wait(WAIT_S):
             raise AssertionError(f"the test never opened job {job_id}'s gate")
+
+    def _copy(self, job_id, src, dst, size, stream) -> None:
+        self.hold_at_gate(job_id)
         self.check_turn("copy")
         with self._cb_lock:
             self._in_copy += 1
@@ -858,13 +862,18 @@ def _putters(run: Run, serialize: bool, wait_every: int, pause: float = 0.5) -> 
     return order
 
 
-def _random_putters(run: Run, serialize: bool, wait_every: int) -> None:
+def putters_checked(run: Run, serialize: bool, wait_every: int) -> None:
     """Every putter's jobs put, all fed, the feeder closed, then ``Run.check`` (the global
-    order too where the puts were serialized), and both paths taken."""
+    order too where the puts were serialized)."""
     order = _putters(run, serialize=serialize, wait_every=wait_every)
     bounded(run.h.feeder.wait_fed, set(run.specs))
     close(run.h)
     run.check(order, serialized_order=order if serialize else None)
+
+
+def _random_putters(run: Run, serialize: bool, wait_every: int) -> None:
+    """``putters_checked``, and both paths taken."""
+    putters_checked(run, serialize, wait_every)
     assert 0 < run.h.feeder.enqueued_direct < len(run.h.ids()), "one path never taken"
 
 

@@ -32,13 +32,13 @@ from test_feeder_direct_hostile import (
     Op,
     Run,
     Stream,
-    _putters,
     _seeds,
     bounded,
     burst_from_a_thread_behind_a_gate,
     close,
     close_racing_putters,
     put_ok,
+    putters_checked,
     release,
     until,
 )
@@ -219,10 +219,7 @@ def test_random_two_lane_waves_with_every_failure_kind(engine, seed, serialize):
     most two are in flight (and two were), and each failure drained both lanes."""
     run = _lane_run(engine, seed, putters=3, per=250, kinds=ALL_KINDS, fail_rate=0.08,
                     limit=64, grow_to=1024)
-    order = _putters(run, serialize=serialize, wait_every=13)
-    bounded(run.h.feeder.wait_fed, set(run.specs))
-    close(run.h)
-    run.check(order, serialized_order=order if serialize else None)
+    putters_checked(run, serialize, 13)
     check(run, engine)
     assert run.h.max_in_flight == LANES, "never two waves in flight: the lanes were not used"
 

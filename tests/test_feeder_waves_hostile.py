@@ -31,7 +31,6 @@ from test_feeder_direct_hostile import (
     Event,
     Harness,
     Run,
-    _putters,
     _seeds,
     bounded,
     burst_behind_a_held_direct_put,
@@ -42,6 +41,7 @@ from test_feeder_direct_hostile import (
     join,
     nondecreasing,
     put_ok,
+    putters_checked,
     release,
     until,
 )
@@ -81,12 +81,7 @@ class WHarness(Harness):
             lambda enable_timing=False, blocking=False: WEvent(self, enable_timing, blocking))
 
     def _copy(self, job_id, src, dst, size, stream) -> None:
-        ev = self.entered.get(job_id)
-        if ev is not None:
-            ev.set()
-        g = self.gates.get(job_id)
-        if g is not None and not g.wait(WAIT_S):
-            raise AssertionError(f"the test never opened job {job_id}'s gate")
+        self.hold_at_gate(job_id)
         with self.engine.lock:  # jobs, 0-byte ones included, whose copies are unfinished
             ahead = sum(1 for o in self.engine.ops if not o.done.is_set())
         limit = self.feeder.limit
@@ -511,10 +506,7 @@ def test_random_waves_limit_never_changes_mid_wave_and_waves_are_counted(engine,
     queue run dry is only ever counted on the feeder thread."""
     run = _wave_run(engine, seed, putters=3, per=250, kinds=ALL_KINDS, fail_rate=0.08,
                     limit=64, grow_to=1024)
-    order = _putters(run, serialize=serialize, wait_every=13)
-    bounded(run.h.feeder.wait_fed, set(run.specs))
-    close(run.h)
-    run.check(order, serialized_order=order if serialize else None)
+    putters_checked(run, serialize, 13)
     h = run.h
     h.check()
     feeder_starts = sum(1 for (i, ahead, _) in h.copies
