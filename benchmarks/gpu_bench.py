@@ -144,6 +144,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--tp-cpu-fraction", default="0.5,2",
                     help="throughput: CPU tier / working set, comma-separated: one throughput "
                          "run per value and config (below 1 the disk matters)")
+    ap.add_argument("--tp-rounds", type=int, default=1,
+                    help="throughput: timed rounds of the requests per engine, each after the "
+                         "tiers' writes settled and the GPU prefix cache was dropped; the row "
+                         "gives the median round and every round's req/s (one round swung "
+                         "+-15%% between calls)")
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--gpu-copy", default="auto", help="ours: gpu_copy (auto, dma, staged, direct)")
     ap.add_argument("--promote", default="auto",
@@ -207,6 +212,8 @@ def parse() -> argparse.Namespace:
     a.lengths = _numbers(ap, "--lengths", a.lengths, int)
     if a.repeats < 1:
         ap.error(f"--repeats: expected at least 1, got {a.repeats}")
+    if a.tp_rounds < 1:
+        ap.error(f"--tp-rounds: expected at least 1, got {a.tp_rounds}")
     if a.io_threads is not None and not 1 <= a.io_threads <= 1024:
         ap.error(f"--io-threads: expected 1 to 1024 threads a file tier, got {a.io_threads}")
     a.tp_cpu_fraction = _numbers(ap, "--tp-cpu-fraction", a.tp_cpu_fraction, float)
@@ -764,32 +771,59 @@ def throughput_for(a, model, config, scratch, kvb, block_size, cpu_fraction):
           f"{ws_tokens * kvb / 2**30:.2f} GiB", flush=True)
     eng = Engine(a, model, config, kvt, gpu_blocks, max_len, a.tp_prefix_tokens,
                  max_num_seqs=max(64, len(reqs)))
+    rounds = []
     try:
         # populate: each prefix once (stores to the tiers), then wait for the writes
         eng.generate([p + prompt(6000 + i, 32, vocab) for i, p in enumerate(prefixes)], 1)
-        settle = eng.settle(1.0, sync=True)
-        # all requests in one call: vLLM schedules them together, as many as the GPU cache
-        # and max_num_seqs admit
-        wall, src, res = eng.generate(reqs, a.max_tokens)
+        for _ in range(a.tp_rounds):
+            # every round starts alike: the writes before it done, the GPU prefix cache empty
+            settle = eng.settle(1.0, sync=True)
+            # all requests in one call: vLLM schedules them together, as many as the GPU
+            # cache and max_num_seqs admit
+            wall, src, res = eng.generate(reqs, a.max_tokens)
+            rounds.append(throughput_round(wall, src, res, settle))
     finally:
         eng.close()
-    ttfts = sorted(x["ttft_s"] for x in res if x["ttft_s"] is not None)
-    p99 = ttfts[min(len(ttfts) - 1, int(round(0.99 * (len(ttfts) - 1))))] if ttfts else None
     row = {"config": config, "cpu_fraction": cpu_fraction, "requests": len(reqs),
-           "wall_s": wall, "requests_per_s": len(reqs) / wall,
-           "ttft_mean_s": statistics.mean(ttfts) if ttfts else None, "ttft_p99_s": p99,
+           **median_round(rounds), "rounds": len(rounds),
+           "requests_per_s_rounds": [r["requests_per_s"] for r in rounds],
+           "token_ids_rounds": [r["token_ids"] for r in rounds],
            "gpu_kv_tokens": gpu_tokens, "working_set_tokens": ws_tokens,
            "working_set_bytes": ws_tokens * kvb, "cpu_tier_bytes": cpu_bytes,
-           "from_gpu": src["device"], "from_cpu": src["host"], "from_disk": src["disk"],
-           "settle": settle, "init_s": eng.init_s,
-           "token_ids": [x["token_ids"] for x in res]}
+           "init_s": eng.init_s}
+    p99, settle = row["ttft_p99_s"], row["settle"]
+    src = {"device": row["from_gpu"], "host": row["from_cpu"], "disk": row["from_disk"]}
     print(f"[bench] throughput {config:<10} cpu {cpu_fraction or 0:g}x "
           f"{row['requests_per_s']:6.2f} req/s  mean TTFT "
           f"{(row['ttft_mean_s'] or 0) * 1000:8.1f} ms  p99 {(p99 or 0) * 1000:8.1f} ms  "
           f"(gpu {src['device']:.0f} cpu {src['host']:.0f} disk {src['disk']:.0f} tokens; "
           f"waited {settle['waited_s']:.1f}s for {settle['written_bytes'] / 2**20:.0f} MiB of "
-          f"writes)", flush=True)
+          f"writes){rounds_note(row)}", flush=True)
     return row
+
+
+def throughput_round(wall: float, src: dict[str, float], res: list[dict], settle: dict) -> dict:
+    """One timed round of the throughput requests: req/s, TTFTs, the tokens from each source
+    and the greedy outputs (``compare`` checks them)."""
+    ttfts = sorted(x["ttft_s"] for x in res if x["ttft_s"] is not None)
+    p99 = ttfts[min(len(ttfts) - 1, int(round(0.99 * (len(ttfts) - 1))))] if ttfts else None
+    return {"wall_s": wall, "requests_per_s": len(res) / wall,
+            "ttft_mean_s": statistics.mean(ttfts) if ttfts else None, "ttft_p99_s": p99,
+            "from_gpu": src["device"], "from_cpu": src["host"], "from_disk": src["disk"],
+            "settle": settle, "token_ids": [x["token_ids"] for x in res]}
+
+
+def rounds_note(row: dict) -> str:
+    """`` [min-max over N rounds]`` for a row of several rounds, else nothing."""
+    rps = row.get("requests_per_s_rounds") or []
+    return f" [{min(rps):.2f}-{max(rps):.2f} over {len(rps)} rounds]" if len(rps) > 1 else ""
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """The round whose req/s is the median (the lower one of an even count): a row reports a
+    whole round, so its TTFTs and token sources belong to the req/s it shows."""
+    ranked = sorted(rounds, key=lambda r: r["requests_per_s"])
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def compare(rows: list[dict], tp_rows: list[dict]) -> None:
@@ -825,8 +859,11 @@ def compare(rows: list[dict], tp_rows: list[dict]) -> None:
         if tp_ref is None:
             t["same_tokens_fraction"] = None
             continue
-        same = sum(x == y for x, y in zip(t["token_ids"], tp_ref["token_ids"], strict=True))
-        t["same_tokens_fraction"] = same / len(t["token_ids"])
+        # every round's outputs (``--tp-rounds``) against the reference's median round
+        outputs = t.get("token_ids_rounds") or [t["token_ids"]]
+        same = sum(x == y for ids in outputs
+                   for x, y in zip(ids, tp_ref["token_ids"], strict=True))
+        t["same_tokens_fraction"] = same / sum(len(ids) for ids in outputs)
 
 
 def cell_rows(rows: list[dict], config: str, length: int, phase: str) -> list[dict]:
@@ -911,7 +948,9 @@ def table(rows: list[dict], tp_rows: list[dict], configs: list[str]) -> str:
                      f"{t0['working_set_tokens']} prefix tokens = "
                      f"{t0['working_set_tokens'] / t0['gpu_kv_tokens']:.1f}x the GPU KV cache "
                      f"({t0['gpu_kv_tokens']} tokens); CPU tier = the given multiple of the "
-                     f"working set (below 1x the disk matters)")
+                     f"working set (below 1x the disk matters)"
+                     + (f"; req/s: the median of {t0['rounds']} rounds per engine [their range],"
+                        " the other columns from that round" if t0.get("rounds", 1) > 1 else ""))
         lines.append("| CPU tier / working set | config | req/s | mean TTFT ms | p99 TTFT ms | "
                      "from GPU / CPU / disk tokens | same tokens |")
         lines.append("|---|---|---|---|---|---|---|")
@@ -921,7 +960,7 @@ def table(rows: list[dict], tp_rows: list[dict], configs: list[str]) -> str:
             same = t.get("same_tokens_fraction")
             frac = t.get("cpu_fraction")
             lines.append(f"| {'-' if not frac else f'{frac:g}x'} | {t['config']} | "
-                         f"{t['requests_per_s']:.2f} | "
+                         f"{t['requests_per_s']:.2f}{rounds_note(t)} | "
                          f"{(t['ttft_mean_s'] or 0) * 1000:.0f} | "
                          f"{(t['ttft_p99_s'] or 0) * 1000:.0f} | "
                          f"{t['from_gpu']:.0f} / {t['from_cpu']:.0f} / {t['from_disk']:.0f} | "

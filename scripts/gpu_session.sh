@@ -21,7 +21,8 @@
 #               4 and 2 MiB at 16): fio and plain preadv into distinct rows beside each  ~4 min
 #   phases-ramdisk  gpu-bench, 8B, 2k/8k/32k, none,ours,vtier-fs, cold,recompute,disk,restart,
 #               the file tiers on the RAM disk; then fio on it (OUT/fio_ramdisk.json)   ~4.5 min
-#   throughput-wb   gpu-bench's throughput step for none,ours,ours-wb, CPU tier 0.5x  ~2.5 min
+#   throughput-wb   gpu-bench's throughput step for none,ours,ours-wb, CPU tier 0.5x, three
+#               rounds an engine (one round swung +-15% between calls)           ~3.5 min
 #   disk-sweep  gpu-bench prefill sweep with the disk holding the hits (issue 14 §3): 8B, 128
 #               prompts, none,ours-disk at 0/50/100% on this machine's disk, then ours-disk
 #               on the RAM disk (its none is the first one's); the advisor's decision lines
@@ -245,7 +246,7 @@ for step in "${STEPS[@]}"; do
       fi ;;
     throughput-wb)
       run throughput-wb 90 "$BUDGET_S" "${bench[@]}" --tag "${TAG}tpwb" --shape 8b --phases throughput \
-        --configs none,ours,ours-wb --tp-cpu-fraction 0.5 "${extra[@]}" ;;
+        --configs none,ours,ours-wb --tp-cpu-fraction 0.5 --tp-rounds 3 "${extra[@]}" ;;
     disk-sweep)
       dsweep=(--phases prefill-sweep --sweep-shapes 8b --sweep-prompts 128 --sweep-hit-rates 0,50,100)
       VLLM_LOGGING_LEVEL=DEBUG run disk-sweep-vdisk 150 "$BUDGET_S" "${bench[@]}" \

@@ -399,6 +399,77 @@ def test_throughput_table_shows_each_size():
     json.dumps(rows)  # the rows stay JSON-serialisable
 
 
+class _RoundsEngine:
+    """A stand-in engine for ``throughput_for``: each timed ``generate`` of the requests takes
+    the next of ``walls`` seconds and serves ``disk`` tokens from the disk; ``settle`` counts."""
+
+    walls: list[float] = []
+    settles = 0
+
+    def __init__(self, *_a, **_k) -> None:
+        self.init_s = 1.0
+        self.rounds = 0
+
+    def generate(self, prompts, max_tokens, skip_cache=False):
+        if max_tokens == 1 and len(prompts) != 32:  # the populating call
+            return 0.1, {"device": 0, "host": 0, "disk": 0}, []
+        wall = self.walls[self.rounds]
+        self.rounds += 1
+        res = [{"ttft_s": wall / 2 + i / 1000, "token_ids": [self.rounds, i]}
+               for i in range(len(prompts))]
+        return wall, {"device": 10.0 * self.rounds, "host": 0.0, "disk": 100.0 * self.rounds}, res
+
+    def settle(self, seconds=0.5, sync=False):
+        type(self).settles += 1
+        return {"waited_s": 0.0, "written_bytes": 0, "quiet": True}
+
+    def close(self) -> None:
+        pass
+
+
+def test_throughput_rounds_report_the_median_round_whole_and_check_every_rounds_outputs(
+        monkeypatch, tmp_path, capsys):
+    """``--tp-rounds 3``: three timed rounds on one engine, each after a settle; the row is the
+    median round (its req/s with its own TTFTs and sources, not a mix of rounds), lists every
+    round's req/s, and the table gives the range. Every round's outputs are compared with the
+    reference, so one round's wrong tokens show. 0 rounds is refused."""
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "throughput", "--configs", "ours",
+                                      "--tp-rounds", "3", "--tp-prefix-tokens", "64"])
+    a = gpu_bench.parse()
+    monkeypatch.setattr(gpu_bench, "Engine", _RoundsEngine)
+    _RoundsEngine.walls, _RoundsEngine.settles = [8.0, 16.0, 10.0], 0
+    row = gpu_bench.throughput_for(a, tmp_path / "m", "ours", tmp_path, 1 << 10, 16, 0.5)
+    assert _RoundsEngine.settles == 3  # before every round, not only the first
+    assert row["rounds"] == 3
+    assert row["requests_per_s_rounds"] == [32 / 8.0, 32 / 16.0, 32 / 10.0]
+    assert row["requests_per_s"] == 32 / 10.0 and row["wall_s"] == 10.0  # the median round
+    assert row["from_disk"] == 300.0 and row["from_gpu"] == 30.0  # the third round's own
+    assert row["ttft_mean_s"] == pytest.approx(5.0 + 0.0155)
+    assert "[2.00-4.00 over 3 rounds]" in capsys.readouterr().out
+    ref = {**row, "config": "none", "cpu_fraction": None, "token_ids_rounds": None,
+           "token_ids": row["token_ids_rounds"][0]}
+    gpu_bench.compare([], [ref, row])
+    # the reference's ids are the first round's [1, i]: the other two rounds differ everywhere
+    assert row["same_tokens_fraction"] == pytest.approx(1 / 3)
+    assert ref["same_tokens_fraction"] == 1.0
+    text = gpu_bench.table([], [ref, row], ["none", "ours"])
+    assert "| 0.5x | ours | 3.20 [2.00-4.00 over 3 rounds] | 5016 |" in text
+    assert "req/s: the median of 3 rounds per engine" in text
+    json.dumps(row)
+    # one round (the default): the row as before, no range
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--phases", "throughput", "--configs", "ours",
+                                      "--tp-prefix-tokens", "64"])
+    one = gpu_bench.parse()
+    assert one.tp_rounds == 1
+    _RoundsEngine.walls = [8.0]
+    row1 = gpu_bench.throughput_for(one, tmp_path / "m", "ours", tmp_path, 1 << 10, 16, 0.5)
+    assert row1["requests_per_s"] == 4.0 and gpu_bench.rounds_note(row1) == ""
+    monkeypatch.setattr(sys, "argv", ["gpu_bench", "--tp-rounds", "0"])
+    with pytest.raises(SystemExit):
+        gpu_bench.parse()
+    assert "--tp-rounds" in capsys.readouterr().err
+
+
 def test_budget_skips_a_step_that_would_end_past_it():
     now = [0.0]
     b = gpu_bench.StepBudget(300, 0.0, clock=lambda: now[0])
