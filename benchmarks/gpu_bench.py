@@ -791,12 +791,12 @@ def throughput_for(a, model, config, scratch, kvb, block_size, cpu_fraction):
            "gpu_kv_tokens": gpu_tokens, "working_set_tokens": ws_tokens,
            "working_set_bytes": ws_tokens * kvb, "cpu_tier_bytes": cpu_bytes,
            "init_s": eng.init_s}
-    p99, settle = row["ttft_p99_s"], row["settle"]
-    src = {"device": row["from_gpu"], "host": row["from_cpu"], "disk": row["from_disk"]}
+    settle = row["settle"]
     print(f"[bench] throughput {config:<10} cpu {cpu_fraction or 0:g}x "
           f"{row['requests_per_s']:6.2f} req/s  mean TTFT "
-          f"{(row['ttft_mean_s'] or 0) * 1000:8.1f} ms  p99 {(p99 or 0) * 1000:8.1f} ms  "
-          f"(gpu {src['device']:.0f} cpu {src['host']:.0f} disk {src['disk']:.0f} tokens; "
+          f"{(row['ttft_mean_s'] or 0) * 1000:8.1f} ms  "
+          f"p99 {(row['ttft_p99_s'] or 0) * 1000:8.1f} ms  (gpu {row['from_gpu']:.0f} "
+          f"cpu {row['from_cpu']:.0f} disk {row['from_disk']:.0f} tokens; "
           f"waited {settle['waited_s']:.1f}s for {settle['written_bytes'] / 2**20:.0f} MiB of "
           f"writes){rounds_note(row)}", flush=True)
     return row
