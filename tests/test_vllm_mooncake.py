@@ -162,8 +162,30 @@ TRANSPORT_ENV = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "10", "MC_TCP_STATUS_TIMEOUT_SEC
 SHARE_ROUNDS = 3
 # The faults a starved 2-core host gives (a stalled transport, a call past its time, the link
 # marked down meanwhile): a round that counted one of these is run again. Any other reason
-# (checksum, header, short, full, gone) fails the test at once: no load excuses those.
+# (checksum, header, short, full; gone, except as below) fails the test at once: no load
+# excuses those.
 LOAD_FAULTS = ("transfer", "timeout", "unavailable")
+# A read of a name the master no longer has ("gone") counts as load-caused only in a round where
+# the same server also counted one of those faults. CI at 9c1b5ce (2026-12-08) saw it on server B:
+# a batch read outlived its leases (LEASE_EXPIRED x7, TRANSFER_FAIL x1), then B's pings to the
+# starved master timed out for 6 s; three reads after that found names gone. Alone, a gone
+# read fails the test, because nothing was under load to explain it.
+
+
+def unexplained(faults: dict[str, float]) -> set[str]:
+    """The fault reasons of one server's round that load does not explain."""
+    odd = set(faults) - set(LOAD_FAULTS)
+    if odd == {"gone"} and set(faults) & set(LOAD_FAULTS):
+        return set()
+    return odd
+
+
+def test_only_a_starved_rounds_gone_reads_are_put_down_to_load():
+    assert unexplained({"transfer": 8.0, "gone": 3.0}) == set()
+    assert unexplained({"unavailable": 1.0}) == set()
+    assert unexplained({"gone": 3.0}) == {"gone"}
+    assert unexplained({"transfer": 1.0, "checksum": 1.0}) == {"checksum"}
+    assert unexplained({"timeout": 1.0, "gone": 1.0, "short": 1.0}) == {"gone", "short"}
 REMOTE_ERRORS = "vllm:kv_tier_remote_errors_total"
 # the tier's line when its link goes down (backends/mooncake_tier.py): a failed call's or an
 # overrun's
@@ -231,7 +253,7 @@ def share(servers: dict[str, Server], fresh_prompt) -> list[dict]:
             break
         warnings.warn(f"Mooncake e2e: share round {n + 1} counted faults {faults}; "
                       "running it again with a fresh prompt", stacklevel=2)
-        if any(set(f) - set(LOAD_FAULTS) for f in faults.values()):
+        if any(unexplained(f) for f in faults.values()):
             break  # clean_round fails on it
         for k, s in servers.items():
             new = s.log_tail(1 << 30)[marks[k]:]
@@ -246,7 +268,7 @@ def clean_round(rounds: list[dict]) -> dict:
     counted a fault that load does not explain."""
     for r in rounds:
         for k, f in r["faults"].items():
-            odd = set(f) - set(LOAD_FAULTS)
+            odd = unexplained(f)
             assert not odd, f"server {k} counted Mooncake faults {f}: {odd} is no load fault"
     last = rounds[-1]
     assert not any(last["faults"].values()), (
